@@ -1,0 +1,109 @@
+"""Thin helpers over ``torch.distributed`` that also work with no process group."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_gather_into",
+    "all_reduce_max",
+    "all_reduce_min",
+    "check_same_everywhere",
+    "collective_device",
+    "local_world_size",
+    "rank_of",
+    "reduce_scatter_into",
+    "world_size_of",
+]
+
+# torch >= 2.13 renamed the tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def is_distributed(group: dist.ProcessGroup | None) -> bool:
+    """True when a process group is in use (given, or the default one is initialized)."""
+    return group is not None or (dist.is_available() and dist.is_initialized())
+
+
+def world_size_of(group: dist.ProcessGroup | None) -> int:
+    """World size of ``group``; 1 without any process group."""
+    return dist.get_world_size(group) if is_distributed(group) else 1
+
+
+def rank_of(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in ``group``; 0 without any process group."""
+    return dist.get_rank(group) if is_distributed(group) else 0
+
+
+def local_world_size() -> int:
+    """Ranks on this node, from torchrun's ``LOCAL_WORLD_SIZE`` (1 when unset)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device small control tensors must live on for ``group``'s backend."""
+    if is_distributed(group) and "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_reduce_int(value: int, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> int:
+    if world_size_of(group) == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(t, op=op, group=group)
+    return int(t.item())
+
+
+def all_reduce_min(value: int, group: dist.ProcessGroup | None) -> int:
+    """Minimum of an integer over all ranks."""
+    return _all_reduce_int(value, dist.ReduceOp.MIN, group)
+
+
+def all_reduce_max(value: int, group: dist.ProcessGroup | None) -> int:
+    """Maximum of an integer over all ranks."""
+    return _all_reduce_int(value, dist.ReduceOp.MAX, group)
+
+
+def check_same_everywhere(what: str, value: str, group: dist.ProcessGroup | None) -> None:
+    """Raise ``ValueError`` on every rank if ``value`` differs between ranks.
+
+    Every rank takes part in one ``all_gather_object``, so a mismatch is an error
+    on all ranks at once rather than a later hang.
+    """
+    if world_size_of(group) == 1:
+        return
+    values: list[str | None] = [None] * world_size_of(group)
+    dist.all_gather_object(values, value, group=group)
+    if len(set(values)) != 1:
+        by_rank = ", ".join(f"rank {r}: {v[:16]}" for r, v in enumerate(values) if v)
+        raise ValueError(
+            f"{what} differs between ranks ({by_rank}); every rank must pass the same "
+            "parameters (names, shapes, dtypes, requires_grad, groups) in the same order "
+            "and the same config"
+        )
+
+
+def all_gather_into(
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, async_op=False
+):
+    """All-gather equal ``shard``s into ``output`` (``shard`` may be a view of ``output``)."""
+    if world_size_of(group) == 1:
+        if shard.data_ptr() != output.data_ptr():
+            output.copy_(shard)
+        return None
+    return _all_gather_single(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(
+    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None, async_op=False
+):
+    """Sum ``full`` over ranks and leave this rank's equal slice of the result in ``output``."""
+    if world_size_of(group) == 1:
+        output.copy_(full)
+        return None
+    return _reduce_scatter_single(output, full, group=group, async_op=async_op)

@@ -1,0 +1,61 @@
+"""Frozen configuration objects of flatzero, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["TIERS", "FlattenConfig"]
+
+TIERS = ("auto", "device", "host", "sharded", "offload", "cpu")
+"""Flatten strategies; see docs/design.md and the tier table in the README."""
+
+DEFAULT_BUCKET_NUMEL = 2**26
+"""Default bucket size: 64 Mi elements (128 MiB in bf16)."""
+
+
+def _check_positive_int(name: str, value: object, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"FlattenConfig.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class FlattenConfig:
+    """How to build the flat buffers.
+
+    Attributes:
+        tier: one of ``TIERS``; ``"auto"`` picks from where the params are and the
+            minimum free device memory over all ranks.
+        device: where the flat buffers live (``"cuda"``, ``"cuda:1"``, ``"cpu"``); ``None``
+            means the current CUDA device when CUDA is available, else the CPU.
+        bucket_numel: target bucket size in elements; a bigger param gets its own bucket.
+        alignment: every param starts on a multiple of this many elements.
+        staging_buffers: number of pinned host staging buffers the ``host`` and
+            ``offload`` tiers cycle through (>= 2 overlaps the host fill with the copy).
+        host_threads: intra-op CPU threads per rank while flattening; ``None`` means the
+            machine's cores divided by the ranks on this node (``LOCAL_WORLD_SIZE``).
+        build_master: also build this rank's fp32 master shard of every group.
+        progress: show a progress bar on rank 0 when init takes more than two seconds.
+    """
+
+    tier: str = "auto"
+    device: str | None = None
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    alignment: int = 64
+    staging_buffers: int = 2
+    host_threads: int | None = None
+    build_master: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.tier not in TIERS:
+            raise ValueError(
+                f"FlattenConfig.tier is {self.tier!r}; it must be one of {', '.join(TIERS)}"
+            )
+        _check_positive_int("bucket_numel", self.bucket_numel)
+        _check_positive_int("alignment", self.alignment)
+        _check_positive_int("staging_buffers", self.staging_buffers)
+        _check_positive_int("host_threads", self.host_threads, allow_none=True)
+        if self.device is not None and not isinstance(self.device, str):
+            object.__setattr__(self, "device", str(self.device))

@@ -1,0 +1,7 @@
+"""Bucket-by-bucket flattening of parameters into flat, sharded buffers."""
+
+from .api import flatten_parameters
+from .buffers import FlatGroup, FlatParams
+from .faults import inject_oom
+
+__all__ = ["FlatGroup", "FlatParams", "flatten_parameters", "inject_oom"]

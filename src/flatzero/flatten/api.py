@@ -1,0 +1,335 @@
+"""``flatten_parameters``: build the flat, sharded buffers bucket by bucket."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from ..comm import all_reduce_max, check_same_everywhere, local_world_size, rank_of, world_size_of
+from ..config import FlattenConfig
+from ..layout import GroupLayout, plan_layout
+from ..memory import choose_tier, is_oom, next_tier_down
+from ..params import ParamGroup, collect_param_groups
+from ..report import GroupReport, ReportBuilder
+from .buffers import FlatGroup, FlatParams
+from .faults import allocate_bucket
+from .source import TensorSource
+from .tiers import Fill, Tier, TierContext, make_tier
+
+__all__ = ["flatten_parameters"]
+
+logger = logging.getLogger(__name__)
+
+
+def _resolve_device(config: FlattenConfig) -> torch.device:
+    if config.device is not None:
+        device = torch.device(config.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _where_params_are(groups: list[ParamGroup]) -> tuple[str, torch.device]:
+    """``("device" | "host" | "meta", device)``; raises if params are on several devices."""
+    devices = {p.device for g in groups for p in g.params}
+    if len(devices) > 1:
+        names = sorted(str(d) for d in devices)
+        raise ValueError(
+            f"trainable params are on several devices ({', '.join(names)}); move the model to "
+            "one device first (model.to(device)) or build it on the host"
+        )
+    (device,) = devices
+    if device.type == "meta":
+        raise ValueError(
+            "params are on the meta device and no source of their values was given; "
+            "materialize the model (model.to_empty(...) plus init, or load a checkpoint) first"
+        )
+    return ("host" if device.type == "cpu" else "device"), device
+
+
+def _host_threads(config: FlattenConfig) -> int:
+    if config.host_threads is not None:
+        return config.host_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // local_world_size())
+
+
+@contextmanager
+def _capped_threads(threads: int) -> Iterator[None]:
+    """Run host copies with at most ``threads`` intra-op threads on this rank."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(min(before, threads))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A gloo group for per-bucket agreement, so it never waits behind GPU collectives."""
+    if world_size_of(group) == 1:
+        return group
+    if "nccl" in str(dist.get_backend(group)).lower():
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        return dist.new_group(ranks=ranks, backend="gloo")
+    return group
+
+
+class _GroupFlattener:
+    """Flattens the buckets of one group, falling back a tier when memory runs out."""
+
+    def __init__(
+        self,
+        layout: GroupLayout,
+        source: TensorSource,
+        ctx: TierContext,
+        control: dist.ProcessGroup | None,
+        first_ordinal: int,
+        progress: tqdm,
+    ) -> None:
+        self.layout = layout
+        self.source = source
+        self.ctx = ctx
+        self.control = control
+        self.first_ordinal = first_ordinal
+        self.progress = progress
+        self.buffers: list[torch.Tensor | None] = [None] * len(layout.buckets)
+        self.bucket_tiers: list[str] = [""] * len(layout.buckets)
+        self._pending: list[tuple[int, Fill]] = []
+
+    def run(self, tier_name: str) -> None:
+        tier = make_tier(tier_name, self.ctx)
+        tier.begin(self.layout, self.source, range(len(self.layout.buckets)))
+        for bucket in range(len(self.layout.buckets)):
+            while True:
+                buf, error = self._allocate(tier, bucket)
+                # Agree before any collective in fill(): a rank that could not allocate
+                # must not leave the others waiting in an all-gather.
+                if all_reduce_max(int(error is not None), self.control) == 0:
+                    break
+                buf = None
+                tier = self._fall_back(tier, bucket, error)
+            self.bucket_tiers[bucket] = tier.name
+            self._pending.append((bucket, tier.fill(self.layout, self.source, bucket, buf)))
+            self._complete(block=False)
+            self.progress.update(1)
+        self._complete(block=True)
+
+    def _allocate(
+        self, tier: Tier, bucket: int
+    ) -> tuple[torch.Tensor | None, BaseException | None]:
+        """The bucket's buffer on the tier's device, or the out-of-memory error."""
+        try:
+            buf = allocate_bucket(
+                self.layout.buckets[bucket].numel,
+                getattr(torch, self.layout.dtype),
+                tier.bucket_device,
+                ordinal=self.first_ordinal + bucket,
+                tier=tier.name,
+            )
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            if not is_oom(error):
+                raise
+            return None, error
+        return buf, None
+
+    def _fall_back(self, tier: Tier, bucket: int, error: BaseException | None) -> Tier:
+        """Switch the remaining buckets to the next tier down (every rank does the same)."""
+        self._complete(block=True)
+        if self.ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+        lower = next_tier_down(tier.name)
+        where = f"on rank {self.ctx.rank}" if error is not None else "on another rank"
+        if lower is None:
+            raise MemoryError(
+                f"out of memory {where} at bucket {bucket} of group {self.layout.group_index} "
+                f"({self.layout.dtype}) in tier {tier.name!r}, the last tier; every parameter "
+                "still holds its data. Free memory, use more ranks, or a smaller bucket_numel"
+            ) from error
+        message = (
+            f"out of memory {where} at bucket {bucket} of group {self.layout.group_index} "
+            f"({self.layout.dtype}) in tier {tier.name!r}; buckets {bucket}.. continue in "
+            f"tier {lower!r}"
+        )
+        logger.warning("%s", message)
+        self.ctx.report.events.append(message)
+        new_tier = make_tier(lower, self.ctx)
+        new_tier.begin(self.layout, self.source, range(bucket, len(self.layout.buckets)))
+        return new_tier
+
+    def _complete(self, *, block: bool) -> None:
+        """Rebind the params of every bucket whose copy has finished."""
+        still = []
+        for bucket, fill in self._pending:
+            if block or fill.ready():
+                fill.wait()
+                self._rebind(bucket, fill.buffer)
+            else:
+                still.append((bucket, fill))
+        self._pending = still
+
+    def _rebind(self, bucket: int, buf: torch.Tensor) -> None:
+        for index in self.layout.buckets[bucket].slots:
+            slot = self.layout.slots[index]
+            self.source.rebind(index, buf[slot.offset : slot.end].view(slot.spec.shape))
+        self.buffers[bucket] = buf
+
+
+def _build_master(group: FlatGroup, report: ReportBuilder) -> torch.Tensor:
+    """This rank's fp32 shard of ``group``, copied from its own slices only."""
+    devices = {b.device for b in group.buckets}
+    device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+    master = torch.empty(group.layout.shard_numel, dtype=torch.float32, device=device)
+    dsts = [master[b.shard_offset : b.shard_offset + b.slice_numel] for b in group.layout.buckets]
+    srcs = [group.bucket_shard(b) for b in range(len(group.buckets))]
+    torch._foreach_copy_(dsts, srcs)
+    report.moved(
+        "host_copy" if device.type == "cpu" else "device_copy", sum(s.nbytes for s in srcs)
+    )
+    return master
+
+
+def flatten_parameters(
+    params: Any,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    config: FlattenConfig | None = None,
+    world_size: int | None = None,
+) -> FlatParams:
+    """Flatten ``params`` into contiguous, sharded bucket buffers, in place.
+
+    Every rank of ``process_group`` must call this with the same params (names, shapes,
+    dtypes, groups) and config. Afterwards each param's ``.data`` is a view of its
+    bucket holding bitwise the same values; its old storage is released; frozen params
+    are untouched.
+
+    Args:
+        params: an ``nn.Module``, an iterable of params or ``(name, param)`` pairs, or a
+            list of param-group dicts as ``torch.optim`` takes.
+        process_group: ranks the buckets are sharded over; ``None`` uses the default group
+            when ``torch.distributed`` is initialized, else a single rank.
+        config: tier, target device, bucket size, ...; defaults to ``FlattenConfig()``.
+        world_size: if given, must equal the process group's size (a guard for launchers).
+
+    Returns:
+        ``FlatParams`` owning the buffers, the layout, the master shards and the report.
+
+    Raises:
+        ValueError / TypeError: bad input (named in the message, nothing changed).
+        MemoryError: not even host memory could hold a bucket (params keep their data).
+    """
+    config = config or FlattenConfig()
+    rank, ws = rank_of(process_group), world_size_of(process_group)
+    if world_size is not None and world_size != ws:
+        raise ValueError(
+            f"world_size={world_size} was given but the process group has {ws} ranks; "
+            "launch with the matching number of processes or drop the world_size argument"
+        )
+    device = _resolve_device(config)
+    report = ReportBuilder(rank, ws, device)
+
+    with report.phase("plan"):
+        groups = collect_param_groups(params)
+        params_on, _ = _where_params_are(groups)
+        layout = plan_layout(
+            [g.specs() for g in groups],
+            world_size=ws,
+            bucket_numel=config.bucket_numel,
+            alignment=config.alignment,
+        )
+
+    with report.phase("sync"):
+        check_same_everywhere("the layout", f"{layout.digest()}/{config}", process_group)
+        bucket_bytes = [
+            b.numel * getattr(torch, g.dtype).itemsize for g in layout.groups for b in g.buckets
+        ]
+        decision = choose_tier(
+            config.tier,
+            params_on=params_on,
+            device=device,
+            world_size=ws,
+            largest_bucket_bytes=max(bucket_bytes),
+            total_bytes=sum(bucket_bytes),
+            group=process_group,
+        )
+        control = _control_group(process_group)
+
+    ctx = TierContext(
+        device=device,
+        rank=rank,
+        world_size=ws,
+        group=process_group,
+        report=report,
+        staging_slots=config.staging_buffers,
+        staging_bytes=max(bucket_bytes),
+    )
+    flat_groups: list[FlatGroup] = []
+    group_reports: list[GroupReport] = []
+    progress = tqdm(
+        total=len(bucket_bytes),
+        desc="flatzero init",
+        unit="bucket",
+        disable=not config.progress or rank != 0,
+        delay=2.0,
+    )
+    with _capped_threads(_host_threads(config)), progress:
+        ordinal = 0
+        for gl in layout.groups:
+            user_group = groups[gl.group_index]
+            by_name = dict(zip(user_group.names, user_group.params, strict=True))
+            slot_params = tuple(by_name[s.spec.name] for s in gl.slots)
+            source = TensorSource(gl, slot_params)
+            flattener = _GroupFlattener(gl, source, ctx, control, ordinal, progress)
+            with report.phase("flatten"):
+                flattener.run(decision.tier)
+            ordinal += len(gl.buckets)
+            flat = FlatGroup(
+                layout=gl,
+                names=tuple(s.spec.name for s in gl.slots),
+                params=slot_params,
+                buckets=flattener.buffers,  # type: ignore[arg-type]
+                options=dict(user_group.options),
+                master=None,
+                rank=rank,
+            )
+            if config.build_master:
+                with report.phase("master"):
+                    flat.master = _build_master(flat, report)
+            devices = {str(b.device) for b in flat.buckets}
+            flat_groups.append(flat)
+            group_reports.append(
+                GroupReport(
+                    group_index=gl.group_index,
+                    dtype=gl.dtype,
+                    tier=decision.tier,
+                    bucket_tiers=tuple(flattener.bucket_tiers),
+                    params=len(gl.slots),
+                    elements=gl.param_numel,
+                    padding=gl.padding_numel,
+                    buckets=len(gl.buckets),
+                    device=devices.pop() if len(devices) == 1 else "mixed",
+                )
+            )
+
+    init_report = report.build(decision.reason, group_reports)
+    if rank == 0:
+        logger.info("%s", init_report.summary())
+    return FlatParams(
+        layout=layout,
+        groups=flat_groups,
+        report=init_report,
+        process_group=process_group,
+        rank=rank,
+        world_size=ws,
+        frozen=[p for g in groups for p in g.frozen],
+    )

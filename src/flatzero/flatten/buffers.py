@@ -1,0 +1,93 @@
+"""The result of flattening: bucket buffers, params as views of them, master shards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..layout import GroupLayout, Layout
+from ..report import InitReport
+
+__all__ = ["FlatGroup", "FlatParams"]
+
+
+@dataclass
+class FlatGroup:
+    """One (param group, dtype) pair after flattening.
+
+    Attributes:
+        layout: its layout.
+        names: param names, in slot (layout) order.
+        params: the params, in slot order; each one's ``.data`` is a view of its bucket.
+        buckets: one 1-D buffer per bucket, of the params' dtype.
+        options: the user's hyperparameters for this group (``lr``, ``weight_decay``, ...).
+        master: this rank's fp32 shard (``layout.shard_numel`` elements), or None when
+            ``FlattenConfig.build_master`` is off.
+        rank: this rank.
+    """
+
+    layout: GroupLayout
+    names: tuple[str, ...]
+    params: tuple[nn.Parameter, ...]
+    buckets: list[torch.Tensor]
+    options: dict[str, Any]
+    master: torch.Tensor | None
+    rank: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The params' dtype."""
+        return self.buckets[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the first bucket."""
+        return self.buckets[0].device
+
+    def bucket_shard(self, bucket: int) -> torch.Tensor:
+        """This rank's slice of bucket ``bucket`` (a view)."""
+        lo, hi = self.layout.buckets[bucket].rank_range(self.rank)
+        return self.buckets[bucket][lo:hi]
+
+    def master_slice(self, bucket: int) -> torch.Tensor:
+        """The part of the master shard that mirrors bucket ``bucket`` (a view)."""
+        if self.master is None:
+            raise RuntimeError("no master shard was built (FlattenConfig.build_master=False)")
+        b = self.layout.buckets[bucket]
+        return self.master[b.shard_offset : b.shard_offset + b.slice_numel]
+
+    def param_view(self, slot: int) -> torch.Tensor:
+        """The bucket elements of param ``slot``, shaped like the param."""
+        s = self.layout.slots[slot]
+        return self.buckets[s.bucket][s.offset : s.end].view(s.spec.shape)
+
+
+@dataclass
+class FlatParams:
+    """Everything ``flatten_parameters`` built, for the optimizer to use.
+
+    Attributes:
+        layout: the layout of every (param group, dtype) pair.
+        groups: one ``FlatGroup`` per entry of ``layout.groups``.
+        report: the init report.
+        process_group: the process group the layout is sharded over (None: default / none).
+        rank: this rank.
+        world_size: number of ranks.
+        frozen: params with ``requires_grad=False``; left exactly as they were.
+    """
+
+    layout: Layout
+    groups: list[FlatGroup]
+    report: InitReport
+    process_group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+    frozen: list[nn.Parameter] = field(default_factory=list)
+
+    def named_params(self) -> dict[str, nn.Parameter]:
+        """Every flattened param by name."""
+        return {n: p for g in self.groups for n, p in zip(g.names, g.params, strict=True)}

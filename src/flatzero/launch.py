@@ -1,0 +1,140 @@
+"""Run a function on N local ranks with ``torch.distributed`` set up, as torchrun would.
+
+Used by the tests, the benchmarks and the demo on a single machine. Each rank is a
+fresh process (``spawn``) with torchrun's environment variables set, so code inside
+behaves exactly as under ``torchrun --nproc-per-node N``. Results come back in rank
+order; an exception on any rank is re-raised here with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_ranks"]
+
+_GRACE_S = 15.0
+"""Seconds the other ranks get to finish after one rank failed, before they are killed."""
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on localhost."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    env: dict[str, str],
+    results: Any,
+    timeout_s: float,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    env: dict[str, str] | None = None,
+    timeout_s: float = 300.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
+
+    ``fn`` must be importable (a module-level function) and its result picklable.
+
+    Args:
+        fn: the per-rank function; the default process group is initialized around it.
+        world_size: number of ranks (>= 1).
+        args: extra arguments passed to every rank.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank).
+        env: extra environment variables for every rank.
+        timeout_s: collective timeout (seconds); a hung rank fails instead of hanging.
+
+    Returns:
+        ``fn``'s return values, in rank order.
+
+    Raises:
+        RuntimeError: a rank raised (its traceback is in the message) or died.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(r, world_size, port, backend, fn, args, env or {}, results, timeout_s),
+            daemon=False,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    first_failure: float | None = None
+    while len(outputs) + len(failures) < world_size:
+        if failures and first_failure is None:
+            first_failure = time.monotonic()
+        if first_failure is not None and time.monotonic() - first_failure > _GRACE_S:
+            for r, p in enumerate(procs):
+                if r not in outputs and r not in failures:
+                    p.kill()
+                    failures[r] = f"killed {_GRACE_S:.0f} s after another rank failed"
+            break
+        if not results.empty():
+            rank, ok, value = results.get()
+            (outputs if ok else failures)[rank] = value
+            continue
+        for r, p in enumerate(procs):
+            if r not in outputs and r not in failures and p.exitcode not in (None, 0):
+                failures[r] = f"process died with exit code {p.exitcode}"
+        time.sleep(0.01)
+    for p in procs:
+        p.join(timeout=timeout_s)
+        if p.is_alive():
+            p.kill()
+    if failures:
+        raise RuntimeError(
+            "\n".join(f"rank {r} failed:\n{text}" for r, text in sorted(failures.items()))
+        )
+    return [outputs[r] for r in range(world_size)]

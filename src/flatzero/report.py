@@ -1,0 +1,179 @@
+"""The init report: what flattening did, how long each phase took, what it cost."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+__all__ = ["GroupReport", "InitReport", "ReportBuilder"]
+
+PHASES = ("plan", "flatten", "master", "sync")
+"""Init phases, in order."""
+
+
+@dataclass(frozen=True)
+class GroupReport:
+    """One (param group, dtype) layout after flattening.
+
+    Attributes:
+        group_index: the user's param group.
+        dtype: the params' dtype, e.g. ``"bfloat16"``.
+        tier: the tier that started the group ("device", "host", ...).
+        bucket_tiers: the tier that built each bucket (differs after an out-of-memory fallback).
+        params: number of params.
+        elements: elements of the params themselves.
+        padding: elements of alignment and tail padding.
+        buckets: number of buckets.
+        device: where the buckets live (``"mixed"`` after a fallback to host memory).
+    """
+
+    group_index: int
+    dtype: str
+    tier: str
+    bucket_tiers: tuple[str, ...]
+    params: int
+    elements: int
+    padding: int
+    buckets: int
+    device: str
+
+
+@dataclass(frozen=True)
+class InitReport:
+    """What ``flatten_parameters`` did on this rank.
+
+    Attributes:
+        rank: this process's rank.
+        world_size: number of ranks.
+        device: where the flat buffers were meant to go.
+        tier_reason: why the starting tier was chosen.
+        groups: one entry per (param group, dtype) layout.
+        phase_seconds: wall seconds per phase (plan, flatten, master, sync).
+        wall_seconds: wall seconds of the whole init.
+        cpu_seconds: process CPU seconds (user + system, all threads) spent in init.
+        bytes_moved: bytes copied, by kind: ``device_copy``, ``host_copy``, ``h2d``, ``d2h``,
+            ``all_gather`` (bytes received by this rank).
+        peak_device_bytes: peak CUDA memory allocated during init above what was allocated
+            when it started (bytes); ``None`` without CUDA.
+        host_peak_rss_bytes: the process's peak resident set size so far (bytes).
+        events: notable things that happened, e.g. an out-of-memory fallback.
+    """
+
+    rank: int
+    world_size: int
+    device: str
+    tier_reason: str
+    groups: tuple[GroupReport, ...]
+    phase_seconds: dict[str, float]
+    wall_seconds: float
+    cpu_seconds: float
+    bytes_moved: dict[str, int]
+    peak_device_bytes: int | None
+    host_peak_rss_bytes: int
+    events: tuple[str, ...] = ()
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """Starting tier per group."""
+        return tuple(g.tier for g in self.groups)
+
+    def to_dict(self) -> dict:
+        """JSON-serializable form."""
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One log line."""
+        gib = 2**30
+        groups = "; ".join(
+            f"g{g.group_index}/{g.dtype}: {g.tier}, {g.params} params, "
+            f"{g.elements / 1e6:.1f}M el, {g.buckets} buckets"
+            for g in self.groups
+        )
+        phases = " ".join(f"{k}={v:.3f}s" for k, v in self.phase_seconds.items())
+        moved = " ".join(f"{k}={v / gib:.2f}GiB" for k, v in self.bytes_moved.items() if v)
+        peak = (
+            f" peak_device={self.peak_device_bytes / gib:.2f}GiB"
+            if self.peak_device_bytes is not None
+            else ""
+        )
+        events = f" events: {' | '.join(self.events)}" if self.events else ""
+        return (
+            f"flatzero init {self.wall_seconds:.3f}s on {self.world_size} rank(s) "
+            f"[{groups}] {phases} cpu={self.cpu_seconds:.2f}s moved: {moved}{peak} "
+            f"host_peak_rss={self.host_peak_rss_bytes / gib:.2f}GiB{events}"
+        )
+
+
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass
+class ReportBuilder:
+    """Collects timings, bytes and events while init runs; ``build()`` freezes them."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    bytes_moved: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(
+            ("device_copy", "host_copy", "h2d", "d2h", "all_gather"), 0
+        )
+    )
+    events: list[str] = field(default_factory=list)
+    _wall0: float = field(default_factory=time.perf_counter)
+    _cpu0: float = field(default_factory=_cpu_seconds)
+    _device_base: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._device_base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a phase (wall seconds; CUDA work is synchronized at its end)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.phase_seconds[name] += time.perf_counter() - t0
+
+    def moved(self, kind: str, nbytes: int) -> None:
+        """Count ``nbytes`` copied of ``kind``."""
+        self.bytes_moved[kind] += int(nbytes)
+
+    def build(self, tier_reason: str, groups: list[GroupReport]) -> InitReport:
+        """Freeze the report."""
+        peak = None
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device) - self._device_base
+        return InitReport(
+            rank=self.rank,
+            world_size=self.world_size,
+            device=str(self.device),
+            tier_reason=tier_reason,
+            groups=tuple(groups),
+            phase_seconds=dict(self.phase_seconds),
+            wall_seconds=time.perf_counter() - self._wall0,
+            cpu_seconds=_cpu_seconds() - self._cpu0,
+            bytes_moved=dict(self.bytes_moved),
+            peak_device_bytes=peak,
+            host_peak_rss_bytes=_peak_rss_bytes(),
+            events=tuple(self.events),
+        )

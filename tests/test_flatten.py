@@ -1,0 +1,231 @@
+"""Single-process flattening: every tier on the CPU, values, views, memory, errors."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from flatzero import FlattenConfig, flatten_parameters, inject_oom
+
+TIERS = ["cpu", "device", "host", "sharded", "offload"]
+
+
+class Zoo(nn.Module):
+    """Odd shapes: a tied pair, a frozen param, a non-contiguous one, a zero-size one."""
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(37, 11)
+        self.a = nn.Linear(11, 23)
+        self.b = nn.Linear(23, 5, bias=False)
+        self.head = nn.Linear(11, 37, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.frozen = nn.Parameter(torch.randn(7), requires_grad=False)
+        self.transposed = nn.Parameter(torch.randn(9, 4).t())  # non-contiguous
+        self.empty = nn.Parameter(torch.empty(0, 3))
+        self.scalar = nn.Parameter(torch.tensor(1.5))
+        self.to(dtype)
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_flat(model: nn.Module, flat, before: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        assert torch.equal(p, before[name]), name
+        assert p.dtype == before[name].dtype
+    for g in flat.groups:
+        for slot, name, p in zip(g.layout.slots, g.names, g.params, strict=True):
+            assert params[name] is p
+            bucket = g.buckets[slot.bucket]
+            if p.numel():
+                expected = bucket.data_ptr() + slot.offset * bucket.element_size()
+                assert p.data_ptr() == expected, name
+                assert p.is_contiguous()
+        for b, buf in enumerate(g.buckets):
+            for s, e in g.layout.gaps(b):
+                assert torch.count_nonzero(buf[s:e]) == 0, "padding must be zero"
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("bucket_numel", [1, 100, 10_000])
+def test_every_tier_keeps_values_and_rebinds_to_views(tier, bucket_numel):
+    model = Zoo()
+    before = _snapshot(model)
+    frozen_ptr = model.frozen.data_ptr()
+    flat = flatten_parameters(
+        model, config=FlattenConfig(tier=tier, bucket_numel=bucket_numel, progress=False)
+    )
+    _assert_flat(model, flat, before)
+    assert model.frozen.data_ptr() == frozen_ptr
+    assert model.head.weight is model.embed.weight
+    assert flat.report.tiers == (tier,)
+    assert flat.frozen == [model.frozen]
+    # The fp32 master shard is the bucket contents, upcast.
+    g = flat.groups[0]
+    for b in range(len(g.buckets)):
+        assert torch.equal(g.master_slice(b), g.buckets[b].float())
+
+
+def test_groups_and_dtypes_get_separate_layouts():
+    model = Zoo(torch.float32)
+    model.b.to(torch.bfloat16)
+    groups = [
+        {"params": [model.embed.weight, model.a.weight, model.b.weight], "lr": 0.1},
+        {"params": [model.a.bias, model.transposed], "weight_decay": 0.0},
+    ]
+    before = {id(p): p.detach().clone() for g in groups for p in g["params"]}
+    flat = flatten_parameters(groups, config=FlattenConfig(bucket_numel=64, progress=False))
+    assert [(g.layout.group_index, g.layout.dtype) for g in flat.groups] == [
+        (0, "float32"),
+        (0, "bfloat16"),
+        (1, "float32"),
+    ]
+    assert flat.groups[0].options == {"lr": 0.1}
+    assert flat.groups[2].options == {"weight_decay": 0.0}
+    for g in flat.groups:
+        for p in g.params:
+            assert torch.equal(p, before[id(p)])
+
+
+def test_old_storage_is_released():
+    arrays = [np.random.rand(1000, 33).astype(np.float32) for _ in range(3)]
+    refs = [weakref.ref(a) for a in arrays]
+    params = [nn.Parameter(torch.from_numpy(a)) for a in arrays]
+    expected = [p.detach().clone() for p in params]
+    del arrays
+    gc.collect()
+    assert all(r() is not None for r in refs)  # the params still hold them
+    flatten_parameters(params, config=FlattenConfig(bucket_numel=10_000, progress=False))
+    gc.collect()
+    assert all(r() is None for r in refs)
+    for p, e in zip(params, expected, strict=True):
+        assert torch.equal(p, e)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_host_memory_grows_by_at_most_a_bucket():
+    # 256 MiB of fp32 params in 16 MiB tensors; buckets of 32 MiB.
+    params = [nn.Parameter(torch.randn(4 * 2**20)) for _ in range(16)]
+    gc.collect()
+    base = _rss_bytes()
+    config = FlattenConfig(tier="cpu", bucket_numel=8 * 2**20, build_master=False, progress=False)
+    flat = flatten_parameters(params, config=config)
+    gc.collect()
+    grown = _rss_bytes() - base
+    assert grown < 48 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB"
+    assert len(flat.groups[0].buckets) == 8
+
+
+@pytest.mark.parametrize(
+    ("tier", "fallback"),
+    [("device", "offload"), ("host", "cpu"), ("sharded", "cpu"), ("offload", "cpu")],
+)
+def test_out_of_memory_falls_back_to_the_next_tier(tier, fallback, caplog):
+    model = Zoo()
+    before = _snapshot(model)
+    config = FlattenConfig(tier=tier, bucket_numel=100, progress=False)
+    with inject_oom(at_bucket=2, tier=tier), caplog.at_level(logging.WARNING):
+        flat = flatten_parameters(model, config=config)
+    _assert_flat(model, flat, before)
+    tiers = flat.report.groups[0].bucket_tiers
+    assert tiers[:2] == (tier, tier)
+    assert set(tiers[2:]) == {fallback}
+    (event,) = flat.report.events
+    assert "bucket 2" in event and f"tier {fallback!r}" in event
+    assert "out of memory" in caplog.text
+
+
+def test_out_of_memory_in_the_last_tier_loses_no_parameter():
+    model = Zoo()
+    before = _snapshot(model)
+    config = FlattenConfig(tier="cpu", bucket_numel=100, progress=False)
+    with inject_oom(at_bucket=3, tier="cpu"), pytest.raises(MemoryError, match="still holds"):
+        flatten_parameters(model, config=config)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_one_log_line_on_rank_zero(caplog):
+    with caplog.at_level(logging.INFO, logger="flatzero"):
+        flatten_parameters(Zoo(), config=FlattenConfig(progress=False))
+    lines = [r for r in caplog.records if r.name.startswith("flatzero")]
+    assert len(lines) == 1
+    assert "flatzero init" in lines[0].getMessage()
+
+
+def test_report_counts_elements_padding_and_bytes():
+    model = Zoo()
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    flat = flatten_parameters(model, config=FlattenConfig(bucket_numel=100, progress=False))
+    (g,) = flat.report.groups
+    assert g.elements == n
+    assert g.padding == flat.groups[0].layout.numel - n
+    assert g.buckets == len(flat.groups[0].buckets)
+    assert flat.report.bytes_moved["host_copy"] >= 2 * n  # bf16 params, plus the master
+    assert flat.report.cpu_seconds >= 0 and flat.report.wall_seconds > 0
+    assert set(flat.report.phase_seconds) == {"plan", "flatten", "master", "sync"}
+
+
+class _Bad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(3))
+        self.b = nn.Parameter(torch.randn(3, device="meta"))
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda: _Bad(), ValueError, "several devices"),
+        (lambda: nn.Linear(2, 3, device="meta"), ValueError, "meta device"),
+        (lambda: nn.Linear(2, 2).requires_grad_(False), ValueError, "no trainable"),
+        (lambda: [], ValueError, "no trainable"),
+        (lambda: [torch.randn(3)], TypeError, "not a torch.nn.Parameter"),
+        (lambda: torch.randn(3), TypeError, "single tensor"),
+        (lambda: [3], TypeError, "expected a torch.nn.Parameter"),
+    ],
+)
+def test_bad_input_is_named(make, error, message):
+    with pytest.raises(error, match=message):
+        flatten_parameters(make(), config=FlattenConfig(progress=False))
+
+
+def test_param_in_two_groups_is_rejected_and_untouched():
+    lin = nn.Linear(3, 3)
+    ptr = lin.weight.data_ptr()
+    groups = [{"params": [lin.weight]}, {"params": [lin.weight, lin.bias]}]
+    with pytest.raises(ValueError, match="param groups 0 and 1"):
+        flatten_parameters(groups, config=FlattenConfig(progress=False))
+    assert lin.weight.data_ptr() == ptr
+
+
+def test_world_size_mismatch_is_named():
+    with pytest.raises(ValueError, match="world_size=2 was given but the process group has 1"):
+        flatten_parameters(nn.Linear(2, 2), world_size=2, config=FlattenConfig(progress=False))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tier": "gpu"}, "tier is 'gpu'"),
+        ({"bucket_numel": 0}, "bucket_numel must be a positive int"),
+        ({"staging_buffers": 0}, "staging_buffers"),
+        ({"host_threads": 0}, "host_threads"),
+    ],
+)
+def test_bad_config_is_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FlattenConfig(**kwargs)
