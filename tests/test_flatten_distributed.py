@@ -1,0 +1,143 @@
+"""Flattening on 1-4 real gloo ranks: sharded and cpu tiers, OOM agreement, mismatches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatzero import FlattenConfig, flatten_parameters, inject_oom
+from flatzero.launch import run_ranks
+
+
+class Net(nn.Module):
+    """Sizes chosen so no bucket divides evenly by 2, 3 or 4 ranks without padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(101, 13)
+        self.l1 = nn.Linear(13, 57)
+        self.l2 = nn.Linear(57, 13)
+        self.head = nn.Linear(13, 101, bias=False)
+        self.head.weight = self.embed.weight
+        self.norm = nn.Parameter(torch.ones(13))
+        self.frozen = nn.Parameter(torch.randn(5), requires_grad=False)
+        self.to(torch.bfloat16)
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    torch.manual_seed(1234)
+    return {n: p.detach().clone() for n, p in Net().named_parameters()}
+
+
+def _check(model: nn.Module, flat, reference: dict[str, torch.Tensor], group=None) -> None:
+    for name, p in model.named_parameters():
+        assert torch.equal(p, reference[name]), name
+    rank, ws = dist.get_rank(group), dist.get_world_size(group)
+    for g in flat.groups:
+        # Every rank holds identical buckets.
+        for buf in g.buckets:
+            gathered = [torch.empty_like(buf) for _ in range(ws)]
+            dist.all_gather(gathered, buf, group=group)
+            assert all(torch.equal(x, buf) for x in gathered)
+        # The master shard is this rank's slices, upcast; shards have equal sizes.
+        for b in range(len(g.buckets)):
+            lo, hi = g.layout.buckets[b].rank_range(rank)
+            assert torch.equal(g.master_slice(b), g.buckets[b][lo:hi].float())
+        assert g.master.numel() * ws == g.layout.numel
+
+
+def _poison_foreign_pieces(model: nn.Module, flat_layout_fn, rank: int) -> None:
+    """Overwrite every element this rank does not own with garbage: the sharded tier
+    must read only its own slice and get the rest from the all-gather."""
+    layout = flat_layout_fn()
+    params = dict(model.named_parameters())
+    for gl in layout.groups:
+        owned = {s.spec.name: torch.zeros(s.numel, dtype=torch.bool) for s in gl.slots}
+        for piece in gl.shard_pieces(rank):
+            owned[gl.slots[piece.slot].spec.name][piece.param_start : piece.param_end] = True
+        with torch.no_grad():
+            for name, mask in owned.items():
+                flat = params[name].view(-1)
+                flat[~mask] = -1000.0 - rank
+
+
+def _flatten_worker(rank: int, world_size: int, tier: str, bucket_numel: int) -> str:
+    from flatzero.layout import plan_layout
+    from flatzero.params import collect_param_groups
+
+    reference = _reference()
+    torch.manual_seed(1234)
+    model = Net()
+    config = FlattenConfig(tier=tier, bucket_numel=bucket_numel, progress=False)
+    if tier == "sharded":
+        _poison_foreign_pieces(
+            model,
+            lambda: plan_layout(
+                [g.specs() for g in collect_param_groups(model)],
+                world_size=world_size,
+                bucket_numel=bucket_numel,
+            ),
+            rank,
+        )
+    frozen = model.frozen.detach().clone()
+    flat = flatten_parameters(model, config=config)
+    _check(model, flat, reference)
+    assert torch.equal(model.frozen, frozen)
+    assert model.head.weight is model.embed.weight
+    if tier == "sharded" and world_size > 1:
+        assert flat.report.bytes_moved["all_gather"] > 0
+    return flat.layout.digest()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_sharded_tier_reads_only_its_slice(world_size):
+    digests = run_ranks(_flatten_worker, world_size, "sharded", 500)
+    assert len(set(digests)) == 1
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_cpu_tier_on_several_ranks(world_size):
+    run_ranks(_flatten_worker, world_size, "cpu", 300)
+
+
+def _oom_on_one_rank_worker(rank: int, world_size: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    reference = _reference()
+    torch.manual_seed(1234)
+    model = Net()
+    config = FlattenConfig(tier="sharded", bucket_numel=300, progress=False)
+    if rank == world_size - 1:
+        with inject_oom(at_bucket=1, tier="sharded"):
+            flat = flatten_parameters(model, config=config)
+    else:
+        flat = flatten_parameters(model, config=config)
+    _check(model, flat, reference)
+    return flat.report.groups[0].bucket_tiers, flat.report.events
+
+
+def test_out_of_memory_on_one_rank_moves_every_rank_down_without_a_hang():
+    results = run_ranks(_oom_on_one_rank_worker, 3, timeout_s=60)
+    tiers = {r[0] for r in results}
+    assert len(tiers) == 1
+    (bucket_tiers,) = tiers
+    assert bucket_tiers[0] == "sharded" and set(bucket_tiers[1:]) == {"cpu"}
+    assert "on rank 2" in results[2][1][0]
+    assert "on another rank" in results[0][1][0]
+
+
+def _mismatch_worker(rank: int, world_size: int) -> str:
+    model = nn.Linear(4, 3 + rank)  # different shapes on every rank
+    weight = model.weight.detach().clone()
+    try:
+        flatten_parameters(model, config=FlattenConfig(progress=False))
+    except ValueError as error:
+        assert torch.equal(model.weight, weight)  # nothing changed
+        return str(error)
+    return "no error"
+
+
+def test_different_params_on_different_ranks_is_an_error_not_a_hang():
+    messages = run_ranks(_mismatch_worker, 2, timeout_s=60)
+    for m in messages:
+        assert "the layout differs between ranks" in m
