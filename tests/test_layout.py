@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -57,7 +58,7 @@ def test_layout_invariants(groups, world_size, bucket_numel, alignment):
             shard_sizes.add(b.slice_numel)
             slots = gl.bucket_slots(b.index)
             # Params in a bucket do not overlap and fit in it; big params are alone.
-            for a, c in zip(slots, slots[1:], strict=False):
+            for a, c in itertools.pairwise(slots):
                 assert a.end <= c.offset
             for s in slots:
                 assert s.offset % alignment == 0
