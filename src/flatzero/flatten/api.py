@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from ..comm import all_reduce_max, check_same_everywhere, local_world_size, rank_of, world_size_of
 from ..config import FlattenConfig
+from ..hostmem import empty_host
 from ..layout import GroupLayout, plan_layout
 from ..memory import choose_tier, is_oom, next_tier_down
 from ..params import ParamGroup, collect_param_groups
@@ -189,7 +190,10 @@ def _build_master(group: FlatGroup, report: ReportBuilder) -> torch.Tensor:
     """This rank's fp32 shard of ``group``, copied from its own slices only."""
     devices = {b.device for b in group.buckets}
     device = devices.pop() if len(devices) == 1 else torch.device("cpu")
-    master = torch.empty(group.layout.shard_numel, dtype=torch.float32, device=device)
+    if device.type == "cpu":
+        master = empty_host(group.layout.shard_numel, torch.float32)
+    else:
+        master = torch.empty(group.layout.shard_numel, dtype=torch.float32, device=device)
     dsts = [master[b.shard_offset : b.shard_offset + b.slice_numel] for b in group.layout.buckets]
     srcs = [group.bucket_shard(b) for b in range(len(group.buckets))]
     torch._foreach_copy_(dsts, srcs)

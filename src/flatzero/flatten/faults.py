@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..hostmem import empty_host
+
 __all__ = ["allocate_bucket", "inject_oom"]
 
 
@@ -49,4 +51,6 @@ def allocate_bucket(
             raise torch.OutOfMemoryError(
                 f"injected out-of-memory error at bucket {ordinal} in tier {tier!r}"
             )
+    if device.type == "cpu":
+        return empty_host(numel, dtype)
     return torch.empty(numel, dtype=dtype, device=device)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_gather_into
+from ..hostmem import empty_host
 from ..layout import GroupLayout
 from ..report import ReportBuilder
 from .source import TensorSource
@@ -236,7 +237,10 @@ class OffloadTier(UploadTier):
         dtype = getattr(torch, layout.dtype)
         for bucket in buckets:
             numel = layout.buckets[bucket].numel
-            image = torch.empty(numel, dtype=dtype, pin_memory=pin)
+            if pin:
+                image = torch.empty(numel, dtype=dtype, pin_memory=True)
+            else:
+                image = empty_host(numel, dtype)
             pieces = list(layout.bucket_pieces_all(bucket))
             _zero_gaps(layout, bucket, image, 0, numel)
             kind = copy_kind(source.device_of(pieces) or image.device, image.device)

@@ -1,0 +1,58 @@
+"""Host buffers backed by transparent huge pages.
+
+A fresh host buffer costs a page fault per 4 KiB page on first touch; on a typical
+Linux server that caps first writes at 1-3 GB/s, several times slower than memcpy.
+Asking the kernel for 2 MiB pages (``madvise(MADV_HUGEPAGE)``) before the first
+touch cuts the faults 512-fold. PyTorch offers this only through the process-wide
+``THP_MEM_ALLOC_ENABLE`` variable read at start-up; here it is done per buffer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import sys
+
+import torch
+
+__all__ = ["empty_host"]
+
+_HUGE_PAGE = 2 * 2**20
+"""Bytes in a transparent huge page on x86-64 and arm64 Linux."""
+
+_MADV_HUGEPAGE = 14
+_MIN_BYTES = 4 * _HUGE_PAGE
+"""Smaller buffers are allocated plainly: rounding them to huge pages would waste memory."""
+
+
+@functools.cache
+def _madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    fn = libc.madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def empty_host(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized 1-D host tensor, on huge pages when the OS allows.
+
+    The result is a view starting on a 2 MiB boundary of a slightly larger buffer;
+    it behaves like ``torch.empty(numel, dtype=dtype)`` in every other way.
+    """
+    nbytes = numel * dtype.itemsize
+    madvise = _madvise()
+    if madvise is None or nbytes < _MIN_BYTES:
+        return torch.empty(numel, dtype=dtype)
+    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % _HUGE_PAGE
+    length = (nbytes + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
+    length = min(length, raw.numel() - start) // _HUGE_PAGE * _HUGE_PAGE
+    madvise(raw.data_ptr() + start, length, _MADV_HUGEPAGE)  # advice only: failure is harmless
+    return raw[start : start + nbytes].view(dtype)
