@@ -1,0 +1,1 @@
+"""Benchmark support: DeepSpeed-faithful baselines, hardware limits, a real DeepSpeed runner."""

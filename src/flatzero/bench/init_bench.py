@@ -1,0 +1,358 @@
+"""Init benchmark: flatzero's flatten + master shard against DeepSpeed's and the hardware limit.
+
+Every method runs on the same model, alternately, in one run and one process tree:
+
+- ``flatzero``: ``flatten_parameters`` (tier ``auto`` unless ``--tier``), with the master shard.
+- ``torch_cat``: DeepSpeed 0.19.x's algorithm (whole-group ``torch.cat`` on the device).
+- ``legacy_cpu``: DeepSpeed before PR #7828 (every param to the host, ``cat``, copy back).
+- ``deepspeed``: the real ``deepspeed.initialize`` 0.19.8 (ZeRO-2), when importable.
+
+Each trial builds a fresh copy of the model from a pristine host snapshot (not timed),
+times the method on every rank, checks every param still holds its values, and frees it.
+The hardware limit is a plain copy of the bytes the flatten must write (the model, plus
+the fp32 master shard), measured in the same run: memcpy on the host, device-to-device
+copy on a GPU, pinned H2D when the params start in host memory and the buffers go to a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import FlattenConfig
+from ..flatten import flatten_parameters
+from ..launch import run_ranks
+from ..models import build_model, count_bytes, count_params, count_tensors, scaled
+from . import limits
+from .baselines import flatten_legacy_cpu, flatten_torch_cat
+from .deepspeed_runner import (
+    deepspeed_available,
+    prepare_deepspeed,
+    time_deepspeed_initialize,
+    trim_host_memory,
+)
+
+__all__ = ["MODELS", "add_arguments", "run"]
+
+MODELS = {
+    # A few million params: for tests and smoke runs.
+    "tiny": lambda: scaled(
+        "llama-3-8b", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, vocab=4096
+    ),
+    # ~0.43B params: the Llama-3-8B shape at 1/4 width and 12 layers.
+    "llama-0.4b": lambda: scaled(
+        "llama-3-8b", layers=12, hidden=1024, heads=8, kv_heads=2, intermediate=3584
+    ),
+    # Qwen3-30B-A3B shape with 2 layers and 32 experts, both expert layouts.
+    "qwen3-moe-small-fused": lambda: scaled(
+        "qwen3-30b-a3b", layers=2, experts=32, expert_layout="fused"
+    ),
+    "qwen3-moe-small-unfused": lambda: scaled(
+        "qwen3-30b-a3b", layers=2, experts=32, expert_layout="unfused"
+    ),
+    # Full shapes, for a GPU node.
+    "llama-3-8b": lambda: scaled("llama-3-8b"),
+    "qwen3-30b-a3b-16l-fused": lambda: scaled("qwen3-30b-a3b", layers=16, expert_layout="fused"),
+    "qwen3-30b-a3b-16l-unfused": lambda: scaled(
+        "qwen3-30b-a3b", layers=16, expert_layout="unfused"
+    ),
+}
+"""Benchmark models by name: functions returning a model config."""
+
+METHODS = ("flatzero", "torch_cat", "legacy_cpu", "deepspeed")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """One benchmark run's settings (identical on every rank)."""
+
+    model: str
+    dtype: str
+    trials: int
+    methods: tuple[str, ...]
+    bucket_numel: int
+    tier: str
+    device: str
+    params_on: str
+    with_lm_head: bool
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One timed init of one method on one rank (seconds, bytes)."""
+
+    method: str
+    wall_s: float
+    cpu_s: float
+    peak_device_bytes: int | None
+    tier: str
+
+
+def _device(spec: BenchSpec, rank: int) -> torch.device:
+    if spec.device == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _fresh_model(spec: BenchSpec, pristine: dict[str, torch.Tensor], where: torch.device):
+    """A new model whose params are fresh tensors holding the pristine values."""
+    config = MODELS[spec.model]()
+    model = build_model(
+        config, device="meta", dtype=DTYPES[spec.dtype], with_lm_head=spec.with_lm_head
+    )
+    model.to_empty(device=where)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(pristine[name])
+            if spec.params_on == "pinned":
+                p.data = p.data.pin_memory()
+        for b in model.buffers():
+            b.zero_()
+    return model
+
+
+def _check_values(model: nn.Module, pristine: dict[str, torch.Tensor]) -> None:
+    for name, p in model.named_parameters():
+        if not torch.equal(p.detach().cpu(), pristine[name]):
+            raise AssertionError(f"param {name} changed its values during init")
+
+
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _time_method(method: str, model: nn.Module, spec: BenchSpec, rank: int, ws: int) -> Trial:
+    device = _device(spec, rank)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    dist.barrier()
+    t0, c0 = time.perf_counter(), _cpu_seconds()
+    tier = method
+    if method == "flatzero":
+        config = FlattenConfig(
+            tier=spec.tier, device=str(device), bucket_numel=spec.bucket_numel, progress=False
+        )
+        flat = flatten_parameters(model, config=config)
+        tier = "+".join(flat.report.tiers)
+    elif method == "torch_cat":
+        groups = [[p for p in model.parameters() if p.requires_grad]]
+        flat = flatten_torch_cat(groups, rank=rank, world_size=ws, device=device)
+    elif method == "legacy_cpu":
+        groups = [[p for p in model.parameters() if p.requires_grad]]
+        flat = flatten_legacy_cpu(groups, rank=rank, world_size=ws, device=device)
+    else:
+        flat = time_deepspeed_initialize(
+            model, stage=2, dtype=spec.dtype, bucket_numel=spec.bucket_numel
+        )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
+    if method == "deepspeed":
+        wall, cpu = flat.wall_s, flat.cpu_s  # the initialize call alone
+    peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
+    del flat
+    return Trial(method, wall, cpu, peak, tier)
+
+
+def _limit(spec: BenchSpec, nbytes: int, threads: int, rank: int) -> dict[str, Any]:
+    device = _device(spec, rank)
+    if device.type == "cuda" and spec.params_on in ("host", "pinned"):
+        result = limits.pinned_h2d_seconds(nbytes, device)
+    elif device.type == "cuda":
+        result = limits.device_copy_seconds(nbytes, device)
+    else:
+        result = limits.memcpy_seconds(nbytes, threads=threads)
+    return {"kind": result.kind, "seconds": result.seconds, "gbps": result.gbps}
+
+
+def _rank_main(rank: int, ws: int, spec: BenchSpec) -> dict[str, Any]:
+    from ..flatten.api import _host_threads  # the same cap flatzero applies
+
+    device = _device(spec, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    config = MODELS[spec.model]()
+    source = build_model(
+        config, device="cpu", dtype=DTYPES[spec.dtype], with_lm_head=spec.with_lm_head
+    )
+    pristine = {n: p.detach() for n, p in source.named_parameters()}
+    meta = build_model(
+        config, device="meta", dtype=DTYPES[spec.dtype], with_lm_head=spec.with_lm_head
+    )
+    model_bytes = count_bytes(meta)
+    shard_numel = count_params(meta) / ws
+    must_write = model_bytes + int(shard_numel * 4)  # the buckets plus the fp32 master shard
+    threads = _host_threads(FlattenConfig())
+    where = device if spec.params_on == "device" else torch.device("cpu")
+    trials: list[Trial] = []
+    limit_runs = [_limit(spec, must_write, threads, rank)]
+    if "deepspeed" in spec.methods:
+        prepare_deepspeed()  # one-off imports and warm-up, outside the timed trials
+    for _ in range(spec.trials):
+        for method in spec.methods:
+            model = _fresh_model(spec, pristine, where)
+            trim_host_memory()  # every method starts from the same allocator state
+            trials.append(_time_method(method, model, spec, rank, ws))
+            _check_values(model, pristine)
+            del model
+            trim_host_memory()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    limit_runs.append(_limit(spec, must_write, threads, rank))
+    best_limit = min(limit_runs, key=lambda r: r["seconds"])
+    return {
+        "trials": [asdict(t) for t in trials],
+        "limit": best_limit,
+        "model_bytes": model_bytes,
+        "must_write_bytes": must_write,
+        "params": count_params(meta),
+        "tensors": count_tensors(meta),
+        "threads": threads,
+    }
+
+
+def _summarize(ws: int, ranks: list[dict[str, Any]], spec: BenchSpec) -> list[dict[str, Any]]:
+    """One row per method: median over trials of the slowest rank."""
+    limit_s = max(r["limit"]["seconds"] for r in ranks)
+    rows = []
+    for method in spec.methods:
+        per_rank = [[t for t in r["trials"] if t["method"] == method] for r in ranks]
+        per_trial = list(zip(*per_rank, strict=True))
+        walls = [max(t["wall_s"] for t in trial) for trial in per_trial]
+        cpus = [max(t["cpu_s"] for t in trial) for trial in per_trial]
+        peaks = [t["peak_device_bytes"] for trial in per_trial for t in trial]
+        wall = statistics.median(walls)
+        rows.append(
+            {
+                "world_size": ws,
+                "method": method,
+                "tier": per_trial[0][0]["tier"],
+                "wall_s": wall,
+                "wall_s_trials": walls,
+                "cpu_s_per_rank": statistics.median(cpus),
+                "cpu_over_wall": statistics.median(cpus) / wall,
+                "model_gbps": ranks[0]["model_bytes"] / wall / 1e9,
+                "x_limit": wall / limit_s,
+                "peak_device_bytes": max(peaks) if None not in peaks else None,
+            }
+        )
+    flatzero = next((r for r in rows if r["method"] == "flatzero"), None)
+    for row in rows:
+        row["x_flatzero"] = row["wall_s"] / flatzero["wall_s"] if flatzero else None
+    return rows
+
+
+def _table(rows: list[dict[str, Any]], limits_by_ws: dict[int, dict[str, Any]]) -> str:
+    head = (
+        f"{'ranks':>5} {'method':<11} {'tier':<8} {'time s':>8} {'GB/s':>7} {'x limit':>8} "
+        f"{'vs flatzero':>11} {'CPU s/rank':>10} {'CPU/wall':>8} {'peak dev GiB':>12}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        peak = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / 2**30:.2f}"
+        lines.append(
+            f"{r['world_size']:>5} {r['method']:<11} {r['tier']:<8} {r['wall_s']:>8.3f} "
+            f"{r['model_gbps']:>7.2f} {r['x_limit']:>8.2f} {r['x_flatzero']:>10.2f}x "
+            f"{r['cpu_s_per_rank']:>10.2f} {r['cpu_over_wall']:>8.2f} {peak:>12}"
+        )
+    for ws, lim in limits_by_ws.items():
+        lines.append(
+            f"limit at {ws} rank(s): {lim['kind']} of the bytes init must write, "
+            f"{lim['seconds']:.3f} s ({lim['gbps']:.2f} GB/s)"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``flatzero bench init`` options."""
+    parser.add_argument("--model", default="llama-0.4b", choices=sorted(MODELS))
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1,2")
+    parser.add_argument("--trials", type=int, default=3, help="timed trials per method")
+    parser.add_argument(
+        "--methods", default=",".join(METHODS), help=f"comma-separated of {', '.join(METHODS)}"
+    )
+    parser.add_argument("--bucket-numel", type=int, default=FlattenConfig().bucket_numel)
+    parser.add_argument("--tier", default="auto", help="flatzero's tier (default: auto)")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"]
+    )
+    parser.add_argument(
+        "--params-on",
+        default="host",
+        choices=["host", "pinned", "device"],
+        help="where the params are before init (device: on the GPU)",
+    )
+    parser.add_argument("--no-lm-head", action="store_true", help="base model only")
+    parser.add_argument("--json", help="also write the result JSON to this path")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; print a table and one JSON line."""
+    methods = tuple(m for m in args.methods.split(",") if m)
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise SystemExit(f"unknown method(s) {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    skipped = {}
+    if "deepspeed" in methods:
+        ok, why = deepspeed_available()
+        if not ok:
+            methods = tuple(m for m in methods if m != "deepspeed")
+            skipped["deepspeed"] = why
+    spec = BenchSpec(
+        model=args.model,
+        dtype=args.dtype,
+        trials=args.trials,
+        methods=methods,
+        bucket_numel=args.bucket_numel,
+        tier=args.tier,
+        device=args.device,
+        params_on=args.params_on,
+        with_lm_head=not args.no_lm_head,
+    )
+    backend = "nccl" if spec.device == "cuda" else "gloo"
+    rows, limits_by_ws, info = [], {}, {}
+    for ws in (int(w) for w in args.world_sizes.split(",")):
+        ranks = run_ranks(_rank_main, ws, spec, backend=backend, timeout_s=1800)
+        rows.extend(_summarize(ws, ranks, spec))
+        limits_by_ws[ws] = max((r["limit"] for r in ranks), key=lambda x: x["seconds"])
+        info = {k: ranks[0][k] for k in ("model_bytes", "params", "tensors")}
+    print(f"model {spec.model}: {info['params'] / 1e9:.3f}B params, {info['tensors']} tensors, ")
+    print(f"{info['model_bytes'] / 2**30:.2f} GiB in {spec.dtype}; {platform.node()}")
+    for method, why in skipped.items():
+        print(f"skipped {method}: {why}")
+    print(_table(rows, limits_by_ws))
+    result = {
+        "benchmark": "init",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "device": torch.cuda.get_device_name() if spec.device == "cuda" else "cpu",
+            "torch": torch.__version__,
+        },
+        "spec": asdict(spec),
+        "model": info,
+        "limits": limits_by_ws,
+        "rows": rows,
+        "skipped": skipped,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    print(json.dumps(result))
+    return 0

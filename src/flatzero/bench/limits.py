@@ -1,0 +1,253 @@
+"""Hardware limits for init benchmarks, measured in the same run for the same bytes.
+
+Every figure flatzero reports is a ratio against a limit measured alongside it:
+
+- ``memcpy_seconds``: a plain host copy (``Tensor.copy_`` between two preallocated byte
+  buffers, which torch runs as a parallel memcpy), with the thread count capped; with
+  ``first_touch=True`` into freshly allocated memory, page faults included;
+- ``device_copy_seconds``: a device-to-device copy on CUDA, timed with CUDA events (on the
+  CPU this is ``memcpy_seconds``);
+- ``pinned_h2d_seconds``: pinned host memory to the device (``None`` without CUDA).
+
+Each one copies ``nbytes`` in chunks of at most ``chunk_bytes`` between two buffers of one
+chunk each (so it never holds more than two chunks), warms up once (page faults, first-touch
+and allocator effects are excluded), then reports the best of ``repeats`` passes over all
+``nbytes``. The source is filled before the warm-up: copying untouched pages would read the
+shared zero page and look faster than memory allows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "CopyLimit",
+    "device_copy_seconds",
+    "memcpy_seconds",
+    "pinned_h2d_seconds",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
+"""Largest single copy in bytes (256 MiB); a measurement allocates two such buffers."""
+
+
+@dataclass(frozen=True)
+class CopyLimit:
+    """One measured copy bandwidth.
+
+    Attributes:
+        kind: ``"memcpy"``, ``"memcpy_first_touch"``, ``"device_copy"`` or ``"pinned_h2d"``.
+        device: where the destination lives (``"cpu"``, ``"cuda:0"``, ...).
+        nbytes: bytes copied per pass.
+        seconds: best time of one pass over ``nbytes``, in seconds.
+        threads: host threads used (``torch.get_num_threads()`` during the copy); ``None``
+            for copies done by the device.
+        chunk_bytes: bytes per single copy call.
+        repeats: timed passes (after one warm-up pass).
+        gbps: bandwidth in GB/s (1e9 bytes per second), ``nbytes / seconds / 1e9``.
+    """
+
+    kind: str
+    device: str
+    nbytes: int
+    seconds: float
+    threads: int | None
+    chunk_bytes: int
+    repeats: int
+    gbps: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.nbytes <= 0:
+            raise ValueError(f"nbytes={self.nbytes} must be > 0")
+        if self.seconds <= 0:
+            raise ValueError(f"seconds={self.seconds} must be > 0 (timer resolution?)")
+        object.__setattr__(self, "gbps", self.nbytes / self.seconds / 1e9)
+
+
+def _validate(nbytes: int, repeats: int, chunk_bytes: int) -> None:
+    if nbytes <= 0:
+        raise ValueError(f"nbytes={nbytes} must be > 0")
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes={chunk_bytes} must be > 0")
+
+
+def _chunks(nbytes: int, chunk: int) -> list[int]:
+    full, rest = divmod(nbytes, chunk)
+    return [chunk] * full + ([rest] if rest else [])
+
+
+@contextmanager
+def _num_threads(threads: int | None) -> Iterator[int]:
+    """Cap torch's intra-op threads to ``threads`` inside the block; yields the count used."""
+    before = torch.get_num_threads()
+    if threads is None:
+        yield before
+        return
+    if threads < 1:
+        raise ValueError(f"threads={threads} must be >= 1 (or None for torch's current count)")
+    torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _best_of(run_pass: Callable[[], float], repeats: int) -> float:
+    run_pass()  # warm-up
+    return min(run_pass() for _ in range(repeats))
+
+
+def memcpy_seconds(
+    nbytes: int,
+    threads: int | None = None,
+    *,
+    repeats: int = 3,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    first_touch: bool = False,
+) -> CopyLimit:
+    """Time a plain host copy of ``nbytes`` between two preallocated buffers.
+
+    Args:
+        nbytes: bytes to copy per pass.
+        threads: cap on torch's intra-op threads during the copy (``None``: leave as is).
+            Pass the cores per local rank to match what one rank may use.
+        repeats: timed passes; the best is kept.
+        chunk_bytes: bytes per copy call; at most two such buffers are allocated.
+        first_touch: copy each chunk into a newly allocated buffer instead (freed after
+            each chunk), so the time includes the kernel's page faults and zeroing: the
+            cost of writing any new buffer, such as a flat buffer or a master copy, on
+            the host. Reported as kind ``"memcpy_first_touch"``.
+
+    Returns:
+        The best pass in seconds, and GB/s in ``.gbps``.
+    """
+    _validate(nbytes, repeats, chunk_bytes)
+    chunk = min(nbytes, chunk_bytes)
+    chunks = _chunks(nbytes, chunk)
+    src = torch.empty(chunk, dtype=torch.uint8)
+    src.fill_(0x5A)
+    if first_touch:
+        run_pass = _first_touch_pass(chunks, src)
+    else:
+        run_pass = _host_pass(chunks, torch.empty(chunk, dtype=torch.uint8), src)
+    with _num_threads(threads) as used:
+        seconds = _best_of(run_pass, repeats)
+    del src, run_pass
+    kind = "memcpy_first_touch" if first_touch else "memcpy"
+    result = CopyLimit(kind, "cpu", nbytes, seconds, used, chunk, repeats)
+    logger.debug("%s %d B, %d threads: %.4f s, %.2f GB/s", kind, nbytes, used, seconds, result.gbps)
+    return result
+
+
+def _host_pass(chunks: list[int], dst: torch.Tensor, src: torch.Tensor) -> Callable[[], float]:
+    def one_pass() -> float:
+        t0 = time.perf_counter()
+        for n in chunks:
+            dst[:n].copy_(src[:n])
+        return time.perf_counter() - t0
+
+    return one_pass
+
+
+def _first_touch_pass(chunks: list[int], src: torch.Tensor) -> Callable[[], float]:
+    def one_pass() -> float:
+        t0 = time.perf_counter()
+        for n in chunks:
+            dst = torch.empty(n, dtype=torch.uint8)
+            dst.copy_(src[:n])
+            del dst
+        return time.perf_counter() - t0
+
+    return one_pass
+
+
+def _cuda_pass(chunks: list[int], dst: torch.Tensor, src: torch.Tensor) -> Callable[[], float]:
+    def one_pass() -> float:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for n in chunks:
+            dst[:n].copy_(src[:n], non_blocking=True)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    return one_pass
+
+
+def device_copy_seconds(
+    nbytes: int,
+    device: torch.device | str,
+    *,
+    repeats: int = 3,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    threads: int | None = None,
+) -> CopyLimit:
+    """Time a device-to-device copy of ``nbytes`` (CUDA events); on a CPU device, a memcpy.
+
+    Args:
+        nbytes: bytes to copy per pass.
+        device: the device; ``"cpu"`` measures ``memcpy_seconds(nbytes, threads)``.
+        repeats: timed passes; the best is kept.
+        chunk_bytes: bytes per copy call; at most two such buffers are allocated.
+        threads: host thread cap, used only for a CPU device.
+
+    Returns:
+        The best pass in seconds, and GB/s in ``.gbps``.
+    """
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return memcpy_seconds(nbytes, threads, repeats=repeats, chunk_bytes=chunk_bytes)
+    if dev.type != "cuda":
+        raise ValueError(f"device={dev} is not supported: use 'cpu' or a CUDA device")
+    _validate(nbytes, repeats, chunk_bytes)
+    chunk = min(nbytes, chunk_bytes)
+    with torch.cuda.device(dev):
+        src = torch.full((chunk,), 0x5A, dtype=torch.uint8, device=dev)
+        dst = torch.empty(chunk, dtype=torch.uint8, device=dev)
+        seconds = _best_of(_cuda_pass(_chunks(nbytes, chunk), dst, src), repeats)
+        del src, dst
+    return CopyLimit("device_copy", str(dev), nbytes, seconds, None, chunk, repeats)
+
+
+def pinned_h2d_seconds(
+    nbytes: int,
+    device: torch.device | str,
+    *,
+    repeats: int = 3,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> CopyLimit | None:
+    """Time a pinned-host-to-device copy of ``nbytes`` (CUDA events).
+
+    Args:
+        nbytes: bytes to copy per pass.
+        device: the CUDA device.
+        repeats: timed passes; the best is kept.
+        chunk_bytes: bytes per copy call; one pinned and one device buffer of this size.
+
+    Returns:
+        The best pass in seconds and GB/s, or ``None`` when ``device`` is not a CUDA device
+        or CUDA is not available.
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    _validate(nbytes, repeats, chunk_bytes)
+    chunk = min(nbytes, chunk_bytes)
+    with torch.cuda.device(dev):
+        src = torch.full((chunk,), 0x5A, dtype=torch.uint8).pin_memory()
+        dst = torch.empty(chunk, dtype=torch.uint8, device=dev)
+        seconds = _best_of(_cuda_pass(_chunks(nbytes, chunk), dst, src), repeats)
+        del src, dst
+    return CopyLimit("pinned_h2d", str(dev), nbytes, seconds, None, chunk, repeats)

@@ -1,0 +1,60 @@
+"""The ``flatzero`` command line (also ``python -m flatzero``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _info(_args: argparse.Namespace) -> int:
+    import torch
+
+    import flatzero
+
+    print(f"flatzero {flatzero.__version__}, torch {torch.__version__}")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(i)
+            name = torch.cuda.get_device_name(i)
+            print(f"cuda:{i} {name}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+    else:
+        print("no CUDA device: flat buffers go to host memory (tier 'cpu')")
+    print(f"tiers: {', '.join(flatzero.TIERS)}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flatzero",
+        description="ZeRO-1/2 for PyTorch with initialization as fast as the hardware allows.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, devices and tiers").set_defaults(run=_info)
+
+    bench = sub.add_parser("bench", help="benchmarks against baselines and hardware limits")
+    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
+    from .bench import init_bench
+
+    init_parser = bench_sub.add_parser("init", help=init_bench.__doc__.splitlines()[0])
+    init_bench.add_arguments(init_parser)
+    init_parser.set_defaults(run=init_bench.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit status."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
