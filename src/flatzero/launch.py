@@ -45,6 +45,10 @@ def _rank_main(
     timeout_s: float,
 ) -> None:
     os.environ.update(env)
+    if "OMP_NUM_THREADS" not in env:
+        # As torchrun does: ranks of a node share its cores instead of oversubscribing them.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        torch.set_num_threads(max(1, cores // world_size))
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
