@@ -1,0 +1,145 @@
+"""Frozen, validated configuration of ``ZeroOptimizer`` and its fp16 loss scaler."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LossScaleConfig", "ZeroConfig"]
+
+_REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _positive_int(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+def _positive_float(owner: str, name: str, value: object) -> float:
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{owner}.{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """Dynamic loss scaling for fp16 params (the rule of ``torch.amp.GradScaler``).
+
+    The loss is multiplied by ``scale`` before backward (``ZeroOptimizer.scale_loss``); the
+    step divides the gradients by it. If any gradient element on any rank is inf or nan,
+    every rank skips the step (parameters and optimizer state unchanged) and, after
+    ``hysteresis`` consecutive overflows, multiplies ``scale`` by ``backoff_factor`` (never
+    below ``min_scale``). After ``growth_interval`` steps in a row without overflow, the
+    scale is multiplied by ``growth_factor`` (never above ``max_scale``).
+
+    Attributes:
+        init_scale: the first scale (dimensionless multiplier of the loss).
+        growth_factor: factor (> 1) applied after ``growth_interval`` clean steps.
+        backoff_factor: factor (in (0, 1)) applied on overflow.
+        growth_interval: clean steps (optimizer steps, not micro-batches) between growths.
+        hysteresis: consecutive overflowing steps before the scale backs off (DeepSpeed's
+            ``hysteresis``; 1 backs off at every overflow, as torch does). Every
+            overflowing step is skipped regardless.
+        min_scale: lower bound of the scale.
+        max_scale: upper bound of the scale.
+        dynamic: ``False`` keeps ``init_scale`` forever (a static scale); overflowing steps
+            are still skipped.
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    hysteresis: int = 1
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        owner = "LossScaleConfig"
+        for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            object.__setattr__(self, name, _positive_float(owner, name, getattr(self, name)))
+        _positive_int(owner, "growth_interval", self.growth_interval)
+        _positive_int(owner, "hysteresis", self.hysteresis)
+        if self.growth_factor <= 1.0:
+            raise ValueError(f"{owner}.growth_factor must be > 1, got {self.growth_factor}")
+        if self.backoff_factor >= 1.0:
+            raise ValueError(f"{owner}.backoff_factor must be < 1, got {self.backoff_factor}")
+        if not self.min_scale <= self.init_scale <= self.max_scale:
+            raise ValueError(
+                f"{owner}: need min_scale <= init_scale <= max_scale, got {self.min_scale}, "
+                f"{self.init_scale}, {self.max_scale}"
+            )
+        if not isinstance(self.dynamic, bool):
+            raise ValueError(f"{owner}.dynamic must be a bool, got {self.dynamic!r}")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """How ``ZeroOptimizer`` reduces gradients and steps.
+
+    Attributes:
+        stage: ZeRO stage. 1: full gradients live in one flat buffer (params' ``.grad`` are
+            views of it), reduce-scattered at ``step()``. 2: each gradient is copied into a
+            bucket-sized staging buffer and freed during backward; complete buckets are
+            reduce-scattered asynchronously into this rank's fp32 gradient shard.
+        max_grad_norm: clip the global L2 norm of the (averaged, unscaled) gradient to this
+            value at every step, as ``torch.nn.utils.clip_grad_norm_`` does; ``None`` does
+            not clip (``ZeroOptimizer.clip_grad_norm_`` can still be called by hand).
+        reduce_dtype: dtype the gradients are summed over ranks in. ``torch.float32`` (the
+            default) sums exactly what a single process would; the params' dtype halves the
+            bytes on the wire for bf16/fp16 at the cost of low-precision sums.
+        staging_buffers: stage 2 staging buffers (each one bucket) kept for gradients in
+            flight; 2 overlaps filling one bucket with reducing the previous one. More are
+            allocated for a backward pass that needs them (a bucket left incomplete by a
+            param without gradient holds its buffer until the end of backward) and freed
+            after it.
+        loss_scale: fp16 loss scaling; ``None`` enables the defaults when any param is fp16
+            and disables scaling otherwise. Scaling with no fp16 param is allowed.
+        learn_bucket_order: record in which order buckets complete during the first
+            backward pass and, from the first step on, launch reductions in that order
+            (rank 0's, agreed by all ranks). Reductions are always launched in one order
+            agreed by all ranks; this only makes it the one backward actually follows.
+    """
+
+    stage: int = 2
+    max_grad_norm: float | None = None
+    reduce_dtype: torch.dtype = torch.float32
+    staging_buffers: int = 2
+    loss_scale: LossScaleConfig | None = None
+    learn_bucket_order: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2) or isinstance(self.stage, bool):
+            raise ValueError(
+                f"ZeroConfig.stage is {self.stage!r}; flatzero implements ZeRO stage 1 and 2: "
+                "pass stage=1 or stage=2"
+            )
+        if self.max_grad_norm is not None:
+            object.__setattr__(
+                self,
+                "max_grad_norm",
+                _positive_float("ZeroConfig", "max_grad_norm", self.max_grad_norm),
+            )
+        if self.reduce_dtype not in _REDUCE_DTYPES:
+            raise ValueError(
+                f"ZeroConfig.reduce_dtype is {self.reduce_dtype!r}; use torch.float32, "
+                "torch.bfloat16 or torch.float16"
+            )
+        _positive_int("ZeroConfig", "staging_buffers", self.staging_buffers)
+        if self.loss_scale is not None and not isinstance(self.loss_scale, LossScaleConfig):
+            raise TypeError(
+                f"ZeroConfig.loss_scale must be a LossScaleConfig or None, got "
+                f"{type(self.loss_scale).__name__}"
+            )
+        if not isinstance(self.learn_bucket_order, bool):
+            raise ValueError(
+                f"ZeroConfig.learn_bucket_order must be a bool, got {self.learn_bucket_order!r}"
+            )

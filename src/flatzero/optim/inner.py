@@ -1,0 +1,129 @@
+"""The wrapped ``torch.optim`` optimizer: which classes can run on one flat tensor, and building it.
+
+``ZeroOptimizer`` hands the inner optimizer one flat 1-D fp32 tensor per group (this rank's
+master shard). That is only the same optimizer as on the original params when its update
+of an element depends on that element's own gradient and state alone (elementwise), as
+for Adam, AdamW, SGD, Adagrad, RMSprop and the like. Optimizers that look at a param's
+shape or at all params at once would silently compute something else and are refused.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "build_inner_optimizer", "check_optimizer_class"]
+
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "NAdam",
+        "RAdam",
+        "Adagrad",
+        "Adadelta",
+        "RMSprop",
+        "Rprop",
+        "ASGD",
+    )
+    if hasattr(torch.optim, name)
+)
+"""``torch.optim`` classes whose update is elementwise: they work on a flat shard."""
+
+_REFUSED: dict[str, str] = {
+    "LBFGS": (
+        "it needs a closure and runs a line search over all parameters at once, which "
+        "sharded flat tensors cannot provide"
+    ),
+    "SparseAdam": "it needs sparse gradients, and flat gradient shards are dense",
+    "Adafactor": (
+        "it factors the second moment over the rows and columns of each 2-D parameter, "
+        "and a flat 1-D shard has no rows or columns"
+    ),
+    "Muon": "it orthogonalizes the update of each 2-D parameter, which needs whole matrices",
+}
+
+
+def _optimizer_class(optimizer: Any) -> type:
+    """The class behind ``optimizer`` (a class or a ``functools.partial`` of one)."""
+    target = optimizer
+    while isinstance(target, functools.partial):
+        target = target.func
+    if isinstance(target, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer is an instance of {type(target).__name__}; ZeroOptimizer builds the "
+            "optimizer over its flat shards itself: pass the class (optimizer="
+            f"torch.optim.{type(target).__name__}) and its arguments (lr=..., ...) instead"
+        )
+    if not isinstance(target, type) or not issubclass(target, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer subclass such as torch.optim.AdamW "
+            f"(or a functools.partial of one), got {optimizer!r}"
+        )
+    return target
+
+
+def check_optimizer_class(optimizer: Any, *, elementwise: bool | None = None) -> type:
+    """Check that ``optimizer`` can run on flat 1-D shards; returns the optimizer class.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` subclass or a ``functools.partial`` of one.
+        elementwise: ``True`` asserts that the class's update is elementwise (allows a
+            class flatzero does not know); ``None`` accepts only ``ELEMENTWISE_OPTIMIZERS``.
+
+    Raises:
+        TypeError: not an optimizer class, an instance, or a class that cannot work on a
+            flat tensor (named, with the reason and the fix).
+    """
+    cls = _optimizer_class(optimizer)
+    for base in cls.__mro__:
+        reason = _REFUSED.get(base.__name__)
+        if reason is not None and base.__module__.startswith("torch.optim"):
+            raise TypeError(
+                f"{cls.__name__} cannot be used with ZeroOptimizer: {reason}. Use an "
+                "elementwise optimizer such as torch.optim.AdamW, Adam, SGD, Adagrad or RMSprop"
+            )
+    if cls in ELEMENTWISE_OPTIMIZERS or elementwise:
+        return cls
+    raise TypeError(
+        f"ZeroOptimizer does not know whether {cls.__module__}.{cls.__qualname__} updates each "
+        "element from its own gradient and state only; it runs the optimizer on one flat 1-D "
+        "shard per param group, which computes the same thing only for such elementwise "
+        "optimizers. If it is elementwise, pass elementwise_optimizer=True; known ones are "
+        + ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+    )
+
+
+def build_inner_optimizer(
+    optimizer: Callable[..., torch.optim.Optimizer],
+    shards: Sequence[nn.Parameter],
+    group_options: Sequence[dict[str, Any]],
+    defaults: dict[str, Any],
+) -> torch.optim.Optimizer:
+    """Build ``optimizer`` over one param group per flat master shard.
+
+    Args:
+        optimizer: the checked optimizer class (or partial).
+        shards: one fp32 master shard per group, as ``nn.Parameter`` with ``.grad`` set.
+        group_options: per group, the user's hyperparameters (``lr``, ``weight_decay``, ...).
+        defaults: keyword arguments for the optimizer (its defaults for every group).
+    """
+    groups = [
+        {**options, "params": [shard]} for shard, options in zip(shards, group_options, strict=True)
+    ]
+    try:
+        return optimizer(groups, **defaults)
+    except TypeError as error:
+        name = _optimizer_class(optimizer).__name__
+        raise TypeError(
+            f"building {name} over the flat shards failed: {error}. Keyword arguments other "
+            "than ZeroOptimizer's own (stage, process_group, config, flatten_config, "
+            f"elementwise_optimizer) are passed to {name}; check their names"
+        ) from error

@@ -1,0 +1,374 @@
+"""Gradient reduction into this rank's fp32 gradient shards: ZeRO stage 1 and stage 2.
+
+Both reducers own one fp32 gradient shard per group (``grads``), in the layout of the
+group's master shard. After ``finish()``, ``grads[g]`` holds the *sum* over ranks and over
+the backward passes of the accumulation window of the (loss-scaled) gradients; the
+optimizer divides by the world size and the loss scale at the step.
+
+Collectives are launched in one order agreed by all ranks (``order``), never in the
+order gradients happen to arrive on a rank: with params that get no gradient on some
+ranks (unused experts, conditional branches) arrival orders differ between ranks, and
+collectives issued in different orders would mismatch or hang.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
+
+from ..comm import collective_device, rank_of, reduce_scatter_into, world_size_of
+from ..flatten.buffers import FlatParams
+from .buckets import BucketState, InFlight, StagingPool, bucket_states, empty_buffer
+from .config import ZeroConfig
+
+__all__ = ["GradReducer", "Stage1Reducer", "Stage2Reducer", "make_reducer"]
+
+logger = logging.getLogger(__name__)
+
+
+class GradReducer:
+    """What the optimizer needs from a reducer; see ``Stage1Reducer`` and ``Stage2Reducer``.
+
+    Attributes:
+        grads: one fp32 gradient shard per group (``layout.shard_numel`` elements).
+        buckets: every bucket, in the default launch order.
+        order: bucket indices in the order reductions are launched (the same on all ranks).
+        backward_seen: a backward pass reached the params since the window began.
+        generation: bumped by every backward pass and window reset (caches key on it).
+    """
+
+    def __init__(self, flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> None:
+        self.flat = flat
+        self.grads = grads
+        self.config = config
+        self.pg = flat.process_group
+        self.world_size = world_size_of(self.pg)
+        self.rank = rank_of(self.pg)
+        self.buckets = bucket_states(flat.groups, grads)
+        self.order = [b.index for b in self.buckets]
+        self.backward_seen = False
+        self.generation = 0
+        self._handles: list[RemovableHandle] = []
+        device = flat.groups[0].device
+        self.pool = StagingPool(
+            config.staging_buffers,
+            max(b.numel for b in self.buckets),
+            max(b.slice_numel for b in self.buckets),
+            config.reduce_dtype,
+            device,
+            self._finish,
+        )
+
+    def _register(self, hook_for) -> None:
+        """Register ``hook_for(group, slot, bucket_state)`` on every flattened param."""
+        by_key = {(b.group, b.bucket): b for b in self.buckets}
+        for gi, group in enumerate(self.flat.groups):
+            for slot_index, (slot, param) in enumerate(
+                zip(group.layout.slots, group.params, strict=True)
+            ):
+                state = by_key[(gi, slot.bucket)]
+                hook = hook_for(gi, slot_index, state)
+                self._handles.append(param.register_post_accumulate_grad_hook(hook))
+
+    def _finish(self, item: InFlight) -> None:
+        """Complete a reduction: wait for it and land the slice in the gradient shard."""
+        if item.work is not None:
+            item.work.wait()
+        if item.mode == "copy":
+            item.bucket.shard_view.copy_(item.out)
+        elif item.mode == "add":
+            item.bucket.shard_view.add_(item.out)
+        if item.entry is not None:
+            self.pool.release(item.entry)
+
+    def finish(self) -> None:
+        """Make ``grads`` hold the reduced gradients of the window so far."""
+        raise NotImplementedError
+
+    def reset_window(self) -> None:
+        """Start a new accumulation window: gradients so far count as zero."""
+        raise NotImplementedError
+
+    def agree_order(self) -> None:
+        """Called at every step before anything else; may change ``order`` (collectively)."""
+
+    def close(self) -> None:
+        """Remove the hooks from the params."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    @property
+    def staging_peak(self) -> int:
+        """Most staging entries alive at once so far."""
+        return self.pool.peak
+
+
+class Stage2Reducer(GradReducer):
+    """ZeRO stage 2: per-param hooks stage gradients bucket by bucket and free ``.grad``.
+
+    Each backward pass reduces every bucket exactly once: a bucket is reduce-scattered as
+    soon as all its params have their gradient and every bucket before it in ``order`` was
+    launched; the end-of-backward callback zero-fills params that got no gradient and
+    launches the rest. At world size 1 there is nothing to reduce: gradients are written
+    straight into the fp32 gradient shard (copied in the window's first backward pass,
+    added afterwards).
+    """
+
+    def __init__(self, flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> None:
+        super().__init__(flat, grads, config)
+        self.direct = self.world_size == 1
+        self.next_pos = 0
+        self._callback_queued = False
+        self._recording = config.learn_bucket_order and not self.direct
+        self._order_agreed = not self._recording
+        self.recorded: list[int] = []
+        self._register(self._make_hook)
+
+    def _make_hook(self, gi: int, slot_index: int, state: BucketState):
+        slot = self.flat.groups[gi].layout.slots[slot_index]
+        return functools.partial(
+            self._hook, state, slot_index, slot.offset, slot.end, slot.spec.shape
+        )
+
+    def _hook(
+        self,
+        bucket: BucketState,
+        slot: int,
+        start: int,
+        end: int,
+        shape: tuple[int, ...],
+        param: nn.Parameter,
+    ) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        if not self._callback_queued:
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        if slot in bucket.arrived or bucket.launched:
+            raise RuntimeError(
+                "a gradient arrived twice for one param in one backward pass: an earlier "
+                "backward pass did not finish (it raised?). Call ZeroOptimizer.zero_grad() "
+                "before the next backward pass"
+            )
+        buffer = bucket.buffer if bucket.buffer is not None else self._acquire(bucket)
+        dst = buffer[start:end].view(shape)
+        if bucket.add:
+            dst.add_(grad)
+        else:
+            dst.copy_(grad)
+        param.grad = None
+        bucket.arrived.add(slot)
+        if len(bucket.arrived) == len(bucket.param_ranges):
+            self._complete(bucket)
+
+    def _acquire(self, bucket: BucketState) -> torch.Tensor:
+        if self.direct:
+            bucket.buffer = bucket.shard_view
+            bucket.add = bucket.valid
+        else:
+            entry = self.pool.acquire()
+            bucket.entry = entry
+            bucket.buffer = entry.stage[: bucket.numel]
+        return bucket.buffer
+
+    def _complete(self, bucket: BucketState) -> None:
+        bucket.complete = True
+        if self._recording:
+            self.recorded.append(bucket.index)
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        order, buckets = self.order, self.buckets
+        while self.next_pos < len(order) and buckets[order[self.next_pos]].complete:
+            self._launch(buckets[order[self.next_pos]])
+            self.next_pos += 1
+
+    def _launch(self, bucket: BucketState) -> None:
+        bucket.launched = True
+        if self.direct:
+            bucket.valid = True
+            return
+        entry = bucket.entry
+        assert entry is not None and bucket.buffer is not None
+        gaps = entry.gap_views(bucket)
+        if gaps:
+            torch._foreach_zero_(gaps)
+        if not bucket.valid and self.pool.dtype == torch.float32:
+            out, mode = bucket.shard_view, "done"
+        else:
+            out, mode = entry.out[: bucket.slice_numel], ("add" if bucket.valid else "copy")
+        work = reduce_scatter_into(out, bucket.buffer, self.pg, async_op=True)
+        bucket.valid = True
+        self.pool.inflight.append(InFlight(bucket, work, entry, out, mode))
+
+    def _end_of_backward(self) -> None:
+        """Flush: zero-fill what got no gradient, launch every bucket not yet launched."""
+        self._callback_queued = False
+        for pos in range(self.next_pos, len(self.order)):
+            bucket = self.buckets[self.order[pos]]
+            if not bucket.complete:
+                if bucket.buffer is None:
+                    self._acquire(bucket)
+                    if not bucket.add:
+                        bucket.buffer.zero_()
+                elif not bucket.add:
+                    missing = bucket.missing_views(bucket.buffer)
+                    if missing:
+                        torch._foreach_zero_(missing)
+                self._complete(bucket)
+        assert self.next_pos == len(self.order)
+        for bucket in self.buckets:
+            bucket.reset_backward()
+        self.next_pos = 0
+        self._recording = False
+        self.backward_seen = True
+        self.generation += 1
+
+    def agree_order(self) -> None:
+        """At the first step, adopt rank 0's completion order of the first backward pass."""
+        if self._order_agreed:
+            return
+        self._order_agreed = True
+        recorded = self.recorded
+        if sorted(recorded) != list(range(len(self.buckets))):
+            return  # no complete first backward pass was recorded: keep the default order
+        order = torch.tensor(recorded, dtype=torch.int64, device=collective_device(self.pg))
+        src = 0 if self.pg is None else dist.get_global_rank(self.pg, 0)
+        dist.broadcast(order, src=src, group=self.pg)
+        self.order = order.tolist()
+        logger.debug("stage 2 bucket launch order: %s", self.order)
+
+    def finish(self) -> None:
+        if any(b.buffer is not None for b in self.buckets):
+            raise RuntimeError(
+                "a backward pass is still in progress or did not finish (it raised?); "
+                "step() needs completed backward passes. After a failed backward pass call "
+                "ZeroOptimizer.zero_grad() and run it again"
+            )
+        self.pool.finish_all()
+        self.pool.trim()
+
+    def reset_window(self) -> None:
+        self.pool.finish_all()
+        for bucket in self.buckets:
+            if bucket.entry is not None:
+                self.pool.release(bucket.entry)
+            bucket.reset_backward()
+            bucket.valid = False
+        self.pool.trim()
+        self.next_pos = 0
+        self._callback_queued = False
+        self.backward_seen = False
+        self.generation += 1
+
+
+class Stage1Reducer(GradReducer):
+    """ZeRO stage 1: params' ``.grad`` are views of one flat gradient buffer per group.
+
+    Autograd accumulates into the views in place over the window's backward passes;
+    ``finish()`` reduce-scatters each bucket of the flat buffer into the fp32 gradient
+    shard. The hooks only note that a backward pass happened and re-attach the view when
+    autograd or the user replaced ``.grad`` by another tensor (its values are copied in).
+    """
+
+    def __init__(self, flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> None:
+        super().__init__(flat, grads, config)
+        self.flat_grads: list[torch.Tensor] = []
+        self.bucket_grads: dict[int, torch.Tensor] = {}
+        self.views: list[list[torch.Tensor]] = []
+        for gi, group in enumerate(flat.groups):
+            layout = group.layout
+            buffer = empty_buffer(layout.numel, group.dtype, group.device).zero_()
+            starts, cursor = [], 0
+            for bucket in layout.buckets:
+                starts.append(cursor)
+                cursor += bucket.numel
+            self.flat_grads.append(buffer)
+            self.views.append(
+                [
+                    buffer[starts[s.bucket] + s.offset : starts[s.bucket] + s.end].view(
+                        s.spec.shape
+                    )
+                    for s in layout.slots
+                ]
+            )
+            for state in self.buckets:
+                if state.group == gi:
+                    start = starts[state.bucket]
+                    self.bucket_grads[state.index] = buffer[start : start + state.numel]
+        self._attach()
+        self._dirty = False
+        self._clean = True
+        self._register(self._make_hook)
+
+    def _attach(self) -> None:
+        for group, views in zip(self.flat.groups, self.views, strict=True):
+            for param, view in zip(group.params, views, strict=True):
+                grad = param.grad
+                if grad is None or grad.data_ptr() != view.data_ptr():
+                    param.grad = view
+
+    def _make_hook(self, gi: int, slot_index: int, state: BucketState):
+        return functools.partial(self._hook, self.views[gi][slot_index])
+
+    def _hook(self, view: torch.Tensor, param: nn.Parameter) -> None:
+        grad = param.grad
+        if grad is not None and grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            param.grad = view
+        self.backward_seen = True
+        self._dirty = True
+        self._clean = False
+
+    def finish(self) -> None:
+        if not self._dirty:
+            return
+        self._dirty = False
+        self.generation += 1
+        if self.world_size == 1:
+            torch._foreach_copy_(
+                [b.shard_view for b in self.buckets],
+                [self.bucket_grads[b.index] for b in self.buckets],
+            )
+            return
+        for index in self.order:
+            bucket = self.buckets[index]
+            src = self.bucket_grads[index]
+            entry = None
+            if src.dtype != self.pool.dtype:
+                entry = self.pool.acquire()
+                entry.stage[: bucket.numel].copy_(src)
+                src = entry.stage[: bucket.numel]
+            if self.pool.dtype == torch.float32:
+                out, mode = bucket.shard_view, "done"
+            else:
+                if entry is None:
+                    entry = self.pool.acquire()
+                out, mode = entry.out[: bucket.slice_numel], "copy"
+            work = reduce_scatter_into(out, src, self.pg, async_op=True)
+            self.pool.inflight.append(InFlight(bucket, work, entry, out, mode))
+        self.pool.finish_all()
+
+    def reset_window(self) -> None:
+        self.pool.finish_all()
+        if not self._clean:
+            torch._foreach_zero_(self.flat_grads)
+            self._clean = True
+        self._attach()
+        self._dirty = False
+        self.backward_seen = False
+        self.generation += 1
+
+
+def make_reducer(flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> GradReducer:
+    """The reducer of ``config.stage``."""
+    cls = Stage1Reducer if config.stage == 1 else Stage2Reducer
+    return cls(flat, grads, config)
