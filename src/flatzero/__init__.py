@@ -3,7 +3,9 @@
 from .config import TIERS, FlattenConfig
 from .flatten import FlatGroup, FlatParams, flatten_parameters, inject_oom
 from .layout import Layout, ParamSpec, plan_layout
+from .loading import load_flat
 from .report import InitReport
+from .safetensors_index import SafetensorsCheckpoint
 
 __all__ = [
     "TIERS",
@@ -13,8 +15,10 @@ __all__ = [
     "InitReport",
     "Layout",
     "ParamSpec",
+    "SafetensorsCheckpoint",
     "flatten_parameters",
     "inject_oom",
+    "load_flat",
     "plan_layout",
 ]
 

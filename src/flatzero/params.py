@@ -11,12 +11,25 @@ from torch import nn
 
 from .layout import ParamSpec
 
-__all__ = ["ParamGroup", "collect_param_groups", "dtype_name"]
+__all__ = ["ParamGroup", "collect_param_groups", "dtype_name", "rebind_param"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
+
+
+def rebind_param(param: nn.Parameter, tensor: torch.Tensor) -> None:
+    """Make ``param`` hold ``tensor`` (same shape) while staying the same Python object.
+
+    ``param.data = tensor`` where possible; a param on the meta device cannot take real
+    storage that way, so its contents are swapped in place instead.
+    """
+    if param.device.type == "meta":
+        replacement = nn.Parameter(tensor, requires_grad=param.requires_grad)
+        torch.utils.swap_tensors(param, replacement)
+    else:
+        param.data = tensor
 
 
 @dataclass

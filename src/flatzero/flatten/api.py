@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,9 +19,10 @@ from ..layout import GroupLayout, plan_layout
 from ..memory import choose_tier, is_oom, next_tier_down
 from ..params import ParamGroup, collect_param_groups
 from ..report import GroupReport, ReportBuilder
+from ..safetensors_index import SafetensorsCheckpoint
 from .buffers import FlatGroup, FlatParams
 from .faults import allocate_bucket
-from .source import TensorSource
+from .source import CheckpointSource, ParamSource, TensorSource
 from .tiers import Fill, Tier, TierContext, make_tier
 
 __all__ = ["flatten_parameters"]
@@ -29,7 +30,8 @@ __all__ = ["flatten_parameters"]
 logger = logging.getLogger(__name__)
 
 
-def _resolve_device(config: FlattenConfig) -> torch.device:
+def resolve_device(config: FlattenConfig) -> torch.device:
+    """Where the flat buffers go: ``config.device``, else the current GPU, else the CPU."""
     if config.device is not None:
         device = torch.device(config.device)
         if device.type == "cuda" and device.index is None:
@@ -56,6 +58,32 @@ def _where_params_are(groups: list[ParamGroup]) -> tuple[str, torch.device]:
             "materialize the model (model.to_empty(...) plus init, or load a checkpoint) first"
         )
     return ("host" if device.type == "cpu" else "device"), device
+
+
+def _checkpoint_keys(
+    groups: list[ParamGroup],
+    checkpoint: SafetensorsCheckpoint,
+    key_map: Callable[[str], str] | None,
+) -> dict[str, str]:
+    """The checkpoint key of every trainable param; raises naming the first that is off."""
+    keys = {}
+    for g in groups:
+        for name, p in zip(g.names, g.params, strict=True):
+            key = key_map(name) if key_map is not None else name
+            if key not in checkpoint:
+                hint = " (the key_map maps it)" if key != name else ""
+                raise ValueError(
+                    f"param {name!r} has no tensor {key!r}{hint} in checkpoint "
+                    f"{checkpoint.path}; pass key_map= to map model names to checkpoint keys"
+                )
+            entry = checkpoint.entries[key]
+            if entry.numel != p.numel():
+                raise ValueError(
+                    f"param {name!r} has shape {tuple(p.shape)} but checkpoint tensor {key!r} "
+                    f"in {entry.file} has shape {entry.shape}; the checkpoint is for another model"
+                )
+            keys[name] = key
+    return keys
 
 
 def _host_threads(config: FlattenConfig) -> int:
@@ -92,7 +120,7 @@ class _GroupFlattener:
     def __init__(
         self,
         layout: GroupLayout,
-        source: TensorSource,
+        source: ParamSource,
         ctx: TierContext,
         control: dist.ProcessGroup | None,
         first_ordinal: int,
@@ -209,6 +237,8 @@ def flatten_parameters(
     process_group: dist.ProcessGroup | None = None,
     config: FlattenConfig | None = None,
     world_size: int | None = None,
+    checkpoint: SafetensorsCheckpoint | None = None,
+    key_map: Callable[[str], str] | None = None,
 ) -> FlatParams:
     """Flatten ``params`` into contiguous, sharded bucket buffers, in place.
 
@@ -224,6 +254,10 @@ def flatten_parameters(
             when ``torch.distributed`` is initialized, else a single rank.
         config: tier, target device, bucket size, ...; defaults to ``FlattenConfig()``.
         world_size: if given, must equal the process group's size (a guard for launchers).
+        checkpoint: read the params' values from this safetensors checkpoint instead of
+            the params (which may then be on the meta device): each rank reads only the
+            bytes of its slices in the ``sharded`` tier, the all-gather fills the rest.
+        key_map: maps a param name to its checkpoint key (default: the same name).
 
     Returns:
         ``FlatParams`` owning the buffers, the layout, the master shards and the report.
@@ -239,12 +273,21 @@ def flatten_parameters(
             f"world_size={world_size} was given but the process group has {ws} ranks; "
             "launch with the matching number of processes or drop the world_size argument"
         )
-    device = _resolve_device(config)
+    device = resolve_device(config)
     report = ReportBuilder(rank, ws, device)
 
     with report.phase("plan"):
         groups = collect_param_groups(params)
-        params_on, _ = _where_params_are(groups)
+        if checkpoint is None:
+            params_on, _ = _where_params_are(groups)
+        else:
+            keys = _checkpoint_keys(groups, checkpoint, key_map)
+            params_on = "host"
+            if config.tier in ("device", "offload"):
+                raise ValueError(
+                    f"FlattenConfig.tier={config.tier!r} cannot read from a checkpoint; "
+                    "use 'auto', 'sharded', 'host' or 'cpu'"
+                )
         layout = plan_layout(
             [g.specs() for g in groups],
             world_size=ws,
@@ -292,7 +335,12 @@ def flatten_parameters(
             user_group = groups[gl.group_index]
             by_name = dict(zip(user_group.names, user_group.params, strict=True))
             slot_params = tuple(by_name[s.spec.name] for s in gl.slots)
-            source = TensorSource(gl, slot_params)
+            source: ParamSource
+            if checkpoint is None:
+                source = TensorSource(gl, slot_params)
+            else:
+                slot_keys = [keys[slot.spec.name] for slot in gl.slots]
+                source = CheckpointSource(gl, slot_params, checkpoint, slot_keys)
             flattener = _GroupFlattener(gl, source, ctx, control, ordinal, progress)
             with report.phase("flatten"):
                 flattener.run(decision.tier)

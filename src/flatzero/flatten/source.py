@@ -1,48 +1,56 @@
-"""Where a bucket's contents come from: the params themselves, in any memory."""
+"""Where a bucket's values come from: the params themselves, or a safetensors checkpoint.
+
+A source also holds the group's params (in slot order) so the flattener can rebind
+them once their bucket is complete.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from ..layout import GroupLayout, ShardPiece
+from ..params import rebind_param
+from ..safetensors_index import SafetensorsCheckpoint
 
-__all__ = ["TensorSource"]
+__all__ = ["CheckpointSource", "ParamSource", "TensorSource"]
 
 
-class TensorSource:
-    """Reads pieces of a group's params from their current tensors (device, host or pinned).
+class ParamSource:
+    """Base: the group's params in slot order, and how to rebind them."""
 
-    Args:
-        layout: the group's layout.
-        tensors: the group's params, in slot order.
-    """
-
-    def __init__(self, layout: GroupLayout, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(self, layout: GroupLayout, params: Sequence[nn.Parameter]) -> None:
         self.layout = layout
-        self.tensors = list(tensors)
+        self.params = list(params)
 
     def rebind(self, slot: int, tensor: torch.Tensor) -> None:
         """Point param ``slot`` at ``tensor`` (same shape; values already copied there)."""
-        self.tensors[slot].data = tensor
+        rebind_param(self.params[slot], tensor)
 
     def device_of(self, pieces: Sequence[ShardPiece]) -> torch.device | None:
         """Device the pieces are read from (None when there are none)."""
-        return self.tensors[pieces[0].slot].device if pieces else None
+        raise NotImplementedError
 
-    def pairs(
-        self, pieces: Sequence[ShardPiece], dest: torch.Tensor, dest_start: int
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``(destinations, sources)`` for copying ``pieces`` into ``dest``.
+    def copy_into(self, pieces: Sequence[ShardPiece], dest: torch.Tensor, dest_start: int) -> int:
+        """Copy ``pieces`` into ``dest``, a 1-D tensor standing for bucket elements from
+        ``dest_start`` on; returns the bytes copied."""
+        raise NotImplementedError
 
-        ``dest`` is a 1-D tensor standing for bucket elements from ``dest_start`` on. A
-        piece that covers a whole param is copied with the param's own shape and
-        strides (no reshape copy of non-contiguous params).
-        """
+
+class TensorSource(ParamSource):
+    """Reads pieces of a group's params from their current tensors (device, host or pinned)."""
+
+    def device_of(self, pieces: Sequence[ShardPiece]) -> torch.device | None:
+        return self.params[pieces[0].slot].device if pieces else None
+
+    def copy_into(self, pieces: Sequence[ShardPiece], dest: torch.Tensor, dest_start: int) -> int:
+        """A piece that covers a whole param is copied with the param's own shape and
+        strides (no reshape copy of a non-contiguous param)."""
         dsts, srcs = [], []
         for piece in pieces:
-            src = self.tensors[piece.slot].detach()
+            src = self.params[piece.slot].detach()
             start = piece.bucket_start - dest_start
             dst = dest[start : start + piece.numel]
             if piece.param_start == 0 and piece.param_end == src.numel():
@@ -51,11 +59,44 @@ class TensorSource:
             else:
                 dsts.append(dst)
                 srcs.append(src.reshape(-1)[piece.param_start : piece.param_end])
-        return dsts, srcs
-
-    def copy_into(self, pieces: Sequence[ShardPiece], dest: torch.Tensor, dest_start: int) -> int:
-        """Copy ``pieces`` into ``dest`` (see ``pairs``); returns the bytes copied."""
-        dsts, srcs = self.pairs(pieces, dest, dest_start)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
         return sum(d.numel() for d in dsts) * dest.element_size()
+
+
+class CheckpointSource(ParamSource):
+    """Reads pieces of a group's params from a safetensors checkpoint, byte range by range.
+
+    Args:
+        layout: the group's layout.
+        params: the group's params (typically on the meta device), in slot order.
+        checkpoint: the index of the checkpoint's tensors.
+        keys: the checkpoint key of each param, in slot order.
+    """
+
+    def __init__(
+        self,
+        layout: GroupLayout,
+        params: Sequence[nn.Parameter],
+        checkpoint: SafetensorsCheckpoint,
+        keys: Sequence[str],
+    ) -> None:
+        super().__init__(layout, params)
+        self.checkpoint = checkpoint
+        self.keys = list(keys)
+
+    def device_of(self, pieces: Sequence[ShardPiece]) -> torch.device | None:
+        return torch.device("cpu") if pieces else None
+
+    def copy_into(self, pieces: Sequence[ShardPiece], dest: torch.Tensor, dest_start: int) -> int:
+        if dest.device.type != "cpu":
+            raise ValueError("a checkpoint source reads into host memory only")
+        for piece in pieces:
+            start = piece.bucket_start - dest_start
+            self.checkpoint.read_into(
+                self.keys[piece.slot],
+                piece.param_start,
+                piece.param_end,
+                dest[start : start + piece.numel],
+            )
+        return sum(p.numel for p in pieces) * dest.element_size()

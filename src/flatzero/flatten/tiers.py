@@ -25,7 +25,7 @@ from ..comm import all_gather_into
 from ..hostmem import empty_host
 from ..layout import GroupLayout
 from ..report import ReportBuilder
-from .source import TensorSource
+from .source import ParamSource
 
 __all__ = ["Fill", "StagingRing", "Tier", "TierContext", "copy_kind", "make_tier"]
 
@@ -152,10 +152,10 @@ class DirectTier:
         self.ctx = ctx
         self.bucket_device = ctx.device if name == "device" else torch.device("cpu")
 
-    def begin(self, layout: GroupLayout, source: TensorSource, buckets: range) -> None:
+    def begin(self, layout: GroupLayout, source: ParamSource, buckets: range) -> None:
         """Nothing to prepare."""
 
-    def fill(self, layout: GroupLayout, source: TensorSource, bucket: int, buf: torch.Tensor):
+    def fill(self, layout: GroupLayout, source: ParamSource, bucket: int, buf: torch.Tensor):
         """Copy the bucket's params into ``buf`` on the current stream."""
         pieces = list(layout.bucket_pieces_all(bucket))
         _zero_gaps(layout, bucket, buf, 0, buf.numel())
@@ -177,7 +177,7 @@ class UploadTier:
         self.bucket_device = ctx.device
         self.own_slice = name == "sharded" and ctx.world_size > 1
 
-    def begin(self, layout: GroupLayout, source: TensorSource, buckets: range) -> None:
+    def begin(self, layout: GroupLayout, source: ParamSource, buckets: range) -> None:
         """Nothing to prepare."""
 
     def _range(self, layout: GroupLayout, bucket: int) -> tuple[int, int]:
@@ -185,7 +185,7 @@ class UploadTier:
             return layout.buckets[bucket].rank_range(self.ctx.rank)
         return 0, layout.buckets[bucket].numel
 
-    def fill(self, layout: GroupLayout, source: TensorSource, bucket: int, buf: torch.Tensor):
+    def fill(self, layout: GroupLayout, source: ParamSource, bucket: int, buf: torch.Tensor):
         """Stage this rank's part of the bucket, upload it, all-gather when sharded."""
         ctx = self.ctx
         lo, hi = self._range(layout, bucket)
@@ -193,15 +193,16 @@ class UploadTier:
             pieces = list(layout.bucket_pieces(bucket, ctx.rank))
         else:
             pieces = list(layout.bucket_pieces_all(bucket))
-        stage, ring_slot = ctx.ring.acquire(hi - lo, buf.dtype)
-        _zero_gaps(layout, bucket, stage, lo, hi)
-        ctx.report.moved("host_copy", source.copy_into(pieces, stage, lo))
         target = buf[lo:hi]
         done = None
         stream = ctx.copy_stream
-        if stream is None:
-            target.copy_(stage)
+        if stream is None:  # host buffers: fill the bucket itself, no staging needed
+            _zero_gaps(layout, bucket, target, lo, hi)
+            ctx.report.moved("host_copy", source.copy_into(pieces, target, lo))
         else:
+            stage, ring_slot = ctx.ring.acquire(hi - lo, buf.dtype)
+            _zero_gaps(layout, bucket, stage, lo, hi)
+            ctx.report.moved("host_copy", source.copy_into(pieces, stage, lo))
             stream.wait_stream(torch.cuda.current_stream(buf.device))
             with torch.cuda.stream(stream):
                 target.copy_(stage, non_blocking=True)
@@ -209,7 +210,7 @@ class UploadTier:
                 done.record(stream)
             buf.record_stream(stream)
             ring_slot.done = done
-        ctx.report.moved("h2d" if buf.device.type == "cuda" else "host_copy", stage.nbytes)
+            ctx.report.moved("h2d", stage.nbytes)
         if self.own_slice:
             if done is not None:
                 torch.cuda.current_stream(buf.device).wait_event(done)
@@ -231,7 +232,7 @@ class OffloadTier(UploadTier):
         self.name = name
         self.images: dict[int, torch.Tensor] = {}
 
-    def begin(self, layout: GroupLayout, source: TensorSource, buckets: range) -> None:
+    def begin(self, layout: GroupLayout, source: ParamSource, buckets: range) -> None:
         """Move every param of ``buckets`` into a host image of its bucket."""
         pin = self.ctx.device.type == "cuda"
         dtype = getattr(torch, layout.dtype)
@@ -252,7 +253,7 @@ class OffloadTier(UploadTier):
                 source.rebind(index, image[slot.offset : slot.end].view(slot.spec.shape))
             self.images[bucket] = image
 
-    def fill(self, layout: GroupLayout, source: TensorSource, bucket: int, buf: torch.Tensor):
+    def fill(self, layout: GroupLayout, source: ParamSource, bucket: int, buf: torch.Tensor):
         """Upload the bucket's host image in one copy."""
         image = self.images.pop(bucket)
         done = None

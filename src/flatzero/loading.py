@@ -1,0 +1,102 @@
+"""Initialize a model built on the meta device straight from a safetensors checkpoint.
+
+Trainable params go through ``flatten_parameters(checkpoint=...)``: in the ``sharded``
+tier each rank reads only the bytes of its slices and the all-gather fills the rest,
+so no rank ever holds the full model in host memory. Frozen params and buffers are
+small; each rank reads them whole onto the target device.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import FlattenConfig
+from .flatten import FlatParams, flatten_parameters
+from .flatten.api import resolve_device
+from .params import rebind_param
+from .safetensors_index import SafetensorsCheckpoint
+
+__all__ = ["load_flat"]
+
+
+def _materialize_rest(
+    model: nn.Module,
+    checkpoint: SafetensorsCheckpoint,
+    key_map: Callable[[str], str],
+    device: torch.device,
+    init_buffers: Callable[[nn.Module], None] | None,
+) -> None:
+    """Load frozen params and buffers on the meta device; leave trainable params alone."""
+    missing = []
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for name, p in module.named_parameters(recurse=False):
+            if p.requires_grad or p.device.type != "meta":
+                continue
+            key = key_map(prefix + name)
+            if key not in checkpoint:
+                raise ValueError(
+                    f"frozen param {prefix + name!r} has no tensor {key!r} in checkpoint "
+                    f"{checkpoint.path}; pass key_map= to map model names to checkpoint keys"
+                )
+            rebind_param(p, checkpoint.read(key).to(device=device, dtype=p.dtype).view(p.shape))
+        for name, b in module.named_buffers(recurse=False):
+            if b.device.type != "meta":
+                continue
+            key = key_map(prefix + name)
+            if key in checkpoint:
+                value = checkpoint.read(key).to(device=device, dtype=b.dtype).view(b.shape)
+            else:
+                value = torch.zeros(b.shape, dtype=b.dtype, device=device)
+                missing.append(prefix + name)
+            module._buffers[name] = value
+    if missing and init_buffers is None:
+        raise ValueError(
+            f"buffers {', '.join(missing)} are on the meta device and not in checkpoint "
+            f"{checkpoint.path}; pass init_buffers=fn, a function that computes them in place"
+        )
+    if init_buffers is not None:
+        init_buffers(model)
+
+
+def load_flat(
+    model: nn.Module,
+    checkpoint: str | os.PathLike | SafetensorsCheckpoint,
+    *,
+    key_map: Callable[[str], str] | None = None,
+    init_buffers: Callable[[nn.Module], None] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    config: FlattenConfig | None = None,
+) -> FlatParams:
+    """Build ``model``'s flat buffers straight from a safetensors checkpoint.
+
+    Args:
+        model: the model, typically built on the meta device (``with torch.device("meta")``).
+        checkpoint: a ``.safetensors`` file, an HF-style directory (sharded with an index,
+            or not), a ``flatzero export`` directory, or an opened ``SafetensorsCheckpoint``.
+        key_map: maps a model name (param or buffer) to its checkpoint key.
+        init_buffers: called with the model after loading, to compute buffers that are
+            not in the checkpoint (non-persistent ones, e.g. rotary tables); required if
+            any such buffer is on the meta device.
+        process_group: ranks the buffers are sharded over (default group if initialized).
+        config: tier, device, bucket size; tier ``auto`` picks ``sharded`` on GPUs.
+
+    Returns:
+        ``FlatParams``, as ``flatten_parameters`` returns.
+    """
+    config = config or FlattenConfig()
+    ckpt = (
+        checkpoint
+        if isinstance(checkpoint, SafetensorsCheckpoint)
+        else (SafetensorsCheckpoint(checkpoint))
+    )
+    mapping = key_map or (lambda name: name)
+    _materialize_rest(model, ckpt, mapping, resolve_device(config), init_buffers)
+    return flatten_parameters(
+        model, process_group=process_group, config=config, checkpoint=ckpt, key_map=key_map
+    )
