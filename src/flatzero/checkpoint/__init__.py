@@ -1,0 +1,30 @@
+"""Checkpoints that load at any world size, export to safetensors, and import DeepSpeed's.
+
+- ``save_checkpoint`` / ``load_checkpoint``: one safetensors file per rank with its fp32
+  master and optimizer-state shards, the layout and scalar state in ``meta.json``, written
+  atomically; loaded at any world size or bucket size by reading only the needed slices.
+- ``export_checkpoint``: consolidated weights keyed by param name (HF-style shards).
+- ``import_deepspeed``: a DeepSpeed ZeRO-1/2 checkpoint as a flatzero checkpoint.
+
+See docs/checkpoints.md.
+"""
+
+from .config import ExportConfig, LoadConfig, SaveConfig
+from .format import CheckpointMeta, available_tags, read_latest
+from .load import LoadResult, load_checkpoint, load_flat_params
+from .reader import CheckpointReader
+from .save import save_checkpoint
+
+__all__ = [
+    "CheckpointMeta",
+    "CheckpointReader",
+    "ExportConfig",
+    "LoadConfig",
+    "LoadResult",
+    "SaveConfig",
+    "available_tags",
+    "load_checkpoint",
+    "load_flat_params",
+    "read_latest",
+    "save_checkpoint",
+]

@@ -1,0 +1,357 @@
+"""``load_checkpoint``: load a checkpoint saved at any world size and bucket size.
+
+Each rank plans its reads through the saved layout (``reshard``): its new shard pieces ->
+(param name, element range) -> (old rank, old shard offset) runs, and reads only those
+runs from the old ranks' memory-mapped files. Per-element optimizer states are read the
+same way as the master weights, so they resume exactly; scalar state (``step``,
+hyperparameters, loss scaler, scheduler) comes from ``meta.json``. Everything is read and
+checked before anything changes: an error on any rank makes every rank raise with the
+optimizer, the params and the scheduler untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..comm import all_gather_into, all_reduce_max
+from .config import LoadConfig
+from .format import MASTER, CheckpointMeta, GroupRecord, decode_value
+from .optimizer_state import build_state_dict, merge_group_records
+from .reader import CheckpointReader
+from .reshard import GroupReadPlan, _resolve
+from .rng import restore_rng
+
+__all__ = ["LoadResult", "load_checkpoint", "load_flat_params"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What ``load_checkpoint`` loaded.
+
+    Attributes:
+        tag: the checkpoint's tag.
+        path: its directory.
+        saved_world_size: ranks it was saved by.
+        resharded: whether its layout differs from the optimizer's (another world size,
+            bucket size or param set), so shards were remapped.
+        step: the optimizer step it was saved at (from the inner optimizer's ``step``),
+            or None.
+        extra: the client state passed to ``save_checkpoint(extra=...)``.
+        elements_read: elements this rank read, summed over master and states.
+        seconds: wall-clock seconds of the load on this rank.
+    """
+
+    tag: str
+    path: Path
+    saved_world_size: int
+    resharded: bool
+    step: int | None
+    extra: Any
+    elements_read: int
+    seconds: float
+
+
+def _all_ok(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
+    if all_reduce_max(int(error is not None), group) == 0:
+        return
+    if error is not None:
+        raise error
+    raise ValueError(
+        "loading the checkpoint failed on another rank (see its error); nothing was changed"
+    )
+
+
+def _group_sources(
+    reader: CheckpointReader, layout: Any, rename: Callable[[str], str] | Mapping[str, str] | None
+) -> list[list[int]]:
+    """Per new group, the saved groups its params come from (the same on every rank)."""
+    out = []
+    for gl in layout.groups:
+        found = {
+            reader.index[n].group
+            for n in (_resolve(s.spec.name, rename) for s in gl.slots)
+            if n in reader.index
+        }
+        out.append(sorted(found))
+    return out
+
+
+def _current_inner_state(optimizer: Any, gi: int) -> dict[str, torch.Tensor]:
+    state = optimizer.state_dict()["optimizer"]["state"].get(gi, {})
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+
+
+def _read_group(
+    reader: CheckpointReader,
+    plan: GroupReadPlan,
+    record: GroupRecord | None,
+    current_master: torch.Tensor,
+    current_state: dict[str, torch.Tensor],
+    config: LoadConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """This rank's new master and state shards of one group; elements read."""
+    states = record.states if record is not None else (MASTER,)
+    if not config.load_optimizer_states:
+        states = (MASTER,)
+    out: dict[str, torch.Tensor] = {}
+    read = 0
+    for state in states:
+        tensor = reader.read(plan, state)
+        read += sum(c.numel for c in plan.copies)
+        for _name, start, numel in plan.missing:  # strict=False: keep what is there
+            if state == MASTER:
+                tensor[start : start + numel].copy_(current_master[start : start + numel])
+            elif state in current_state:
+                tensor[start : start + numel].copy_(current_state[state][start : start + numel])
+        out[state] = tensor
+    master = out.pop(MASTER)
+    return master, out, read
+
+
+def load_checkpoint(
+    directory: str | Path,
+    optimizer: Any,
+    tag: str | None = None,
+    *,
+    scheduler: Any = None,
+    model: torch.nn.Module | None = None,
+    rename: Callable[[str], str] | Mapping[str, str] | None = None,
+    config: LoadConfig | None = None,
+) -> LoadResult:
+    """Load a checkpoint saved at any world size into ``optimizer`` (and its params).
+
+    Collective: call on every rank of the optimizer's process group. Params are matched
+    by name (``rename`` maps the optimizer's names to the checkpoint's), never by order.
+
+    Args:
+        directory: the checkpoint directory (or a checkpoint itself).
+        optimizer: a ``ZeroOptimizer``; its master shards, inner state and params are set.
+        tag: which checkpoint; ``None`` follows ``directory/latest``.
+        scheduler: an LR scheduler to restore (``load_state_dict``).
+        model: the model, to restore its frozen params and buffers saved with
+            ``save_checkpoint(model=...)``.
+        rename: new param name -> name in the checkpoint (a function or a dict).
+        config: ``LoadConfig`` (strictness, what to restore, verification).
+
+    Returns:
+        ``LoadResult`` with the tag, whether shards were remapped and the client state.
+
+    Raises:
+        ValueError: no such checkpoint, a damaged or missing file, or a checkpoint that does
+            not match the model (each error names the file or param); nothing is changed.
+    """
+    config = config or LoadConfig()
+    t0 = time.perf_counter()
+    flat = optimizer.flat
+    group = flat.process_group
+    rank, world_size = flat.rank, flat.world_size
+    layout = flat.layout
+
+    error: BaseException | None = None
+    state_dict: dict[str, Any] | None = None
+    reader: CheckpointReader | None = None
+    scheduler_state = None
+    elements = 0
+    try:
+        reader = CheckpointReader(directory, tag)
+        meta = reader.meta
+        plans = reader.plan(layout, rank, rename=rename, strict=config.strict)
+        if config.verify:
+            reader.verify(sorted({src[0] for p in plans for src in p.sources}))
+        sources = _group_sources(reader, layout, rename)
+        masters, states, records = [], [], []
+        current_masters = optimizer.state_dict()["master"]
+        for gi, plan in enumerate(plans):
+            record = merge_group_records(meta.groups, sources[gi], gi, str(reader.path))
+            master, state, read = _read_group(
+                reader,
+                plan,
+                record,
+                current_masters[gi].detach().cpu(),
+                _current_inner_state(optimizer, gi),
+                config,
+            )
+            elements += read
+            masters.append(master)
+            states.append(state)
+            records.append(record)
+        state_dict = build_state_dict(
+            optimizer,
+            masters,
+            states,
+            records,
+            meta.loss_scaler,
+            load_optimizer_states=config.load_optimizer_states,
+        )
+        if scheduler is not None and config.load_scheduler:
+            if meta.scheduler is None:
+                raise ValueError(
+                    f"{reader.path} has no scheduler state (saved without scheduler=); "
+                    "load without scheduler= or with LoadConfig(load_scheduler=False)"
+                )
+            scheduler_state = decode_value(meta.scheduler)
+        if model is not None:
+            _check_model_rest(reader, model)
+    except (ValueError, TypeError, OSError) as e:
+        error = e
+    _all_ok(error, group)
+    assert reader is not None and state_dict is not None
+    meta = reader.meta
+
+    optimizer.load_state_dict(state_dict)
+    if scheduler_state is not None:
+        scheduler.load_state_dict(scheduler_state)
+    if model is not None and meta.model_rest is not None:
+        _load_model_rest(reader, model)
+    if meta.rng and config.load_rng:
+        if meta.world_size == world_size:
+            handle = reader.handle(rank)
+            restore_rng(handle, handle.metadata() or {})
+        elif rank == 0:
+            logger.warning(
+                "checkpoint %s has RNG states of %d ranks; loading at %d ranks, RNG states "
+                "are not restored",
+                reader.path,
+                meta.world_size,
+                world_size,
+            )
+    reader.close()
+    resharded = meta.layout.digest() != layout.digest()
+    step = None
+    for g in meta.groups:
+        if "step" in g.scalars:
+            value = decode_value(g.scalars["step"])
+            step = int(value.item() if isinstance(value, torch.Tensor) else value)
+            break
+    result = LoadResult(
+        tag=reader.tag,
+        path=reader.path,
+        saved_world_size=meta.world_size,
+        resharded=resharded,
+        step=step,
+        extra=decode_value(meta.extra),
+        elements_read=elements,
+        seconds=time.perf_counter() - t0,
+    )
+    if rank == 0:
+        logger.info(
+            "loaded checkpoint %s (saved by %d ranks%s) in %.2f s",
+            reader.path,
+            meta.world_size,
+            ", resharded" if resharded else "",
+            result.seconds,
+        )
+    return result
+
+
+def _rest_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.state_dict(keep_vars=True))
+
+
+def _check_model_rest(reader: CheckpointReader, model: torch.nn.Module) -> None:
+    meta: CheckpointMeta = reader.meta
+    if meta.model_rest is None:
+        return
+    from .stfile import open_safetensors
+
+    path = reader.path / meta.model_rest
+    handle = open_safetensors(path)
+    targets = _rest_targets(model)
+    for key in list(handle.keys()):
+        target = targets.get(key)
+        if target is None:
+            continue
+        shape = tuple(handle.get_slice(key).get_shape())
+        if shape != tuple(target.shape):
+            raise ValueError(
+                f"{key} has shape {shape} in {path} but {tuple(target.shape)} in the model"
+            )
+        if target.is_meta:
+            raise ValueError(f"{key} is on the meta device; materialize the model first")
+
+
+def _load_model_rest(reader: CheckpointReader, model: torch.nn.Module) -> None:
+    from .stfile import open_safetensors
+
+    path = reader.path / reader.meta.model_rest  # type: ignore[operator]
+    handle = open_safetensors(path)
+    targets = _rest_targets(model)
+    unknown = []
+    with torch.no_grad():
+        for key in list(handle.keys()):
+            target = targets.get(key)
+            if target is None:
+                unknown.append(key)
+                continue
+            target.copy_(handle.get_tensor(key))
+    if unknown:
+        logger.warning("%s: %d saved tensors the model lacks: %s", path, len(unknown), unknown[:5])
+
+
+@torch.no_grad()
+def load_flat_params(
+    flat: Any,
+    directory: str | Path,
+    tag: str | None = None,
+    *,
+    rename: Callable[[str], str] | Mapping[str, str] | None = None,
+    strict: bool = True,
+) -> LoadResult:
+    """Load only the weights of a checkpoint into ``FlatParams`` (no optimizer needed).
+
+    Each rank reads its slices of the saved fp32 masters, writes them into its master
+    shard (if built) and its slice of every bucket (cast to the bucket dtype), and an
+    all-gather fills the rest of every bucket. Collective.
+    """
+    t0 = time.perf_counter()
+    error: BaseException | None = None
+    shards: list[torch.Tensor] = []
+    reader = None
+    try:
+        reader = CheckpointReader(directory, tag)
+        plans = reader.plan(flat.layout, flat.rank, rename=rename, strict=strict)
+        for group, plan in zip(flat.groups, plans, strict=True):
+            shard = torch.zeros(plan.shard_numel, dtype=torch.float32)
+            if plan.missing:
+                current = torch.cat(
+                    [group.bucket_shard(b).float().cpu() for b in range(len(group.buckets))]
+                )
+                shard.copy_(current)
+            reader.read(plan, MASTER, shard)
+            shards.append(shard)
+    except (ValueError, TypeError, OSError) as e:
+        error = e
+    _all_ok(error, flat.process_group)
+    assert reader is not None
+    elements = 0
+    for group, shard in zip(flat.groups, shards, strict=True):
+        shard = shard.to(group.device)
+        if group.master is not None:
+            group.master.copy_(shard)
+        for b, bucket in enumerate(group.layout.buckets):
+            piece = shard[bucket.shard_offset : bucket.shard_offset + bucket.slice_numel]
+            group.bucket_shard(b).copy_(piece)
+            all_gather_into(group.buckets[b], group.bucket_shard(b), flat.process_group)
+        elements += shard.numel()
+    reader.close()
+    meta = reader.meta
+    return LoadResult(
+        tag=reader.tag,
+        path=reader.path,
+        saved_world_size=meta.world_size,
+        resharded=meta.layout.digest() != flat.layout.digest(),
+        step=None,
+        extra=decode_value(meta.extra),
+        elements_read=elements,
+        seconds=time.perf_counter() - t0,
+    )

@@ -1,0 +1,135 @@
+"""Writing the files of one checkpoint: rank files, the model's rest, no collectives.
+
+``save.py`` calls these on every rank at once (each rank its own file); the DeepSpeed
+importer calls them for every rank in turn from one process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .format import FileRecord, rank_file_name
+from .stfile import SafetensorsWriter, TensorEntry
+
+__all__ = ["model_extras", "set_fault_hook", "write_rank_file", "write_tensors"]
+
+_fault_hook: Callable[[str, int], None] | None = None
+
+
+def set_fault_hook(hook: Callable[[str, int], None] | None) -> None:
+    """Test seam: call ``hook(point, rank)`` at points of a save (``"tensor_written"`` after
+    each tensor of a rank file, ``"rank_file_written"``, ``"before_publish"``) so a test can
+    kill the process there. ``None`` removes it."""
+    global _fault_hook
+    _fault_hook = hook
+
+
+def fault_point(point: str, rank: int) -> None:
+    """Run the fault hook, if any, at ``point``."""
+    if _fault_hook is not None:
+        _fault_hook(point, rank)
+
+
+def write_tensors(
+    path: Path,
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    metadata: dict[str, str],
+    *,
+    checksums: bool,
+    rank: int = -1,
+) -> FileRecord:
+    """Write ``tensors`` (in order) to a new safetensors file ``path`` and fsync it."""
+    entries = [TensorEntry(n, t.dtype, tuple(t.shape)) for n, t in tensors]
+    with SafetensorsWriter(path, entries, metadata, checksums=checksums) as writer:
+        for name, tensor in tensors:
+            writer.write(name, tensor)
+            fault_point("tensor_written", rank)
+    return FileRecord(
+        rank=rank,
+        file=path.name,
+        bytes=os.path.getsize(path),
+        tensors={
+            e.name: {
+                "dtype": str(e.dtype).removeprefix("torch."),
+                "shape": list(e.shape),
+                "crc32": writer.crc32[e.name],
+            }
+            for e in entries
+        },
+    )
+
+
+def write_rank_file(
+    directory: Path,
+    rank: int,
+    world_size: int,
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    *,
+    layout_digest: str,
+    tag: str,
+    metadata: dict[str, str] | None = None,
+    checksums: bool = True,
+) -> FileRecord:
+    """Write rank ``rank``'s file into ``directory`` (its name from ``rank_file_name``).
+
+    The file's metadata records the rank, world size, tag and layout digest, so a file
+    that strayed from another checkpoint is recognized on load.
+    """
+    meta = {
+        "format": "flatzero.rank/1",
+        "rank": str(rank),
+        "world_size": str(world_size),
+        "tag": tag,
+        "layout_digest": layout_digest,
+        **(metadata or {}),
+    }
+    path = directory / rank_file_name(rank, world_size)
+    record = write_tensors(path, tensors, meta, checksums=checksums, rank=rank)
+    fault_point("rank_file_written", rank)
+    return record
+
+
+def model_extras(
+    model: nn.Module, layout_names: dict[int, str]
+) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, str]]:
+    """What a checkpoint needs from the model besides the flattened params.
+
+    Args:
+        model: the model.
+        layout_names: ``id(param) -> name in the layout`` of every flattened param.
+
+    Returns:
+        ``(rest, model_names, aliases)``: frozen (or not optimized) params and persistent
+        buffers by name; layout name -> the model's name where they differ; second names of
+        tied params -> the model name they are stored under.
+    """
+    rest: dict[str, torch.Tensor] = {}
+    model_names: dict[str, str] = {}
+    aliases: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+            continue
+        first[id(p)] = name
+        layout_name = layout_names.get(id(p))
+        if layout_name is None:
+            rest[name] = p.detach()
+        elif layout_name != name:
+            model_names[layout_name] = name
+    persistent = set(model.state_dict(keep_vars=True).keys())
+    for name, b in model.named_buffers(remove_duplicate=False):
+        if name in persistent and b is not None:
+            rest[name] = b.detach()
+    for name, t in rest.items():
+        if t.is_meta:
+            raise ValueError(
+                f"{name} is on the meta device and has no values to save; materialize it, "
+                "or save without model="
+            )
+    return rest, model_names, aliases
