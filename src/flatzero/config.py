@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 __all__ = ["TIERS", "FlattenConfig"]
 
 TIERS = ("auto", "device", "host", "sharded", "offload", "cpu")
@@ -37,6 +39,10 @@ class FlattenConfig:
             machine's cores divided by the ranks on this node (``LOCAL_WORLD_SIZE``).
         build_master: also build this rank's fp32 master shard of every group.
         progress: show a progress bar on rank 0 when init takes more than two seconds.
+        dtype: cast every trainable param to this floating dtype (``"bfloat16"``, a
+            ``torch.dtype``, ...) as it is copied into its bucket: no separate cast pass, and
+            in the ``sharded`` tier each rank casts only its own slices. ``None`` keeps each
+            param's dtype.
     """
 
     tier: str = "auto"
@@ -47,6 +53,7 @@ class FlattenConfig:
     host_threads: int | None = None
     build_master: bool = True
     progress: bool = True
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:
@@ -59,3 +66,12 @@ class FlattenConfig:
         _check_positive_int("host_threads", self.host_threads, allow_none=True)
         if self.device is not None and not isinstance(self.device, str):
             object.__setattr__(self, "device", str(self.device))
+        if self.dtype is not None:
+            name = str(self.dtype).removeprefix("torch.")
+            dtype = getattr(torch, name, None)
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise ValueError(
+                    f"FlattenConfig.dtype is {self.dtype!r}; use a floating dtype such as "
+                    "'bfloat16', 'float16' or 'float32', or None to keep each param's dtype"
+                )
+            object.__setattr__(self, "dtype", name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -288,8 +289,11 @@ def flatten_parameters(
                     f"FlattenConfig.tier={config.tier!r} cannot read from a checkpoint; "
                     "use 'auto', 'sharded', 'host' or 'cpu'"
                 )
+        specs = [g.specs() for g in groups]
+        if config.dtype is not None:  # cast while copying into the buckets
+            specs = [[dataclasses.replace(s, dtype=config.dtype) for s in g] for g in specs]
         layout = plan_layout(
-            [g.specs() for g in groups],
+            specs,
             world_size=ws,
             bucket_numel=config.bucket_numel,
             alignment=config.alignment,
