@@ -9,6 +9,9 @@ Every method runs on the same model, alternately, in one run and one process tre
 
 Each trial builds a fresh copy of the model from a pristine host snapshot (not timed),
 times the method on every rank, checks every param still holds its values, and frees it.
+An untimed warm-up round comes first and the method order rotates between trials: on a
+virtual machine, the first touch of guest memory the host has not backed yet costs
+several times a memcpy, and whichever method came first would pay it for the others.
 The hardware limit is a plain copy of the bytes the flatten must write (the model, plus
 the fp32 master shard), measured in the same run: memcpy on the host, device-to-device
 copy on a GPU, pinned H2D when the params start in host memory and the buffers go to a GPU.
@@ -81,6 +84,7 @@ class BenchSpec:
     model: str
     dtype: str
     trials: int
+    warmup: int
     methods: tuple[str, ...]
     bucket_numel: int
     tier: str
@@ -203,11 +207,15 @@ def _rank_main(rank: int, ws: int, spec: BenchSpec) -> dict[str, Any]:
     limit_runs = [_limit(spec, must_write, threads, rank)]
     if "deepspeed" in spec.methods:
         prepare_deepspeed()  # one-off imports and warm-up, outside the timed trials
-    for _ in range(spec.trials):
-        for method in spec.methods:
+    for trial in range(spec.warmup + spec.trials):
+        # Rotate the order so no method is always the first to touch fresh memory.
+        shift = trial % len(spec.methods)
+        for method in spec.methods[shift:] + spec.methods[:shift]:
             model = _fresh_model(spec, pristine, where)
             trim_host_memory()  # every method starts from the same allocator state
-            trials.append(_time_method(method, model, spec, rank, ws))
+            result = _time_method(method, model, spec, rank, ws)
+            if trial >= spec.warmup:
+                trials.append(result)
             _check_values(model, pristine)
             del model
             trim_host_memory()
@@ -285,6 +293,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1,2")
     parser.add_argument("--trials", type=int, default=3, help="timed trials per method")
     parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed rounds of every method first (a VM backs fresh memory on first touch)",
+    )
+    parser.add_argument(
         "--methods", default=",".join(METHODS), help=f"comma-separated of {', '.join(METHODS)}"
     )
     parser.add_argument("--bucket-numel", type=int, default=FlattenConfig().bucket_numel)
@@ -318,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         trials=args.trials,
+        warmup=args.warmup,
         methods=methods,
         bucket_numel=args.bucket_numel,
         tier=args.tier,
