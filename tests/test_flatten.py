@@ -229,3 +229,32 @@ def test_world_size_mismatch_is_named():
 def test_bad_config_is_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         FlattenConfig(**kwargs)
+
+
+def test_host_threads_never_exceed_the_ranks_share_of_cores(monkeypatch):
+    import os
+
+    from flatzero.flatten.threads import cores_per_rank, host_threads
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert cores_per_rank() == max(1, cores // 8)
+    assert host_threads(FlattenConfig(), "host") == max(1, cores // 8)
+    assert host_threads(FlattenConfig(), "cpu") == 1
+    assert host_threads(FlattenConfig(host_threads=3), "cpu") == 3
+
+
+def test_thread_setting_is_restored_after_flattening():
+    before = torch.get_num_threads()
+    seen = []
+
+    class Spy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(10))
+
+    model = Spy()
+    with inject_oom(at_bucket=0, tier="device"):  # the fallback path runs inside the cap too
+        flatten_parameters(model, config=FlattenConfig(tier="device", progress=False))
+    seen.append(torch.get_num_threads())
+    assert seen == [before]

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..comm import all_reduce_max, check_same_everywhere, local_world_size, rank_of, world_size_of
+from ..comm import all_reduce_max, check_same_everywhere, rank_of, world_size_of
 from ..config import FlattenConfig
 from ..hostmem import empty_host
 from ..layout import GroupLayout, plan_layout
@@ -24,6 +22,7 @@ from ..safetensors_index import SafetensorsCheckpoint
 from .buffers import FlatGroup, FlatParams
 from .faults import allocate_bucket
 from .source import CheckpointSource, ParamSource, TensorSource
+from .threads import capped_threads, host_threads
 from .tiers import Fill, Tier, TierContext, make_tier
 
 __all__ = ["flatten_parameters"]
@@ -85,24 +84,6 @@ def _checkpoint_keys(
                 )
             keys[name] = key
     return keys
-
-
-def _host_threads(config: FlattenConfig) -> int:
-    if config.host_threads is not None:
-        return config.host_threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // local_world_size())
-
-
-@contextmanager
-def _capped_threads(threads: int) -> Iterator[None]:
-    """Run host copies with at most ``threads`` intra-op threads on this rank."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(min(before, threads))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -333,7 +314,7 @@ def flatten_parameters(
         disable=not config.progress or rank != 0,
         delay=2.0,
     )
-    with _capped_threads(_host_threads(config)), progress:
+    with capped_threads(host_threads(config, decision.tier)), progress:
         ordinal = 0
         for gl in layout.groups:
             user_group = groups[gl.group_index]
