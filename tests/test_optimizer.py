@@ -284,11 +284,21 @@ def test_accumulation_sums_micro_batches_and_zero_grad_drops_them(stage):
 
 
 def test_stage2_params_hold_no_grad_and_stage1_grads_are_views_of_one_buffer():
+    model = Net(torch.bfloat16)
+    opt = ZeroOptimizer(model.parameters(), stage=2, flatten_config=FLAT)
+    loss_fn(model, torch.randn(3, 8).bfloat16(), use_unused=True).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert opt.flat_grad_buffers == []
+    assert opt.gradient_bytes() == sum(g.nbytes for g in opt.grad_shards)  # no staging at 1
+
+    # fp32 at world size 1: autograd accumulates straight into the gradient shard.
     model = Net()
     opt = ZeroOptimizer(model.parameters(), stage=2, flatten_config=FLAT)
     loss_fn(model, torch.randn(3, 8), use_unused=True).backward()
-    assert all(p.grad is None for p in model.parameters())
-    assert opt.flat_grad_buffers == []
+    (shard,) = opt.grad_shards
+    for p in model.parameters():
+        assert p.grad.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
+    assert opt.gradient_bytes() == shard.nbytes
 
     model = Net()
     opt = ZeroOptimizer(model.parameters(), stage=1, flatten_config=FLAT)
@@ -303,11 +313,11 @@ def test_stage2_params_hold_no_grad_and_stage1_grads_are_views_of_one_buffer():
     assert model.a.weight.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
     opt.zero_grad(set_to_none=True)
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
-    assert opt.gradient_bytes() == buffer.nbytes + sum(g.nbytes for g in opt.grad_shards)
+    assert opt.gradient_bytes() == buffer.nbytes  # at world size 1 the buffer is the shard
 
 
 def test_failed_backward_is_reported_and_zero_grad_recovers():
-    model = Net()
+    model = Net(torch.bfloat16)  # bf16: stage 2 proper (fp32 at world size 1 runs in place)
     opt = ZeroOptimizer(model.parameters(), stage=2, flatten_config=FlattenConfig(progress=False))
 
     class Boom(torch.autograd.Function):
@@ -319,7 +329,7 @@ def test_failed_backward_is_reported_and_zero_grad_recovers():
         def backward(ctx, g):
             raise RuntimeError("boom")
 
-    x = torch.randn(3, 8)
+    x = torch.randn(3, 8).bfloat16()
     out = model.b(torch.tanh(model.a(x))) * model.scale
     loss = (out.sum() + Boom.apply(model.a(x)).sum()) + model.unused.sum()
     with pytest.raises(RuntimeError, match="boom"):

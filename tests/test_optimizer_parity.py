@@ -206,7 +206,7 @@ def run_mixed_reference(world_size: int, case: Case) -> Result:
     Each rank's micro-batch gradients are computed in the model's dtype exactly as that
     rank does; stage 1 accumulates them over micro-batches in the model's dtype (autograd),
     stage 2 in fp32; ranks are summed in fp32, divided by world size and loss scale,
-    clipped, and AdamW steps the fp32 masters, which are cast into the model. fp16: the
+    clipped, and (fused) AdamW steps the fp32 masters, which are cast into the model. fp16: the
     dynamic loss-scaling rule (skip on inf/nan, halve; double after ``growth_interval``).
     """
     data = batches(world_size)
@@ -219,6 +219,7 @@ def run_mixed_reference(world_size: int, case: Case) -> Result:
             for g in h.groups()
         ],
         **ADAMW,
+        fused=True,  # as ZeroOptimizer picks for AdamW: the same kernel
     )
     scale = 2.0**16 if case.dtype == "fp16" else 1.0
     good = 0

@@ -189,6 +189,8 @@ class StagingPool:
         self.created = 0
         self.peak = 0
         self.inflight: deque[InFlight] = deque()
+        self.quiet = True
+        """Growing is expected before the launch order is learned: log it at debug level."""
         self._warned = False
 
     def _new_entry(self) -> StagingEntry:
@@ -209,7 +211,9 @@ class StagingPool:
             self._finish(self.inflight.popleft())
             if self.free:
                 return self.free.pop()
-        if not self._warned:
+        if self.quiet:
+            logger.debug("staging pool grows to %d entries", self.created + 1)
+        elif not self._warned:
             self._warned = True
             logger.warning(
                 "flatzero stage 2: all %d staging buffers are held by buckets still waiting "

@@ -10,13 +10,19 @@ shape or at all params at once would silently compute something else and are ref
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "build_inner_optimizer", "check_optimizer_class"]
+__all__ = [
+    "ELEMENTWISE_OPTIMIZERS",
+    "build_inner_optimizer",
+    "check_optimizer_class",
+    "with_fused_default",
+]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
     getattr(torch.optim, name)
@@ -99,6 +105,35 @@ def check_optimizer_class(optimizer: Any, *, elementwise: bool | None = None) ->
         "optimizers. If it is elementwise, pass elementwise_optimizer=True; known ones are "
         + ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
     )
+
+
+def _fused_devices() -> tuple[str, ...]:
+    try:
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+    except ImportError:  # older or newer torch without the helper: be conservative
+        return ("cuda",)
+    return tuple(_get_fused_kernels_supported_devices())
+
+
+def with_fused_default(
+    optimizer: Any, defaults: dict[str, Any], device: torch.device
+) -> dict[str, Any]:
+    """``defaults`` plus ``fused=True`` when the optimizer has a fused kernel for ``device``
+    and the user chose no implementation (``fused``/``foreach``) and no option a fused
+    kernel refuses (``differentiable``).
+
+    The inner optimizer steps one flat tensor per group: exactly what fused kernels are
+    for. The single-tensor fallback of ``torch.optim`` allocates temporaries the size of
+    the whole shard every step (several times slower on a large flat tensor).
+    """
+    chosen = dict(getattr(optimizer, "keywords", None) or {}) | defaults
+    if any(k in chosen for k in ("fused", "foreach")) or chosen.get("differentiable"):
+        return defaults
+    if "fused" not in inspect.signature(_optimizer_class(optimizer).__init__).parameters:
+        return defaults
+    if device.type not in _fused_devices():
+        return defaults
+    return {**defaults, "fused": True}
 
 
 def build_inner_optimizer(

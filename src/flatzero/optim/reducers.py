@@ -128,6 +128,7 @@ class Stage2Reducer(GradReducer):
         self._callback_queued = False
         self._recording = config.learn_bucket_order and not self.direct
         self._order_agreed = not self._recording
+        self.pool.quiet = self._recording
         self.recorded: list[int] = []
         self._register(self._make_hook)
 
@@ -237,6 +238,7 @@ class Stage2Reducer(GradReducer):
         if self._order_agreed:
             return
         self._order_agreed = True
+        self.pool.quiet = False
         recorded = self.recorded
         if sorted(recorded) != list(range(len(self.buckets))):
             return  # no complete first backward pass was recorded: keep the default order
@@ -277,16 +279,25 @@ class Stage1Reducer(GradReducer):
     ``finish()`` reduce-scatters each bucket of the flat buffer into the fp32 gradient
     shard. The hooks only note that a backward pass happened and re-attach the view when
     autograd or the user replaced ``.grad`` by another tensor (its values are copied in).
+
+    At world size 1 an fp32 group's flat buffer *is* its gradient shard (same layout), so
+    there is nothing to copy; ``make_reducer`` uses this for stage 2 too when every group
+    is fp32 (a stage 2 at world size 1 would only add a copy of every gradient).
     """
 
     def __init__(self, flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> None:
         super().__init__(flat, grads, config)
+        self._aliased: set[int] = set()
         self.flat_grads: list[torch.Tensor] = []
         self.bucket_grads: dict[int, torch.Tensor] = {}
         self.views: list[list[torch.Tensor]] = []
         for gi, group in enumerate(flat.groups):
             layout = group.layout
-            buffer = empty_buffer(layout.numel, group.dtype, group.device).zero_()
+            if self.world_size == 1 and group.dtype == torch.float32:
+                buffer = grads[gi]  # the shard has the buckets' layout: use it in place
+                self._aliased.add(gi)
+            else:
+                buffer = empty_buffer(layout.numel, group.dtype, group.device).zero_()
             starts, cursor = [], 0
             for bucket in layout.buckets:
                 starts.append(cursor)
@@ -334,10 +345,11 @@ class Stage1Reducer(GradReducer):
         self._dirty = False
         self.generation += 1
         if self.world_size == 1:
-            torch._foreach_copy_(
-                [b.shard_view for b in self.buckets],
-                [self.bucket_grads[b.index] for b in self.buckets],
-            )
+            copies = [b for b in self.buckets if b.group not in self._aliased]
+            if copies:
+                torch._foreach_copy_(
+                    [b.shard_view for b in copies], [self.bucket_grads[b.index] for b in copies]
+                )
             return
         for index in self.order:
             bucket = self.buckets[index]
@@ -370,5 +382,9 @@ class Stage1Reducer(GradReducer):
 
 def make_reducer(flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> GradReducer:
     """The reducer of ``config.stage``."""
-    cls = Stage1Reducer if config.stage == 1 else Stage2Reducer
-    return cls(flat, grads, config)
+    in_place = world_size_of(flat.process_group) == 1 and all(
+        g.dtype == torch.float32 for g in flat.groups
+    )
+    if config.stage == 1 or in_place:
+        return Stage1Reducer(flat, grads, config)
+    return Stage2Reducer(flat, grads, config)

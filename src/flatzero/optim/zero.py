@@ -32,7 +32,7 @@ from ..config import FlattenConfig
 from ..flatten import FlatParams, flatten_parameters
 from .buckets import empty_buffer
 from .config import LossScaleConfig, ZeroConfig
-from .inner import build_inner_optimizer, check_optimizer_class
+from .inner import build_inner_optimizer, check_optimizer_class, with_fused_default
 from .norm import global_sq_norm
 from .reducers import GradReducer, make_reducer
 from .scaler import LossScaler
@@ -110,6 +110,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         elementwise_optimizer: ``True`` vouches that an optimizer class flatzero does not
             know updates each element from its own gradient and state only.
         **defaults: keyword arguments of the optimizer (``lr=...``, ``betas=...``, ...).
+            Unless they choose ``fused`` or ``foreach``, the optimizer's fused kernel is
+            used where it has one for the device (Adam, AdamW, SGD, Adagrad): it steps
+            the flat shard in one pass; pass ``fused=False`` to opt out.
 
     Attributes:
         flat: the ``FlatParams`` (buckets, layout, master shards).
@@ -179,7 +182,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             master.grad = grad
             self._masters.append(master)
         self.inner = build_inner_optimizer(
-            optimizer, self._masters, [g.options for g in flat.groups], defaults
+            optimizer,
+            self._masters,
+            [g.options for g in flat.groups],
+            with_fused_default(optimizer, defaults, flat.groups[0].device),
         )
 
         scale_config = config.loss_scale
@@ -287,17 +293,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @property
     def flat_grad_buffers(self) -> list[torch.Tensor]:
         """Stage 1: the flat gradient buffer of every group (params' ``.grad`` are views of
-        it). Stage 2: empty (gradients live only in staging buffers and the shards)."""
+        it; at world size 1 an fp32 group's buffer is its gradient shard). Stage 2: empty
+        (gradients live only in staging buffers and the shards), except at world size 1
+        with fp32 params, where stage 2 works as stage 1 (nothing to shard or reduce)."""
         return list(getattr(self._reducer, "flat_grads", []))
 
     def gradient_bytes(self) -> int:
         """Bytes of gradient storage this optimizer holds now: gradient shards, staging
         buffers and (stage 1) the flat gradient buffers."""
-        total = sum(g.nbytes for g in self._grads)
+        buffers = {t.data_ptr(): t.nbytes for t in [*self._grads, *self.flat_grad_buffers]}
         pool = self._reducer.pool
-        total += pool.created * (pool.stage_numel + pool.out_numel) * pool.dtype.itemsize
-        total += sum(b.nbytes for b in getattr(self._reducer, "flat_grads", []))
-        return total
+        return (
+            sum(buffers.values())
+            + pool.created * (pool.stage_numel + pool.out_numel) * pool.dtype.itemsize
+        )
 
     # ---------------------------------------------------------------------- the step
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
