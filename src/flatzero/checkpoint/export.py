@@ -1,0 +1,308 @@
+"""``flatzero export``: a checkpoint's consolidated weights as safetensors keyed by name.
+
+The output is what HF transformers writes (``save_pretrained``): one ``model.safetensors``,
+or ``model-00001-of-0000N.safetensors`` files of bounded size plus
+``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map":
+{name: file}}``), every file with ``{"format": "pt"}`` metadata. It loads with
+``model.load_state_dict(safetensors.torch.load_file(...))`` and with transformers'
+``from_pretrained`` (next to the model's ``config.json``).
+
+Export runs in one process and never holds more than one param in memory: each param
+is assembled from the slices of the rank files that hold it (memory-mapped), cast, and
+streamed into its output file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import EXPORT_DTYPES, ExportConfig
+from .format import MASTER
+from .reader import CheckpointReader
+from .stfile import SafetensorsWriter, TensorEntry, open_safetensors
+
+__all__ = [
+    "INDEX_NAME",
+    "ExportResult",
+    "add_export_arguments",
+    "export_checkpoint",
+    "export_main",
+    "parse_size",
+]
+
+logger = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+"""Name of the index of a sharded export (as HF transformers names it)."""
+
+SINGLE_NAME = "model.safetensors"
+"""Name of an export that fits one file."""
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What ``export_checkpoint`` wrote.
+
+    Attributes:
+        out_dir: the output directory.
+        files: the safetensors files written, in order.
+        index: the index file, or None for a single file.
+        tensors: number of tensors written.
+        total_bytes: bytes of tensor data written.
+        seconds: wall-clock seconds.
+    """
+
+    out_dir: Path
+    files: tuple[str, ...]
+    index: str | None
+    tensors: int
+    total_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Item:
+    name: str  # output name
+    source: str  # "param" | "rest"
+    key: str  # name in the checkpoint (layout name or rest key)
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+def _items(reader: CheckpointReader, config: ExportConfig) -> list[_Item]:
+    meta = reader.meta
+    items: list[_Item] = []
+    slots = [(g.group_index, s.registration_index, s) for g in meta.layout.groups for s in g.slots]
+    for _, _, slot in sorted(slots, key=lambda t: (t[0], t[1])):
+        saved = getattr(torch, slot.spec.dtype)
+        dtype = saved if config.dtype == "saved" else _DTYPES[config.dtype]
+        out = meta.model_names.get(slot.spec.name, slot.spec.name)
+        items.append(_Item(out, "param", slot.spec.name, dtype, slot.spec.shape))
+    if config.include_rest and meta.model_rest is not None:
+        handle = open_safetensors(reader.path / meta.model_rest)
+        for key in list(handle.keys()):
+            piece = handle.get_slice(key)
+            saved = _SAFE_DTYPES[piece.get_dtype()]
+            dtype = saved
+            if config.dtype != "saved" and saved.is_floating_point:
+                dtype = _DTYPES[config.dtype]
+            items.append(_Item(key, "rest", key, dtype, tuple(piece.get_shape())))
+    if config.include_tied:
+        by_name = {i.name: i for i in items}
+        for alias, target in sorted(meta.aliases.items()):
+            if target in by_name and alias not in by_name:
+                t = by_name[target]
+                items.append(_Item(alias, t.source, t.key, t.dtype, t.shape))
+    names = [i.name for i in items]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"{reader.path}: export names {dup[:4]} appear twice")
+    return items
+
+
+_SAFE_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _shard(items: list[_Item], max_bytes: int) -> list[list[_Item]]:
+    files: list[list[_Item]] = [[]]
+    size = 0
+    for item in items:
+        if files[-1] and size + item.nbytes > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(item)
+        size += item.nbytes
+    return files
+
+
+def export_checkpoint(
+    checkpoint: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    config: ExportConfig | None = None,
+    overwrite: bool = False,
+    verify: bool = False,
+) -> ExportResult:
+    """Write the consolidated weights of a checkpoint as HF-style safetensors.
+
+    Args:
+        checkpoint: a checkpoint directory (``latest`` is followed) or a checkpoint.
+        out_dir: where to write (created if needed; other files there are kept, e.g. a
+            ``config.json``).
+        tag: which checkpoint; ``None`` follows ``latest``.
+        config: dtype, file size bound, tied names, frozen params and buffers.
+        overwrite: replace existing ``model*.safetensors`` / index files in ``out_dir``.
+        verify: check the checksums of the rank files first.
+
+    Returns:
+        ``ExportResult`` naming the files.
+
+    Raises:
+        ValueError: a damaged checkpoint, or output files that exist (without
+            ``overwrite``); nothing is written then.
+    """
+    config = config or ExportConfig()
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    with CheckpointReader(checkpoint, tag) as reader:
+        if verify:
+            reader.verify()
+        items = _items(reader, config)
+        groups = _shard(items, config.max_shard_bytes)
+        n = len(groups)
+        names = (
+            [SINGLE_NAME]
+            if n == 1
+            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
+        out.mkdir(parents=True, exist_ok=True)
+        existing = [
+            p.name
+            for p in out.iterdir()
+            if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", p.name)
+        ]
+        if existing and not overwrite:
+            raise ValueError(
+                f"{out} already holds {sorted(existing)[:3]}; choose another directory or "
+                "pass overwrite=True (--overwrite)"
+            )
+        for name in existing:
+            (out / name).unlink()
+        rest = None
+        if reader.meta.model_rest is not None:
+            rest = open_safetensors(reader.path / reader.meta.model_rest)
+        weight_map: dict[str, str] = {}
+        total = 0
+        for file_name, group in zip(names, groups, strict=True):
+            tmp = out / f".tmp-{file_name}"
+            tmp.unlink(missing_ok=True)
+            entries = [TensorEntry(i.name, i.dtype, i.shape) for i in group]
+            metadata = {"format": "pt", "source": f"flatzero checkpoint {reader.tag}"}
+            with SafetensorsWriter(tmp, entries, metadata, checksums=False) as writer:
+                for item in group:
+                    if item.source == "param":
+                        tensor = reader.read_param(item.key, MASTER)
+                    else:
+                        assert rest is not None
+                        tensor = rest.get_tensor(item.key)
+                    writer.write(item.name, tensor.to(item.dtype).contiguous())
+                    weight_map[item.name] = file_name
+                    total += item.nbytes
+            os.replace(tmp, out / file_name)
+        index = None
+        if n > 1:
+            index = INDEX_NAME
+            text = json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2
+            )
+            (out / INDEX_NAME).write_text(text + "\n", encoding="utf-8")
+    result = ExportResult(out, tuple(names), index, len(items), total, time.perf_counter() - t0)
+    logger.info(
+        "exported %d tensors (%.1f MiB) of %s into %d file(s) in %s",
+        result.tensors,
+        total / 2**20,
+        reader.path,
+        n,
+        out,
+    )
+    return result
+
+
+# ---------------------------------------------------------------------------------- CLI
+def parse_size(text: str) -> int:
+    """``"5GB"``, ``"500MiB"``, ``"1e9"`` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?i?B?)?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MiB, 1000000)")
+    value = float(m.group(1))
+    unit = (m.group(2) or "").upper().rstrip("B")
+    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    scale |= {"KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+    if unit not in scale:
+        raise argparse.ArgumentTypeError(f"unknown unit in {text!r}")
+    return max(1, int(value * scale[unit]))
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``flatzero export CHECKPOINT OUT_DIR``."""
+    parser.add_argument("checkpoint", help="checkpoint directory (its latest) or a checkpoint")
+    parser.add_argument("out_dir", help="output directory for model*.safetensors")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
+    parser.add_argument(
+        "--dtype",
+        choices=EXPORT_DTYPES,
+        default="bf16",
+        help="dtype of the weights (from the fp32 masters); 'saved': the training dtype",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=5 * 10**9,
+        help="bytes per file at most, e.g. 5GB (default), 500MiB",
+    )
+    parser.add_argument(
+        "--include-tied", action="store_true", help="also write tied params under second names"
+    )
+    parser.add_argument(
+        "--no-rest", action="store_true", help="leave out frozen params and buffers"
+    )
+    parser.add_argument("--verify", action="store_true", help="check rank file checksums first")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
+
+
+def export_main(args: argparse.Namespace) -> int:
+    """Run ``flatzero export``; returns the exit status."""
+    config = ExportConfig(
+        dtype=args.dtype,
+        max_shard_bytes=args.max_shard_size,
+        include_tied=args.include_tied,
+        include_rest=not args.no_rest,
+    )
+    try:
+        result = export_checkpoint(
+            args.checkpoint,
+            args.out_dir,
+            tag=args.tag,
+            config=config,
+            overwrite=args.overwrite,
+            verify=args.verify,
+        )
+    except ValueError as error:
+        print(f"flatzero export: error: {error}")
+        return 1
+    print(
+        f"wrote {result.tensors} tensors, {result.total_bytes / 2**20:.1f} MiB, into "
+        f"{len(result.files)} file(s) in {result.out_dir} ({result.seconds:.1f} s)"
+        + (f"; index {result.index}" if result.index else "")
+    )
+    return 0
