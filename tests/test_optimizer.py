@@ -13,7 +13,7 @@ from torch import nn
 from flatzero import FlattenConfig
 from flatzero.optim import LossScaleConfig, ZeroConfig, ZeroOptimizer
 
-FLAT = FlattenConfig(bucket_numel=300, progress=False)
+FLAT = FlattenConfig(bucket_numel=300, device="cpu", progress=False)
 
 
 class Net(nn.Module):
@@ -318,7 +318,9 @@ def test_stage2_params_hold_no_grad_and_stage1_grads_are_views_of_one_buffer():
 
 def test_failed_backward_is_reported_and_zero_grad_recovers():
     model = Net(torch.bfloat16)  # bf16: stage 2 proper (fp32 at world size 1 runs in place)
-    opt = ZeroOptimizer(model.parameters(), stage=2, flatten_config=FlattenConfig(progress=False))
+    opt = ZeroOptimizer(
+        model.parameters(), stage=2, flatten_config=FlattenConfig(device="cpu", progress=False)
+    )
 
     class Boom(torch.autograd.Function):
         @staticmethod
@@ -346,7 +348,7 @@ def test_padding_stays_zero_with_weight_decay():
     opt = ZeroOptimizer(
         model.parameters(),
         torch.optim.AdamW,
-        flatten_config=FlattenConfig(bucket_numel=100, alignment=64, progress=False),
+        flatten_config=FlattenConfig(bucket_numel=100, alignment=64, device="cpu", progress=False),
         weight_decay=0.5,
     )
     for _ in range(3):
@@ -488,7 +490,8 @@ def test_load_state_dict_refuses_other_layouts_and_changes_nothing():
     opt.step()
     good = _deep_copy_state(opt.state_dict())
     other = ZeroOptimizer(
-        Net().parameters(), flatten_config=FlattenConfig(bucket_numel=50, progress=False)
+        Net().parameters(),
+        flatten_config=FlattenConfig(bucket_numel=50, device="cpu", progress=False),
     )
     before = snapshot(other)
     with pytest.raises(ValueError, match="another layout"):

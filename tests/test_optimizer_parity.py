@@ -67,6 +67,7 @@ class Case:
     growth_interval: int = 1000
     bucket_numel: int = 4000
     reduce: str = "fp32"  # ZeroConfig.reduce_dtype
+    device: str = "cpu"  # "cuda": the GPU tests reuse this harness
 
 
 class Harness(nn.Module):
@@ -80,6 +81,7 @@ class Harness(nn.Module):
         self.lm = build_model(config, device="cpu", dtype=dtype, seed=0, tie_embeddings=True)
         self.aux = nn.Parameter(torch.linspace(-0.5, 0.5, config.hidden_size).to(dtype))
         self.lm.model.layers[0].input_layernorm.weight.requires_grad_(False)
+        self.to(case.device if case.device == "cpu" else torch.cuda.current_device())
 
     def loss(self, ids: torch.Tensor, use_aux: bool) -> torch.Tensor:
         out = self.lm(ids, labels=ids)
@@ -109,7 +111,8 @@ def batches(world_size: int) -> torch.Tensor:
 
 
 def micro_loss(h: Harness, data, case: Case, step: int, micro: int, rank: int) -> torch.Tensor:
-    loss = h.loss(data[step, micro, rank], use_aux(step, micro, rank)) / MICRO
+    ids = data[step, micro, rank].to(h.aux.device)
+    loss = h.loss(ids, use_aux(step, micro, rank)) / MICRO
     if (step, rank) in case.overflow_at and micro == 0:
         loss = loss * math.inf
     return loss
@@ -150,7 +153,9 @@ def run_zero(rank: int, world_size: int, case: Case) -> Result:
         config=ZeroConfig(
             max_grad_norm=case.clip, loss_scale=scale, reduce_dtype=DTYPES[case.reduce]
         ),
-        flatten_config=FlattenConfig(bucket_numel=case.bucket_numel, progress=False),
+        flatten_config=FlattenConfig(
+            bucket_numel=case.bucket_numel, device=case.device, progress=False
+        ),
         **ADAMW,
     )
     scales, skipped, changed = [], [], []
@@ -163,8 +168,8 @@ def run_zero(rank: int, world_size: int, case: Case) -> Result:
         changed.append(not torch.equal(before, flat_snapshot(opt)))
         skipped.append(opt.last_step_skipped)
         opt.zero_grad()
-    masters = opt.full_params()
-    params = {n: p.detach().clone() for n, p in h.named_parameters()}
+    masters = {n: m.cpu() for n, m in opt.full_params().items()}
+    params = {n: p.detach().cpu() for n, p in h.named_parameters()}
     opt.close()
     return Result(masters, params, scales, skipped, changed)
 
@@ -395,7 +400,9 @@ def _memory_checks(rank: int, world_size: int) -> dict:
         opt = ZeroOptimizer(
             h.groups(),
             stage=stage,
-            flatten_config=FlattenConfig(bucket_numel=case.bucket_numel, progress=False),
+            flatten_config=FlattenConfig(
+                bucket_numel=case.bucket_numel, device=case.device, progress=False
+            ),
         )
         h.loss(data[0, 0, rank], use_aux=True).backward()
         trainable = [p for p in h.parameters() if p.requires_grad]
@@ -436,7 +443,7 @@ def _error_checks(rank: int, world_size: int) -> dict:
         h.extra = nn.Parameter(torch.zeros(3))
     ptrs = [p.data_ptr() for p in h.parameters()]
     try:
-        ZeroOptimizer(h.parameters(), flatten_config=FlattenConfig(progress=False))
+        ZeroOptimizer(h.parameters(), flatten_config=FlattenConfig(device="cpu", progress=False))
         out["mismatch"] = "no error"
     except ValueError as e:
         out["mismatch"] = str(e)
@@ -458,7 +465,7 @@ def _error_checks(rank: int, world_size: int) -> dict:
         opt = ZeroOptimizer(
             model.groups(),
             config=ZeroConfig(max_grad_norm=1.0),
-            flatten_config=FlattenConfig(bucket_numel=bucket_numel, progress=False),
+            flatten_config=FlattenConfig(bucket_numel=bucket_numel, device="cpu", progress=False),
             lr=1e-3,
         )
         return model, opt

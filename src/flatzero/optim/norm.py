@@ -17,9 +17,10 @@ def global_sq_norm(shards: list[torch.Tensor], group: dist.ProcessGroup | None) 
     nan when any element anywhere is (which is how an fp16 overflow is detected). The
     squares are summed in float64 so that finite fp32 gradients never overflow the sum.
     """
-    device = collective_device(group)
-    norms = torch._foreach_norm(shards) if shards else []
+    distributed = world_size_of(group) > 1
+    device = collective_device(group) if distributed else shards[0].device
+    norms = torch._foreach_norm(shards)
     sq = torch.stack([n.to(device=device, dtype=torch.float64) for n in norms]).square().sum()
-    if world_size_of(group) > 1:
+    if distributed:
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
     return sq

@@ -68,6 +68,21 @@ def _group_options(params: Any) -> list[dict[str, Any]]:
     return [{}]
 
 
+def _first_param_device(params: Any) -> torch.device | None:
+    """Device of the first param in ``params`` (module, params, pairs or group dicts)."""
+    if isinstance(params, nn.Module):
+        items: list[Any] = list(params.parameters())
+    elif isinstance(params, list) and params and all(isinstance(g, dict) for g in params):
+        items = [p for g in params for p in g.get("params", [])]
+    else:
+        items = list(params)
+    for item in items:
+        tensor = item[1] if isinstance(item, tuple) else item
+        if isinstance(tensor, torch.Tensor):
+            return tensor.device
+    return None
+
+
 def _probe_optimizer(
     optimizer: Callable[..., torch.optim.Optimizer],
     options: list[dict[str, Any]],
@@ -106,7 +121,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         process_group: ranks to shard over; ``None``: the default group if
             ``torch.distributed`` is initialized, else this process alone.
         config: gradient reduction, clipping, loss scaling, ... (``ZeroConfig``).
-        flatten_config: how to flatten (bucket size, tier, ...); ``FlattenConfig()``.
+        flatten_config: how to flatten (bucket size, tier, ...); by default
+            ``FlattenConfig(device=<the params' device>)``: the params stay where they are.
         elementwise_optimizer: ``True`` vouches that an optimizer class flatzero does not
             know updates each element from its own gradient and state only.
         **defaults: keyword arguments of the optimizer (``lr=...``, ``betas=...``, ...).
@@ -164,9 +180,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"{config}/{optimizer_cls.__qualname__}/{defaults}",
                 process_group,
             )
-            flat = flatten_parameters(
-                params, process_group=process_group, config=flatten_config or FlattenConfig()
-            )
+            if flatten_config is None:
+                # Like torch.optim, leave the params where they are.
+                device = _first_param_device(params)
+                flatten_config = FlattenConfig(
+                    device=str(device) if device is not None and device.type != "meta" else None
+                )
+            flat = flatten_parameters(params, process_group=process_group, config=flatten_config)
 
         self.flat = flat
         self.config = config
