@@ -10,6 +10,7 @@ See docs/checkpoints.md.
 """
 
 from .config import ExportConfig, LoadConfig, SaveConfig
+from .export import ExportResult, export_checkpoint
 from .format import CheckpointMeta, available_tags, read_latest
 from .load import LoadResult, load_checkpoint, load_flat_params
 from .reader import CheckpointReader
@@ -19,10 +20,12 @@ __all__ = [
     "CheckpointMeta",
     "CheckpointReader",
     "ExportConfig",
+    "ExportResult",
     "LoadConfig",
     "LoadResult",
     "SaveConfig",
     "available_tags",
+    "export_checkpoint",
     "load_checkpoint",
     "load_flat_params",
     "read_latest",
