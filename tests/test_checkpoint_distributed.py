@@ -27,12 +27,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from flatzero import FlattenConfig
 from flatzero.checkpoint import (
     CheckpointReader,
+    ExportConfig,
     LoadConfig,
     SaveConfig,
+    export_checkpoint,
     load_checkpoint,
     read_latest,
     save_checkpoint,
@@ -281,6 +284,19 @@ def test_resume_at_other_world_size(reference, ws):
     assert_bitwise(out["state"], ref["state"])
     assert out["losses"] == pytest.approx(ref["losses"], rel=1e-6)
     assert_close_rel(out["final"], ref["final"], 1e-6)
+
+
+def test_export_of_the_world_size_4_checkpoint(reference, tmp_path):
+    ckpt, ref = reference
+    result = export_checkpoint(ckpt, tmp_path / "out", config=ExportConfig(dtype="fp32"))
+    state = load_file(str(tmp_path / "out" / result.files[0]))
+    with CheckpointReader(ckpt) as reader:
+        names = list(reader.index)
+    for name in names:
+        assert torch.equal(state[name].reshape(-1), ref["state"][f"{name}/master"]), name
+    model = build_model(LLAMA, device="cpu", dtype=torch.float32, seed=5, tie_embeddings=True)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert missing == ["lm_head.weight"] and unexpected == []  # tied: stored once
 
 
 # ------------------------------------------------------------------------------ errors
