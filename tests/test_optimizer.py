@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import logging
 
 import pytest
@@ -522,8 +523,26 @@ def test_load_state_dict_refuses_other_layouts_and_changes_nothing():
 
 
 def test_close_removes_the_hooks():
-    model = Net()
+    model = Net(torch.bfloat16)
     opt = ZeroOptimizer(model.parameters(), stage=2, flatten_config=FLAT)
     opt.close()
-    loss_fn(model, torch.randn(2, 8)).backward()
+    loss_fn(model, torch.randn(2, 8).bfloat16()).backward()
     assert model.a.weight.grad is not None
+
+
+def test_one_param_cannot_have_two_live_optimizers():
+    model = Net(torch.bfloat16)
+    x = torch.randn(2, 8).bfloat16()
+    first = ZeroOptimizer(model.parameters(), stage=2, flatten_config=FLAT)
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(ValueError, match="already managed by another ZeroOptimizer"):
+        ZeroOptimizer(model.parameters(), stage=2, flatten_config=FLAT)
+    assert ptrs == [p.data_ptr() for p in model.parameters()]
+    first.close()
+    second = ZeroOptimizer(model.parameters(), stage=2, flatten_config=FLAT)
+    del second
+    gc.collect()  # a collected optimizer lets go of the params and removes its hooks
+    third = ZeroOptimizer(model.parameters(), stage=2, flatten_config=FLAT)
+    loss_fn(model, x).backward()
+    third.step()
+    assert not third.last_step_skipped and all(p.grad is None for p in model.parameters())

@@ -13,8 +13,9 @@ collectives issued in different orders would mismatch or hang.
 
 from __future__ import annotations
 
-import functools
 import logging
+import weakref
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -27,9 +28,51 @@ from ..flatten.buffers import FlatParams
 from .buckets import BucketState, InFlight, StagingPool, bucket_states, empty_buffer
 from .config import ZeroConfig
 
-__all__ = ["GradReducer", "Stage1Reducer", "Stage2Reducer", "make_reducer"]
+__all__ = [
+    "GradReducer",
+    "Stage1Reducer",
+    "Stage2Reducer",
+    "check_unclaimed",
+    "make_reducer",
+]
 
 logger = logging.getLogger(__name__)
+
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+"""``id(param)`` -> (param, reducer whose hooks are on it), both weakly: two optimizers
+hooking one param would steal each other's gradients."""
+
+
+def check_unclaimed(params: Iterable[nn.Parameter]) -> None:
+    """Raise ``ValueError`` if a live, open ``ZeroOptimizer`` already manages a param."""
+    for key in [k for k, (p, o) in _OWNERS.items() if p() is None or o() is None]:
+        del _OWNERS[key]
+    for param in params:
+        entry = _OWNERS.get(id(param))
+        if entry is not None and entry[0]() is param:
+            raise ValueError(
+                "a param is already managed by another ZeroOptimizer, whose gradient hooks "
+                "would take its gradients; call close() on the old optimizer (or drop every "
+                "reference to it) before building a new one over the same params"
+            )
+
+
+def _weak_hook(owner: weakref.ref, method: str, args: tuple) -> Callable[[nn.Parameter], None]:
+    """A hook calling ``owner().method(*args, param)`` that does not keep ``owner`` alive."""
+
+    def hook(param: nn.Parameter) -> None:
+        target = owner()
+        if target is not None:
+            with torch.no_grad():
+                getattr(target, method)(*args, param)
+
+    return hook
+
+
+def _remove_handles(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 class GradReducer:
@@ -65,16 +108,21 @@ class GradReducer:
             self._finish,
         )
 
-    def _register(self, hook_for) -> None:
-        """Register ``hook_for(group, slot, bucket_state)`` on every flattened param."""
+    def _register(self, args_for: Callable[[int, int, BucketState], tuple]) -> None:
+        """Hook ``self._hook(*args_for(group, slot, bucket_state), param)`` on every
+        flattened param. The hooks hold this reducer weakly and are removed when it is
+        closed or collected; the params are claimed (see ``check_unclaimed``)."""
         by_key = {(b.group, b.bucket): b for b in self.buckets}
+        owner = weakref.ref(self)
         for gi, group in enumerate(self.flat.groups):
             for slot_index, (slot, param) in enumerate(
                 zip(group.layout.slots, group.params, strict=True)
             ):
-                state = by_key[(gi, slot.bucket)]
-                hook = hook_for(gi, slot_index, state)
+                args = args_for(gi, slot_index, by_key[(gi, slot.bucket)])
+                hook = _weak_hook(owner, "_hook", args)
                 self._handles.append(param.register_post_accumulate_grad_hook(hook))
+                _OWNERS[id(param)] = (weakref.ref(param), owner)
+        weakref.finalize(self, _remove_handles, self._handles)
 
     def _finish(self, item: InFlight) -> None:
         """Complete a reduction: wait for it and land the slice in the gradient shard."""
@@ -98,11 +146,20 @@ class GradReducer:
     def agree_order(self) -> None:
         """Called at every step before anything else; may change ``order`` (collectively)."""
 
+    def set_order(self, order: list[int] | None) -> None:
+        """Adopt a launch order agreed earlier (from a state dict); ignored unless it is a
+        permutation of the buckets. Every rank must pass the same order."""
+        if order is not None and sorted(order) == list(range(len(self.buckets))):
+            self.order = [int(i) for i in order]
+
     def close(self) -> None:
-        """Remove the hooks from the params."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        """Remove the hooks from the params and release them."""
+        _remove_handles(self._handles)
+        for group in self.flat.groups:
+            for param in group.params:
+                entry = _OWNERS.get(id(param))
+                if entry is not None and entry[1]() is self:
+                    del _OWNERS[id(param)]
 
     @property
     def staging_peak(self) -> int:
@@ -130,13 +187,11 @@ class Stage2Reducer(GradReducer):
         self._order_agreed = not self._recording
         self.pool.quiet = self._recording
         self.recorded: list[int] = []
-        self._register(self._make_hook)
+        self._register(self._hook_args)
 
-    def _make_hook(self, gi: int, slot_index: int, state: BucketState):
+    def _hook_args(self, gi: int, slot_index: int, state: BucketState) -> tuple:
         slot = self.flat.groups[gi].layout.slots[slot_index]
-        return functools.partial(
-            self._hook, state, slot_index, slot.offset, slot.end, slot.spec.shape
-        )
+        return (state, slot_index, slot.offset, slot.end, slot.spec.shape)
 
     def _hook(
         self,
@@ -233,6 +288,13 @@ class Stage2Reducer(GradReducer):
         self.backward_seen = True
         self.generation += 1
 
+    def set_order(self, order: list[int] | None) -> None:
+        super().set_order(order)
+        if order is not None and self.order == list(order):
+            self._order_agreed = True
+            self._recording = False
+            self.pool.quiet = False
+
     def agree_order(self) -> None:
         """At the first step, adopt rank 0's completion order of the first backward pass."""
         if self._order_agreed:
@@ -316,9 +378,10 @@ class Stage1Reducer(GradReducer):
                     start = starts[state.bucket]
                     self.bucket_grads[state.index] = buffer[start : start + state.numel]
         self._attach()
+        self._detached = False
         self._dirty = False
         self._clean = True
-        self._register(self._make_hook)
+        self._register(self._hook_args)
 
     def _attach(self) -> None:
         for group, views in zip(self.flat.groups, self.views, strict=True):
@@ -327,14 +390,15 @@ class Stage1Reducer(GradReducer):
                 if grad is None or grad.data_ptr() != view.data_ptr():
                     param.grad = view
 
-    def _make_hook(self, gi: int, slot_index: int, state: BucketState):
-        return functools.partial(self._hook, self.views[gi][slot_index])
+    def _hook_args(self, gi: int, slot_index: int, state: BucketState) -> tuple:
+        return (self.views[gi][slot_index],)
 
     def _hook(self, view: torch.Tensor, param: nn.Parameter) -> None:
         grad = param.grad
         if grad is not None and grad.data_ptr() != view.data_ptr():
             view.copy_(grad)
             param.grad = view
+            self._detached = True
         self.backward_seen = True
         self._dirty = True
         self._clean = False
@@ -374,7 +438,9 @@ class Stage1Reducer(GradReducer):
         if not self._clean:
             torch._foreach_zero_(self.flat_grads)
             self._clean = True
-        self._attach()
+        if self._detached:  # something replaced .grad: put every view back
+            self._attach()
+            self._detached = False
         self._dirty = False
         self.backward_seen = False
         self.generation += 1

@@ -34,7 +34,7 @@ from .buckets import empty_buffer
 from .config import LossScaleConfig, ZeroConfig
 from .inner import build_inner_optimizer, check_optimizer_class, with_fused_default
 from .norm import global_sq_norm
-from .reducers import GradReducer, make_reducer
+from .reducers import GradReducer, check_unclaimed, make_reducer
 from .scaler import LossScaler
 
 __all__ = ["STATE_DICT_FORMAT", "ZeroOptimizer"]
@@ -68,19 +68,18 @@ def _group_options(params: Any) -> list[dict[str, Any]]:
     return [{}]
 
 
-def _first_param_device(params: Any) -> torch.device | None:
-    """Device of the first param in ``params`` (module, params, pairs or group dicts)."""
+def _tensors(params: Any) -> list[torch.Tensor]:
+    """The tensors in ``params`` (module, params, pairs, group dicts or ``FlatParams``)."""
+    if isinstance(params, FlatParams):
+        return [p for g in params.groups for p in g.params]
     if isinstance(params, nn.Module):
         items: list[Any] = list(params.parameters())
     elif isinstance(params, list) and params and all(isinstance(g, dict) for g in params):
         items = [p for g in params for p in g.get("params", [])]
     else:
         items = list(params)
-    for item in items:
-        tensor = item[1] if isinstance(item, tuple) else item
-        if isinstance(tensor, torch.Tensor):
-            return tensor.device
-    return None
+    tensors = [item[1] if isinstance(item, tuple) else item for item in items]
+    return [t for t in tensors if isinstance(t, torch.Tensor)]
 
 
 def _probe_optimizer(
@@ -156,6 +155,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         optimizer_cls = check_optimizer_class(optimizer, elementwise=elementwise_optimizer)
         params = _materialize_params(params)
         _probe_optimizer(optimizer, _group_options(params), defaults)
+        check_unclaimed(t for t in _tensors(params) if isinstance(t, nn.Parameter))
 
         if isinstance(params, FlatParams):
             flat = params
@@ -182,7 +182,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
             if flatten_config is None:
                 # Like torch.optim, leave the params where they are.
-                device = _first_param_device(params)
+                tensors = _tensors(params)
+                device = tensors[0].device if tensors else None
                 flatten_config = FlattenConfig(
                     device=str(device) if device is not None and device.type != "meta" else None
                 )
@@ -598,9 +599,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 master.grad = grad
             if self._scaler is not None:
                 self._scaler.load_state_dict(state_dict["loss_scaler"])
+            self._reducer.set_order(state_dict.get("bucket_order"))
             self._end_window()
             self._write_back()
 
     def close(self) -> None:
-        """Remove the gradient hooks from the params (the optimizer is unusable after)."""
+        """Remove the gradient hooks from the params and release them, so that another
+        ``ZeroOptimizer`` may manage them; this one cannot reduce gradients after."""
         self._reducer.close()
