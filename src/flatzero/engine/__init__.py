@@ -1,0 +1,21 @@
+"""The DeepSpeed door: ``flatzero.initialize`` and its engine, for ZeRO stages 0, 1 and 2.
+
+See docs/deepspeed-door.md.
+"""
+
+from .config import EngineConfig, load_config_dict, parse_config
+from .engine import Engine, EngineInitReport
+from .initialize import initialize
+from .schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineInitReport",
+    "WarmupCosineLR",
+    "WarmupDecayLR",
+    "WarmupLR",
+    "initialize",
+    "load_config_dict",
+    "parse_config",
+]
