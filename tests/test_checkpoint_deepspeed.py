@@ -105,7 +105,7 @@ def train_deepspeed(rank: int, ws: int, ckpt: Path, dtype: str) -> list[float]:
             loss = engine(batch(step, rank, ws))
             engine.backward(loss)
             engine.step()
-        engine.save_checkpoint(str(ckpt))
+        engine.save_checkpoint(str(ckpt), client_state={"epoch": 7})
     losses = []
     for step in range(K, K + M):
         loss = engine(batch(step, rank, ws))
@@ -195,6 +195,8 @@ def test_deepspeed_zero2_resumes_at_world_size_2(runs, dtype):
     assert got["lr"] == LR and got["step"] == K
     assert got["temperature"] == pytest.approx(0.9, rel=1e-2)  # buffer restored
     assert got["extra"]["deepspeed"]["global_steps"] == K
+    assert got["extra"]["flatzero_engine"]["global_steps"] == K
+    assert got["extra"]["client_state"] == {"epoch": 7}
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

@@ -139,13 +139,19 @@ def test_missing_extra_and_misshaped_params_are_named():
         assert "(2, 8)" in str(e) and "(4, 4)" in str(e)
     else:
         raise AssertionError("shape mismatch not reported")
-    extra = plan_layout([[ParamSpec("c", (1,), "float32")]], world_size=1, bucket_numel=100)
+    two = plan_layout(
+        [[ParamSpec("a", (4, 4), "float32"), ParamSpec("z", (3,), "float32")]],
+        world_size=3,
+        bucket_numel=100,
+    )
+    only_a = plan_layout([[ParamSpec("a", (4, 4), "float32")]], world_size=1, bucket_numel=100)
     try:
-        plan_reads(index, extra, 0, rename=lambda n: n)
+        plan_reads(index_layout(two), only_a, 0)
     except ValueError as e:
-        assert "'c'" in str(e)
+        assert "1 params the model does not have" in str(e) and "'z'" in str(e)
     else:
-        raise AssertionError("missing param not reported")
+        raise AssertionError("saved param missing from the model not reported")
+    assert plan_reads(index_layout(two), only_a, 0, strict=False)[0].missing == ()
 
 
 def test_param_record_runs_bisects_segments():

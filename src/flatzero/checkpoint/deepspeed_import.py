@@ -387,6 +387,46 @@ def _rest(ds: DeepSpeedCheckpoint) -> tuple[dict[str, torch.Tensor], dict[str, s
     return rest, aliases
 
 
+ENGINE_STATE_KEY = "flatzero_engine"
+"""Key of the engine's counters in a checkpoint's ``extra`` (``flatzero.engine``'s)."""
+
+_DS_MODEL_KEYS = {
+    "module",
+    "buffer_names",
+    "optimizer",
+    "param_shapes",
+    "frozen_param_shapes",
+    "shared_params",
+    "frozen_param_fragments",
+    "lr_scheduler",
+    "data_sampler",
+    "random_ltd",
+    "sparse_tensor_module_names",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "ds_config",
+    "ds_version",
+    "checkpoint_parallel_dimensions",
+    "universal_checkpoint_info",
+}
+
+
+def _client_state(states: dict[str, Any]) -> dict[str, Any]:
+    """The ``client_state`` a DeepSpeed user passed to ``save_checkpoint`` (JSON-able
+    entries; DeepSpeed stores them beside its own keys)."""
+    out = {}
+    for key, value in states.items():
+        if key in _DS_MODEL_KEYS:
+            continue
+        encoded = _json_or_none(value, f"client_state[{key!r}]")
+        if encoded is not None or value is None:
+            out[key] = encoded
+    return out
+
+
 def _json_or_none(value: Any, what: str) -> Any:
     try:
         return encode_value(value, what)
@@ -486,7 +526,17 @@ def import_deepspeed(
                 tmp / MODEL_REST, list(rest.items()), {"format": "pt"}, checksums=checksums
             ).file
         states = ds.model_states
+        accumulation = int((states.get("ds_config") or {}).get("gradient_accumulation_steps", 1))
+        steps = int(states.get("global_steps") or 0)
         extra = {
+            # The engine's counters, under the key flatzero's Engine reads them from.
+            ENGINE_STATE_KEY: {
+                "global_steps": steps,
+                "global_samples": int(states.get("global_samples") or 0),
+                "micro_steps": steps * max(1, accumulation),
+                "skipped_steps": int(states.get("skipped_steps") or 0),
+            },
+            "client_state": _client_state(states),
             "deepspeed": {
                 "tag": ds.tag,
                 "world_size": ds.world_size,
@@ -496,7 +546,7 @@ def import_deepspeed(
                 "skipped_steps": states.get("skipped_steps"),
                 "ds_version": states.get("ds_version"),
                 "clip_grad": ds.optim_state(0).get("clip_grad"),
-            }
+            },
         }
         scheduler = states.get("lr_scheduler")
         meta = CheckpointMeta(
