@@ -11,6 +11,7 @@ optimizer, the params and the scheduler untouched.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -86,20 +87,29 @@ def _group_sources(
     return out
 
 
-def _current_inner_state(optimizer: Any, gi: int) -> dict[str, torch.Tensor]:
-    state = optimizer.state_dict()["optimizer"]["state"].get(gi, {})
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+def _current(optimizer: Any, gi: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Group ``gi``'s current master shard and per-element states, on the host."""
+    sd = optimizer.state_dict()
+    state = sd["optimizer"]["state"].get(gi, {})
+    tensors = {
+        k: v.detach().cpu() for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+    }
+    return sd["master"][gi].detach().cpu(), tensors
 
 
 def _read_group(
     reader: CheckpointReader,
     plan: GroupReadPlan,
     record: GroupRecord | None,
-    current_master: torch.Tensor,
-    current_state: dict[str, torch.Tensor],
+    current: Callable[[], tuple[torch.Tensor, dict[str, torch.Tensor]]],
     config: LoadConfig,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-    """This rank's new master and state shards of one group; elements read."""
+    """This rank's new master and state shards of one group; elements read.
+
+    ``current()`` gives the group's current master and per-element state shards (on the
+    host), needed only for params the checkpoint lacks (``strict=False``).
+    """
+    current_master, current_state = current() if plan.missing else (None, {})
     states = record.states if record is not None else (MASTER,)
     if not config.load_optimizer_states:
         states = (MASTER,)
@@ -110,6 +120,7 @@ def _read_group(
         read += sum(c.numel for c in plan.copies)
         for _name, start, numel in plan.missing:  # strict=False: keep what is there
             if state == MASTER:
+                assert current_master is not None
                 tensor[start : start + numel].copy_(current_master[start : start + numel])
             elif state in current_state:
                 tensor[start : start + numel].copy_(current_state[state][start : start + numel])
@@ -170,16 +181,10 @@ def load_checkpoint(
             reader.verify(sorted({src[0] for p in plans for src in p.sources}))
         sources = _group_sources(reader, layout, rename)
         masters, states, records = [], [], []
-        current_masters = optimizer.state_dict()["master"]
         for gi, plan in enumerate(plans):
             record = merge_group_records(meta.groups, sources[gi], gi, str(reader.path))
             master, state, read = _read_group(
-                reader,
-                plan,
-                record,
-                current_masters[gi].detach().cpu(),
-                _current_inner_state(optimizer, gi),
-                config,
+                reader, plan, record, functools.partial(_current, optimizer, gi), config
             )
             elements += read
             masters.append(master)
