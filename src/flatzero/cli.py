@@ -43,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     init_parser = bench_sub.add_parser("init", help=init_bench.__doc__.splitlines()[0])
     init_bench.add_arguments(init_parser)
     init_parser.set_defaults(run=init_bench.run)
+
+    from . import demo
+
+    demo_parser = sub.add_parser("demo", help="the DeepSpeed door end to end, in under a minute")
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(run=demo.run)
     return parser
 
 
