@@ -247,3 +247,31 @@ def test_errors_name_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"ranks \[0, 1\]"):
         import_deepspeed(tmp_path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_import_cli_with_another_world_size(runs, capsys):
+    import argparse
+
+    from flatzero.checkpoint.deepspeed_import import (
+        add_import_deepspeed_arguments,
+        import_deepspeed_main,
+    )
+
+    root, _ = runs
+    parser = argparse.ArgumentParser()
+    add_import_deepspeed_arguments(parser)
+    out = root / "fz_cli"
+    args = parser.parse_args(
+        [str(root / "ds_fp32"), str(out), "--world-size", "3", "--bucket-numel", "100"]
+    )
+    assert import_deepspeed_main(args) == 0
+    assert "wrote flatzero checkpoint" in capsys.readouterr().out
+    assert import_deepspeed_main(args) == 1  # the tag exists: an error, nothing overwritten
+    assert "already exists" in capsys.readouterr().out
+    with CheckpointReader(out) as three, CheckpointReader(root / "fz_fp32") as two:
+        assert three.meta.world_size == 3 and two.meta.world_size == 2
+        for name in two.index:
+            assert torch.equal(three.read_param(name), two.read_param(name))
+            assert torch.equal(
+                three.read_param(name, "exp_avg_sq"), two.read_param(name, "exp_avg_sq")
+            )

@@ -157,3 +157,16 @@ def test_export_loads_with_transformers(tmp_path):
     loaded = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_export_feeds_direct_load(tmp_path):
+    from flatzero.loading import load_flat
+
+    model, _, ckpt = trained_checkpoint(tmp_path)
+    out = tmp_path / "export"
+    export_checkpoint(ckpt, out, config=ExportConfig(dtype="bf16", max_shard_bytes=9000))
+    meta = build_model(LLAMA, device="meta", dtype=torch.bfloat16, tie_embeddings=True)
+    load_flat(meta, out, config=FlattenConfig(bucket_numel=1500, device="cpu", progress=False))
+    trained = dict(model.named_parameters())
+    for name, p in meta.named_parameters():
+        assert torch.equal(p.detach(), trained[name].detach()), name
