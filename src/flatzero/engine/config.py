@@ -95,6 +95,7 @@ class _Section:
         return f"{self.path}.{name}" if self.path else name
 
     def __contains__(self, name: str) -> bool:
+        self.used.add(name)  # asked about: a key this parser knows
         return name in self.data
 
     def raw(self, name: str, default: Any = _MISSING, *, auto_ok: bool = False) -> Any:
@@ -136,7 +137,9 @@ class _Section:
         if not math.isfinite(value):
             raise self.fail(name, value, "it must be finite", "write a finite number")
         if minimum is not None and value < minimum:
-            raise self.fail(name, value, f"it must be >= {minimum}", f"use a value >= {minimum}")
+            raise self.fail(
+                name, value, f"it must be >= {minimum:g}", f"use a value >= {minimum:g}"
+            )
         return float(value)
 
     def bool(self, name: str, default: bool) -> bool:
@@ -182,13 +185,14 @@ class _Section:
             raise self.fail(name, value, f"{what}, which flatzero does not implement", fix)
         self.ignored.append((self.key(name), "off; no effect"))
 
-    def finish(self, *, unknown: str) -> None:
-        """Handle keys nobody read: ``unknown="error"`` or ``"ignore"`` (listed)."""
+    def finish(self, *, unknown: str, main: tuple[str, ...] | None = None) -> None:
+        """Handle keys nobody read: ``unknown="error"`` or ``"ignore"`` (listed). An error
+        lists the known keys (or ``main`` ones, for a long list)."""
         for name in self.data:
             if name in self.used:
                 continue
             if unknown == "error":
-                known = ", ".join(sorted(self.used))
+                known = ", ".join(main) + ", ..." if main else ", ".join(sorted(self.used))
                 raise ValueError(
                     f"config key {self.key(name)!r} is not a key of {self.path!r} that "
                     f"DeepSpeed or flatzero knows (known: {known}); fix its spelling or "
@@ -672,7 +676,19 @@ def _parse_zero(top: _Section) -> ZeroSection:
         zero.no_effect(name, reason)
     for name in _STAGE3_KEYS:
         zero.no_effect(name, "stage 3 only")
-    zero.finish(unknown="error")
+    zero.finish(
+        unknown="error",
+        main=(
+            "stage",
+            "reduce_bucket_size",
+            "allgather_bucket_size",
+            "overlap_comm",
+            "contiguous_gradients",
+            "offload_optimizer",
+            "offload_param",
+            "stage3_*",
+        ),
+    )
     return ZeroSection(stage, reduce, gather, overlap, contiguous)
 
 
@@ -994,9 +1010,11 @@ def parse_config(config: Any, *, world_size: int) -> EngineConfig:
     drop_last = top.bool("dataloader_drop_last", False)
     flatzero = _parse_flatzero(top)
 
-    fix_remove = "remove it (or set enabled: false)"
     for name, what in _TOP_UNSUPPORTED.items():
-        top.refuse(name, _compile_on if name == "compile" else _enabled, what, fix_remove)
+        if name == "compile":
+            top.refuse(name, _compile_on, what, "remove it (or set deepcompile: false)")
+        else:
+            top.refuse(name, _enabled, what, "remove it (or set enabled: false)")
     top.refuse(
         "sequence_parallel_size",
         lambda v: v not in (None, 1),
