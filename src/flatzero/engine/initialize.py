@@ -211,6 +211,28 @@ def _track_step_calls(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = wrapper  # type: ignore[method-assign]
 
 
+def _is_scheduler(value: Any) -> bool:
+    return hasattr(value, "step") and hasattr(value, "optimizer")
+
+
+def _check_client_scheduler(lr_scheduler: Any, client: torch.optim.Optimizer | None) -> None:
+    """A scheduler instance must drive the client optimizer (checked before flattening)."""
+    if lr_scheduler is None:
+        return
+    if _is_scheduler(lr_scheduler):
+        if client is None or lr_scheduler.optimizer is not client:
+            raise ValueError(
+                "lr_scheduler is an instance built over another optimizer than the one passed "
+                "to flatzero.initialize; pass a function optimizer -> scheduler instead "
+                "(lr_scheduler=lambda opt: torch.optim.lr_scheduler.X(opt, ...))"
+            )
+    elif not callable(lr_scheduler):
+        raise TypeError(
+            f"lr_scheduler must be a scheduler or a function optimizer -> scheduler, got "
+            f"{type(lr_scheduler).__name__}"
+        )
+
+
 def _build_scheduler(
     lr_scheduler: Any,
     config: EngineConfig,
@@ -224,13 +246,7 @@ def _build_scheduler(
         cls = config.scheduler.scheduler_class
         kwargs = _expand_per_group(config.scheduler.kwargs(), optimizer.flat, user_groups, cls)
         return cls(optimizer, **kwargs)
-    if hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "optimizer"):
-        if client is None or lr_scheduler.optimizer is not client:
-            raise ValueError(
-                "lr_scheduler is an instance built over another optimizer than the one passed "
-                "to flatzero.initialize; pass a function optimizer -> scheduler instead "
-                "(lr_scheduler=lambda opt: torch.optim.lr_scheduler.X(opt, ...))"
-            )
+    if _is_scheduler(lr_scheduler):
         if len(optimizer.param_groups) != len(client.param_groups):
             raise ValueError(
                 f"lr_scheduler was built over {len(client.param_groups)} param groups but "
@@ -241,12 +257,7 @@ def _build_scheduler(
         lr_scheduler.optimizer = optimizer
         _track_step_calls(optimizer)
         return lr_scheduler
-    if callable(lr_scheduler):
-        return lr_scheduler(optimizer)
-    raise TypeError(
-        f"lr_scheduler must be a scheduler or a function optimizer -> scheduler, got "
-        f"{type(lr_scheduler).__name__}"
-    )
+    return lr_scheduler(optimizer)
 
 
 # ----------------------------------------------------------------------- weights
@@ -332,6 +343,29 @@ def _place_rest(
     if broadcast and world_size_of(group) > 1:
         for t in tensors:
             dist.broadcast(t, src=0, group=group)
+
+
+def _dataloader(
+    training_data: Any, collate_fn: Any, cfg: EngineConfig, rank: int, world_size: int
+) -> Any:
+    """DeepSpeed's loader: a ``DistributedSampler`` and the micro-batch size."""
+    if training_data is None:
+        return None
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = (
+        DistributedSampler(training_data, num_replicas=world_size, rank=rank)
+        if world_size > 1
+        else None
+    )
+    return DataLoader(
+        training_data,
+        batch_size=cfg.batch.micro_batch_per_gpu,
+        sampler=sampler,
+        shuffle=sampler is None,
+        collate_fn=collate_fn,
+        drop_last=cfg.dataloader_drop_last,
+    )
 
 
 # ------------------------------------------------------------------------ initialize
@@ -457,6 +491,7 @@ def initialize(
         )
     lrs = [float(g.get("lr", defaults.get("lr", 1e-3))) for g in groups]
     _probe_scheduler(cfg, lrs)
+    _check_client_scheduler(lr_scheduler, client)
     phases["config"] = time.perf_counter() - t0
 
     # Flatten.
@@ -485,6 +520,9 @@ def initialize(
             model.to_empty(device=resolve_device(flatten_cfg))
             if init_buffers is not None:
                 init_buffers(model)
+            # to_empty replaces meta params by new Parameter objects: look them up again.
+            current = dict(model.named_parameters())
+            groups = [{**g, "params": [(n, current[n]) for n, _ in g["params"]]} for g in groups]
             ckpt_dir = path
             source = "meta+flatzero checkpoint"
             flat = flatten_parameters(groups, process_group=opt_group, config=flatten_cfg)
@@ -537,27 +575,14 @@ def initialize(
         **defaults,
     )
     phases["optimizer"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    scheduler = _build_scheduler(lr_scheduler, cfg, zero_opt, client, len(groups))
-    phases["scheduler"] = time.perf_counter() - t0
-
-    dataloader = None
-    if training_data is not None:
-        from torch.utils.data import DataLoader, DistributedSampler
-
-        sampler = (
-            DistributedSampler(training_data, num_replicas=world_size, rank=rank)
-            if world_size > 1
-            else None
-        )
-        dataloader = DataLoader(
-            training_data,
-            batch_size=cfg.batch.micro_batch_per_gpu,
-            sampler=sampler,
-            shuffle=sampler is None,
-            collate_fn=collate_fn,
-            drop_last=cfg.dataloader_drop_last,
-        )
+    try:
+        t0 = time.perf_counter()
+        scheduler = _build_scheduler(lr_scheduler, cfg, zero_opt, client, len(groups))
+        phases["scheduler"] = time.perf_counter() - t0
+        dataloader = _dataloader(training_data, collate_fn, cfg, rank, world_size)
+    except BaseException:
+        zero_opt.close()  # release the params' hooks: the model stays usable
+        raise
 
     report = EngineInitReport(
         flatten=flat.report,
