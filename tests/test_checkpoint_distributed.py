@@ -155,6 +155,7 @@ def resume(ckpt: str, bucket: int, stage: int, pg=None) -> dict | None:
     model, opt, sched = make(bucket, stage, pg)
     rank = opt.rank
     result = load_checkpoint(ckpt, opt, scheduler=sched, model=model)
+    order = list(opt.state_dict()["bucket_order"])
     rng = torch.rand(4)
     state = full_state(opt)
     losses = [train_step(model, opt, sched, step) for step in range(K, K + M)]
@@ -171,6 +172,7 @@ def resume(ckpt: str, bucket: int, stage: int, pg=None) -> dict | None:
         "step": result.step,
         "rng": rng,
         "sched": sched.state_dict()["last_epoch"],
+        "order": order,
     }
 
 
@@ -189,6 +191,7 @@ def train_save_resume(rank: int, ws: int, ckpt: str) -> bytes:
         config=SaveConfig(save_rng=True),
     )
     rng = torch.rand(4)  # what a resumed run at this world size must draw next
+    order = list(opt.state_dict()["bucket_order"])
     state = full_state(opt)
     losses = [train_step(model, opt, sched, step) for step in range(K, K + M)]
     final = full_state(opt)
@@ -207,6 +210,7 @@ def train_save_resume(rank: int, ws: int, ckpt: str) -> bytes:
             "losses": losses,
             "final": final,
             "rng": rng,
+            "order": order,
             "same": same,
             "other": other,
             2: at2,
@@ -265,6 +269,7 @@ def test_resume_at_same_world_size_is_bitwise(reference):
     assert same["losses"] == ref["losses"]
     assert_bitwise(same["final"], ref["final"])
     assert torch.equal(same["rng"], ref["rng"])  # RNG states restored at the same size
+    assert same["order"] == ref["order"]  # the learned bucket launch order too
     assert same["sched"] == K + M
 
 
@@ -400,8 +405,8 @@ def test_renamed_params_and_non_strict(reference):
             if extra:
                 self.head2 = torch.nn.Parameter(torch.ones(5))
 
-    model, _, _ = make()
-    del _
+    model = build_model(LLAMA, device="cpu", dtype=torch.float32, seed=3, tie_embeddings=True)
+    model.model.layers[0].input_layernorm.weight.requires_grad_(False)
     wrapped = Wrapper(model, extra=True)
     opt = ZeroOptimizer(
         [(n, p) for n, p in wrapped.named_parameters() if p.requires_grad],
@@ -475,8 +480,11 @@ def test_killed_saves_leave_the_previous_checkpoint(tmp_path):
         run_ranks(save_then_die, 2, str(ckpt), timeout_s=20)
     assert read_latest(ckpt) == "a"
     assert not (ckpt / "b").exists()
-    # the surviving rank 0 saw the collective fail and removed the unfinished save
-    assert sorted(p.name for p in ckpt.iterdir()) == ["a", "latest"]
+    # the surviving rank 0 sees the collective fail and removes the unfinished save; had it
+    # been killed too, a .tmp-b-* directory without meta.json would remain (ignored)
+    leftovers = [p for p in ckpt.iterdir() if p.name not in ("a", "latest")]
+    assert all(p.name.startswith(".tmp-b-") for p in leftovers)
+    assert not any((p / "meta.json").exists() for p in leftovers)
 
     child = multiprocessing.get_context("fork").Process(
         target=resume_then_die_before_publish, args=(str(ckpt),)

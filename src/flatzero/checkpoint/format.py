@@ -35,12 +35,15 @@ from ..layout import Layout
 __all__ = [
     "FORMAT",
     "LATEST",
+    "MASTER",
     "META",
     "MODEL_REST",
     "TMP_PREFIX",
     "CheckpointMeta",
     "FileRecord",
     "GroupRecord",
+    "available_tags",
+    "check_tag",
     "decode_value",
     "encode_value",
     "rank_file_name",
@@ -223,6 +226,8 @@ class CheckpointMeta:
         aliases: second names of tied params -> the name they are stored under.
         source: where the checkpoint came from (``"flatzero"``, ``"deepspeed 0.19.8"``).
         versions: library versions at save time.
+        bucket_order: the order the optimizer launched its bucket reductions in (learned
+            from backward); reused only by a load into the same layout.
     """
 
     tag: str
@@ -240,6 +245,7 @@ class CheckpointMeta:
     aliases: dict[str, str] = field(default_factory=dict)
     source: str = "flatzero"
     versions: dict[str, str] = field(default_factory=dict)
+    bucket_order: list[int] | None = None
 
     @property
     def world_size(self) -> int:
@@ -268,6 +274,7 @@ class CheckpointMeta:
             "model_rest": self.model_rest,
             "model_names": self.model_names,
             "aliases": self.aliases,
+            "bucket_order": self.bucket_order,
             "files": [
                 {"rank": f.rank, "file": f.file, "bytes": f.bytes, "tensors": f.tensors}
                 for f in self.files
@@ -312,6 +319,7 @@ class CheckpointMeta:
                 aliases=dict(data.get("aliases", {})),
                 source=str(data.get("source", "flatzero")),
                 versions=dict(data.get("versions", {})),
+                bucket_order=data.get("bucket_order"),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(

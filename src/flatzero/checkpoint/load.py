@@ -196,6 +196,7 @@ def load_checkpoint(
             states,
             records,
             meta.loss_scaler,
+            bucket_order=meta.bucket_order if meta.layout.digest() == layout.digest() else None,
             load_optimizer_states=config.load_optimizer_states,
         )
         if scheduler is not None and config.load_scheduler:

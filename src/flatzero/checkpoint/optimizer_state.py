@@ -37,6 +37,7 @@ class CapturedState:
         loss_scaler: the loss scaler's state, or None.
         optimizer: the inner optimizer's class name.
         stage: the ZeRO stage.
+        bucket_order: the optimizer's bucket launch order, or None.
     """
 
     tensors: list[list[tuple[str, torch.Tensor]]]
@@ -44,6 +45,7 @@ class CapturedState:
     loss_scaler: dict[str, Any] | None
     optimizer: str
     stage: int | None
+    bucket_order: list[int] | None = None
 
     @property
     def step(self) -> int | None:
@@ -92,7 +94,15 @@ def capture_optimizer(optimizer: Any) -> CapturedState:
         tensors.append(pairs)
         groups.append(GroupRecord(tuple(n for n, _ in pairs), scalars, hyper))
     inner_cls = type(getattr(optimizer, "inner", optimizer)).__name__
-    return CapturedState(tensors, groups, sd.get("loss_scaler"), inner_cls, sd.get("stage"))
+    order = sd.get("bucket_order")
+    return CapturedState(
+        tensors,
+        groups,
+        sd.get("loss_scaler"),
+        inner_cls,
+        sd.get("stage"),
+        [int(i) for i in order] if order is not None else None,
+    )
 
 
 def merge_group_records(
@@ -142,6 +152,7 @@ def build_state_dict(
     records: Sequence[GroupRecord | None],
     loss_scaler: dict[str, Any] | None,
     *,
+    bucket_order: list[int] | None = None,
     load_optimizer_states: bool = True,
 ) -> dict[str, Any]:
     """A state dict in ``optimizer.state_dict()``'s form, for the optimizer's own layout.
@@ -151,12 +162,16 @@ def build_state_dict(
         states: per group, this rank's new per-element state shards by name.
         records: per group, the saved scalar state and hyperparameters (None: none saved).
         loss_scaler: the saved loss scaler state (None keeps the current one).
+        bucket_order: the saved bucket launch order when the layout is the same, else None
+            (the optimizer then learns its own at the next step).
         load_optimizer_states: False keeps the current inner state, hyperparameters and
             loss scaler (masters only).
     """
     current = optimizer.state_dict()
     out = dict(current)
     out["master"] = list(masters)
+    if "bucket_order" in out:
+        out["bucket_order"] = bucket_order
     if not load_optimizer_states:
         return out
     inner_state: dict[int, dict[str, Any]] = {}

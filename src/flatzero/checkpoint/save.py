@@ -239,6 +239,7 @@ def save_checkpoint(
                 model_names=model_names,
                 aliases=aliases,
                 versions=_versions(),
+                bucket_order=captured.bucket_order,
             )
             meta.write(tmp / "meta.json")
             fault_point("before_publish", rank)
