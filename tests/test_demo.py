@@ -1,0 +1,41 @@
+"""``flatzero demo`` at a small scale: trains, reloads at world size 1, plots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flatzero.cli import _parser
+from flatzero.demo import DemoSpec, run_demo
+
+
+@pytest.mark.slow
+def test_demo_small(tmp_path, capsys):
+    spec = DemoSpec(steps=8, hidden=128, experts=4, vocab=1024, trials=1, out=str(tmp_path))
+    result = run_demo(spec)
+    out = capsys.readouterr().out
+    assert result["reload_ok"]
+    losses = result["losses"]
+    assert len(losses) == 8 and losses[-1] < losses[0] * 0.9  # visibly falling
+    assert set(result["init_seconds"]) == {
+        "flatzero cpu",
+        "flatzero sharded",
+        "torch.cat",
+        "legacy cpu",
+        "flatzero.initialize",
+    }
+    assert "flatzero.initialize" in out and "ZeRO stage 2, fp32, 2 rank(s)" in out
+    assert "weights match" in out and "reloaded at world size 1" in out
+    assert (tmp_path / "demo.json").is_file()
+    assert json.loads((tmp_path / "demo.json").read_text())["reload_ok"] is True
+    if result["plot"] is not None:
+        assert (tmp_path / "demo.png").stat().st_size > 1000
+
+
+def test_demo_cli_arguments(tmp_path):
+    args = _parser().parse_args(
+        ["demo", "--steps", "3", "--world-size", "2", "--out", str(tmp_path)]
+    )
+    assert (args.command, args.steps, args.world_size, args.out) == ("demo", 3, 2, str(tmp_path))
+    assert callable(args.run)
