@@ -1,10 +1,12 @@
 """flatzero: ZeRO stage 1 and 2 for PyTorch, with initialization as fast as the hardware allows."""
 
+from .checkpoint import export_checkpoint, load_checkpoint, save_checkpoint
 from .config import TIERS, FlattenConfig
 from .engine import initialize
 from .flatten import FlatGroup, FlatParams, flatten_parameters, inject_oom
 from .layout import Layout, ParamSpec, plan_layout
 from .loading import load_flat
+from .optim import ZeroOptimizer
 from .report import InitReport
 from .safetensors_index import SafetensorsCheckpoint
 
@@ -17,11 +19,15 @@ __all__ = [
     "Layout",
     "ParamSpec",
     "SafetensorsCheckpoint",
+    "ZeroOptimizer",
+    "export_checkpoint",
     "flatten_parameters",
     "initialize",
     "inject_oom",
+    "load_checkpoint",
     "load_flat",
     "plan_layout",
+    "save_checkpoint",
 ]
 
 __version__ = "0.1.0"

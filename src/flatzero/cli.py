@@ -36,19 +36,26 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, devices and tiers").set_defaults(run=_info)
 
+    from . import demo
+    from .bench import init_bench, load_bench, step
+    from .checkpoint import deepspeed_import, export
+
+    def command(subparsers, name: str, help_text: str, add_arguments, run) -> None:
+        p = subparsers.add_parser(name, help=help_text)
+        add_arguments(p)
+        p.set_defaults(run=run)
+
+    command(sub, "demo", "the DeepSpeed door end to end, in under a minute",
+            demo.add_arguments, demo.run)  # fmt: skip
+    command(sub, "export", "consolidated safetensors weights of a checkpoint",
+            export.add_export_arguments, export.export_main)  # fmt: skip
+    command(sub, "import-deepspeed", "a DeepSpeed ZeRO-1/2 checkpoint as a flatzero checkpoint",
+            deepspeed_import.add_import_deepspeed_arguments,
+            deepspeed_import.import_deepspeed_main)  # fmt: skip
     bench = sub.add_parser("bench", help="benchmarks against baselines and hardware limits")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
-    from .bench import init_bench
-
-    init_parser = bench_sub.add_parser("init", help=init_bench.__doc__.splitlines()[0])
-    init_bench.add_arguments(init_parser)
-    init_parser.set_defaults(run=init_bench.run)
-
-    from . import demo
-
-    demo_parser = sub.add_parser("demo", help="the DeepSpeed door end to end, in under a minute")
-    demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(run=demo.run)
+    for name, module in (("init", init_bench), ("step", step), ("load", load_bench)):
+        command(bench_sub, name, module.__doc__.splitlines()[0], module.add_arguments, module.run)
     return parser
 
 
