@@ -21,8 +21,8 @@ def test_demo_small(tmp_path, capsys):
     assert set(result["init_seconds"]) == {
         "flatzero cpu",
         "flatzero sharded",
-        "torch.cat",
-        "legacy cpu",
+        "torch.cat (DeepSpeed 0.19)",
+        "CPU cat (DeepSpeed <0.19)",
         "flatzero.initialize",
     }
     assert "flatzero.initialize" in out and "ZeRO stage 2, fp32, 2 rank(s)" in out

@@ -38,6 +38,8 @@ __all__ = ["DemoSpec", "add_arguments", "run", "run_demo"]
 
 TIERS_ON_CPU = ("cpu", "sharded")
 """Flatten tiers that run without a GPU (``sharded`` all-gathers host buckets here)."""
+TORCH_CAT = "torch.cat (DeepSpeed 0.19)"
+LEGACY = "CPU cat (DeepSpeed <0.19)"
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ def _time_inits(spec: DemoSpec, rank: int, ws: int) -> dict[str, list[float]]:
     from .bench.deepspeed_runner import trim_host_memory
 
     times: dict[str, list[float]] = {}
-    methods = [f"flatzero {t}" for t in TIERS_ON_CPU] + ["torch.cat", "legacy cpu"]
+    methods = [f"flatzero {t}" for t in TIERS_ON_CPU] + [TORCH_CAT, LEGACY]
     for _ in range(spec.trials):
         for method in methods:
             model = build_model(spec.model_config(), device="cpu", dtype=torch.float32, seed=0)
@@ -140,7 +142,7 @@ def _time_inits(spec: DemoSpec, rank: int, ws: int) -> dict[str, list[float]]:
                 result: Any = flatten_parameters(model, config=config)
             else:
                 params = [[p for p in model.parameters() if p.requires_grad]]
-                baseline = flatten_torch_cat if method == "torch.cat" else flatten_legacy_cpu
+                baseline = flatten_torch_cat if method == TORCH_CAT else flatten_legacy_cpu
                 result = baseline(params, rank=rank, world_size=ws)
             times.setdefault(method, []).append(time.perf_counter() - t0)
             del model, result
@@ -222,7 +224,7 @@ def _plot(path: Path, times: dict[str, float], losses: list[float], title: str) 
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     names = list(times)
     colors = ["tab:green" if n.startswith("flatzero") else "tab:gray" for n in names]
     left.barh(names, [times[n] * 1e3 for n in names], color=colors)
@@ -267,15 +269,15 @@ def run_demo(spec: DemoSpec) -> dict[str, Any]:
     print(ranks[0]["report"])
     print()
     print(f"init of the same model on {spec.world_size} ranks (median of {spec.trials}):")
-    base = times["torch.cat"]
+    base = times[TORCH_CAT]
     for m in methods:
         if m == "flatzero.initialize":
             print(
-                f"  {m:<20} {times[m] * 1e3:8.1f} ms  {times[m] / base:5.2f}x torch.cat  "
+                f"  {m:<26} {times[m] * 1e3:8.1f} ms  {times[m] / base:5.2f}x torch.cat  "
                 "(flatten + optimizer + scheduler, one run)"
             )
             continue
-        print(f"  {m:<20} {times[m] * 1e3:8.1f} ms  {times[m] / base:5.2f}x torch.cat")
+        print(f"  {m:<26} {times[m] * 1e3:8.1f} ms  {times[m] / base:5.2f}x torch.cat")
     print(
         "  (without a GPU every method is a host memory copy; flatzero's gains, flattening on\n"
         "  the device with one bucket of extra memory and 1/N of the upload per rank, show on\n"
