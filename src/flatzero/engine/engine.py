@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import rank_of, world_size_of
+from ..comm import all_reduce_max, rank_of, world_size_of
 from ..optim import ZeroOptimizer
 from ..report import InitReport
 from .config import EngineConfig
@@ -376,11 +376,10 @@ class Engine(nn.Module):
                     save_checkpoint(save_dir, self.optimizer, tag, **kwargs)
                 except BaseException as e:
                     error = e
-            flag = torch.tensor([int(error is not None)])
-            dist.all_reduce(flag, group=self._pg)
+            failed = all_reduce_max(int(error is not None), self._pg)
             if error is not None:
                 raise error
-            if flag.item():
+            if failed:
                 raise RuntimeError("saving the checkpoint failed on rank 0 (see its error)")
         else:
             save_checkpoint(save_dir, self.optimizer, tag, **kwargs)

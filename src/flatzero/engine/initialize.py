@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import all_gather_into, rank_of, world_size_of
+from ..comm import all_gather_into, collective_device, rank_of, world_size_of
 from ..flatten import FlatParams, flatten_parameters
 from ..flatten.api import resolve_device
 from ..launch import free_port
@@ -276,10 +276,9 @@ def _sync_params(flat: FlatParams, mode: str, group: Any, replicated: bool) -> s
     if world_size_of(group) == 1 or mode == "none":
         return "nothing (one rank)" if world_size_of(group) == 1 else "none"
     if mode == "check":
-        sums = torch.stack(
-            [b.double().sum() for g in flat.groups for b in g.buckets]
-            or [torch.zeros((), dtype=torch.float64)]
-        ).cpu()
+        sums = torch.stack([b.double().sum() for g in flat.groups for b in g.buckets]).to(
+            collective_device(group)
+        )
         gathered = [torch.empty_like(sums) for _ in range(world_size_of(group))]
         dist.all_gather(gathered, sums, group=group)
         if any(not torch.equal(gathered[0], s) for s in gathered[1:]):
