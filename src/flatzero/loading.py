@@ -21,10 +21,10 @@ from .flatten.api import resolve_device
 from .params import rebind_param
 from .safetensors_index import SafetensorsCheckpoint
 
-__all__ = ["load_flat"]
+__all__ = ["load_flat", "materialize_rest"]
 
 
-def _materialize_rest(
+def materialize_rest(
     model: nn.Module,
     checkpoint: SafetensorsCheckpoint,
     key_map: Callable[[str], str],
@@ -96,7 +96,7 @@ def load_flat(
         else (SafetensorsCheckpoint(checkpoint))
     )
     mapping = key_map or (lambda name: name)
-    _materialize_rest(model, ckpt, mapping, resolve_device(config), init_buffers)
+    materialize_rest(model, ckpt, mapping, resolve_device(config), init_buffers)
     return flatten_parameters(
         model, process_group=process_group, config=config, checkpoint=ckpt, key_map=key_map
     )

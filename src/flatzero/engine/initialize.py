@@ -36,7 +36,7 @@ from ..comm import all_gather_into, collective_device, rank_of, world_size_of
 from ..flatten import FlatParams, flatten_parameters
 from ..flatten.api import resolve_device
 from ..launch import free_port
-from ..loading import _materialize_rest
+from ..loading import materialize_rest
 from ..optim import ZeroOptimizer
 from ..safetensors_index import SafetensorsCheckpoint
 from .config import EngineConfig, parse_config
@@ -528,7 +528,7 @@ def initialize(
         else:
             ckpt = SafetensorsCheckpoint(path)
             source = "meta+safetensors"
-            _materialize_rest(
+            materialize_rest(
                 model, ckpt, key_map or (lambda n: n), resolve_device(flatten_cfg), init_buffers
             )
             flat = flatten_parameters(
