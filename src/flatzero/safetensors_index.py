@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SafetensorsCheckpoint", "TensorEntry"]
+__all__ = ["SAFETENSORS_DTYPES", "SafetensorsCheckpoint", "TensorEntry"]
 
-_DTYPES = {
+SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -33,6 +33,7 @@ _DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+"""torch dtype of each safetensors dtype name."""
 _MAX_HEADER_BYTES = 100 * 2**20
 
 
@@ -84,7 +85,7 @@ def _read_header(path: Path) -> dict[str, TensorEntry]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info.get("dtype") not in _DTYPES:
+        if info.get("dtype") not in SAFETENSORS_DTYPES:
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')}")
         begin, end = info["data_offsets"]
         if base + end > size:
@@ -93,7 +94,7 @@ def _read_header(path: Path) -> dict[str, TensorEntry]:
                 f"has {size} bytes; re-download or re-export it"
             )
         entries[name] = TensorEntry(
-            path, _DTYPES[info["dtype"]], tuple(info["shape"]), base + begin, end - begin
+            path, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), base + begin, end - begin
         )
     return entries
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..safetensors_index import SAFETENSORS_DTYPES
 from .config import EXPORT_DTYPES, ExportConfig
 from .format import MASTER
 from .reader import CheckpointReader
@@ -100,7 +101,7 @@ def _items(reader: CheckpointReader, config: ExportConfig) -> list[_Item]:
         handle = open_safetensors(reader.path / meta.model_rest)
         for key in list(handle.keys()):
             piece = handle.get_slice(key)
-            saved = _SAFE_DTYPES[piece.get_dtype()]
+            saved = SAFETENSORS_DTYPES[piece.get_dtype()]
             dtype = saved
             if config.dtype != "saved" and saved.is_floating_point:
                 dtype = _DTYPES[config.dtype]
@@ -116,20 +117,6 @@ def _items(reader: CheckpointReader, config: ExportConfig) -> list[_Item]:
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"{reader.path}: export names {dup[:4]} appear twice")
     return items
-
-
-_SAFE_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 def _shard(items: list[_Item], max_bytes: int) -> list[list[_Item]]:
