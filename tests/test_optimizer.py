@@ -97,6 +97,31 @@ def test_fused_adamw_on_the_flat_shard():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+def test_fused_kernels_take_the_clip_factor_as_grad_scale():
+    from flatzero.optim.inner import takes_grad_scale
+
+    results = []
+    for kw in ({}, {"fused": False}):
+        torch.manual_seed(0)
+        model = Net()
+        opt = ZeroOptimizer(
+            model.parameters(),
+            torch.optim.AdamW,
+            config=ZeroConfig(max_grad_norm=0.05),
+            flatten_config=FLAT,
+            lr=1e-2,
+            **kw,
+        )
+        assert takes_grad_scale(opt.inner) == (not kw)
+        for _ in range(3):
+            loss_fn(model, torch.randn(4, 8)).backward()
+            opt.step()
+            assert getattr(opt.inner, "grad_scale", None) is None
+        results.append([p.detach().clone() for p in model.parameters()])
+    for p, q in zip(*results, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize(
     ("name", "reason"),
     [
@@ -292,14 +317,11 @@ def test_stage2_params_hold_no_grad_and_stage1_grads_are_views_of_one_buffer():
     assert opt.flat_grad_buffers == []
     assert opt.gradient_bytes() == sum(g.nbytes for g in opt.grad_shards)  # no staging at 1
 
-    # fp32 at world size 1: autograd accumulates straight into the gradient shard.
     model = Net()
     opt = ZeroOptimizer(model.parameters(), stage=2, flatten_config=FLAT)
     loss_fn(model, torch.randn(3, 8), use_unused=True).backward()
-    (shard,) = opt.grad_shards
-    for p in model.parameters():
-        assert p.grad.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
-    assert opt.gradient_bytes() == shard.nbytes
+    assert all(p.grad is None for p in model.parameters())
+    assert opt.gradient_bytes() == sum(g.nbytes for g in opt.grad_shards)
 
     model = Net()
     opt = ZeroOptimizer(model.parameters(), stage=1, flatten_config=FLAT)

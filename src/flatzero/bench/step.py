@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -359,6 +360,28 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _versions() -> dict[str, str]:
+    out = {"torch": torch.__version__}
+    try:
+        from importlib.metadata import version
+
+        out["deepspeed"] = version("deepspeed")
+    except Exception:  # not installed
+        pass
+    return out
+
+
 def _methods_for(
     world_size: int, stages: Sequence[int], deepspeed: bool, fused: bool
 ) -> tuple[str, ...]:
@@ -397,8 +420,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", help="also write the table (markdown) to this path")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the benchmark; print a table and one JSON line."""
+def run(args: argparse.Namespace, argv_hint: Sequence[str] | None = None) -> int:
+    """Run the benchmark; print a table and one JSON line (``argv_hint``: the arguments,
+    for the command line recorded in the markdown; ``sys.argv`` by default)."""
     from .deepspeed_runner import deepspeed_available
 
     stages = tuple(int(s) for s in args.stages.split(","))
@@ -415,6 +439,7 @@ def run(args: argparse.Namespace) -> int:
             skipped["deepspeed"] = why
     backend = "nccl" if args.device == "cuda" else "gloo"
     rows, specs, info = [], [], {}
+    load_before = os.getloadavg()
     for dtype in dtypes:
         for ws in (int(w) for w in args.world_sizes.split(",")):
             spec = StepSpec(
@@ -430,14 +455,19 @@ def run(args: argparse.Namespace) -> int:
             )
             env = {"DS_ACCELERATOR": "cpu"} if args.device == "cpu" else None
             ranks = run_ranks(_rank_main, ws, spec, backend=backend, env=env, timeout_s=3600)
-            for row in _summarize(ws, ranks, spec):
-                rows.append({"dtype": dtype, **row})
+            done = [{"dtype": dtype, **row} for row in _summarize(ws, ranks, spec)]
+            rows.extend(done)
             specs.append(asdict(spec))
+            print(f"dtype {dtype}, world size {ws}:\n{_table(done)}\n", flush=True)
             info = {"params": ranks[0]["params"], "threads_per_rank": ranks[0]["threads"]}
-    device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor()
+    load_after = os.getloadavg()
+    device = torch.cuda.get_device_name() if args.device == "cuda" else _cpu_name()
+    versions = _versions()
     header = (
         f"model {args.model}: {info['params'] / 1e6:.1f}M params; batch {args.batch} x "
-        f"{args.seq} tokens per rank; {platform.node()}, {os.cpu_count()} cpus, {device}"
+        f"{args.seq} tokens per rank; {platform.node()}: {os.cpu_count()} cpus, {device}; "
+        + ", ".join(f"{k} {v}" for k, v in versions.items())
+        + f"; 1-min load average {load_before[0]:.1f} before, {load_after[0]:.1f} after"
     )
     print(header)
     for method, why in skipped.items():
@@ -452,8 +482,10 @@ def run(args: argparse.Namespace) -> int:
         "machine": {
             "node": platform.node(),
             "cpus": os.cpu_count(),
-            "device": device or args.device,
-            "torch": torch.__version__,
+            "device": device,
+            "load_average_before": load_before,
+            "load_average_after": load_after,
+            **versions,
         },
         "model": {"name": args.model, **info},
         "specs": specs,
@@ -464,8 +496,20 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     if args.markdown:
+        if argv_hint is None:  # called from the CLI: the arguments after "step"
+            argv = sys.argv
+            argv_hint = argv[argv.index("step") + 1 :] if "step" in argv else argv[1:]
+        command = "flatzero bench step " + " ".join(argv_hint)
         with open(args.markdown, "w") as f:
-            f.write(f"{header}\n\n{table}\n")
+            f.write(
+                f"# flatzero bench step, {result['date']}\n\n"
+                f"Command: `{command}`\n\n{header}\n\n"
+                f"Each phase: the slowest rank's time, median over {args.steps} timed steps per "
+                "method (methods alternate step by step). bwd+reduce: backward with the "
+                "gradient reduction complete; step: clipping, optimizer step, parameter "
+                "all-gather, zeroing.\n\n"
+                f"{table}\n"
+            )
     print(json.dumps(result))
     return 0
 
@@ -474,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``flatzero bench step`` as a standalone entry point (``python -m flatzero.bench.step``)."""
     parser = argparse.ArgumentParser(prog="flatzero bench step", description=__doc__)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run(parser.parse_args(argv), argv)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "build_inner_optimizer",
     "check_optimizer_class",
+    "takes_grad_scale",
     "with_fused_default",
 ]
 
@@ -134,6 +135,21 @@ def with_fused_default(
     if device.type not in _fused_devices():
         return defaults
     return {**defaults, "fused": True}
+
+
+_GRAD_SCALE_STEPS = {
+    inspect.unwrap(getattr(torch.optim, name).step)
+    for name in ("Adam", "AdamW", "SGD", "Adagrad")
+    if hasattr(torch.optim, name)
+}
+
+
+def takes_grad_scale(inner: torch.optim.Optimizer) -> bool:
+    """Whether ``inner.step()`` divides the gradients by ``inner.grad_scale`` in its fused
+    kernel (torch's Adam, AdamW, SGD, Adagrad with ``fused=True`` in every group)."""
+    return inspect.unwrap(type(inner).step) in _GRAD_SCALE_STEPS and all(
+        g.get("fused") for g in inner.param_groups
+    )
 
 
 def build_inner_optimizer(

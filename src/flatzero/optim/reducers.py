@@ -300,11 +300,17 @@ class Stage2Reducer(GradReducer):
         if self._order_agreed:
             return
         self._order_agreed = True
+        self._recording = False
         self.pool.quiet = False
-        recorded = self.recorded
-        if sorted(recorded) != list(range(len(self.buckets))):
-            return  # no complete first backward pass was recorded: keep the default order
-        order = torch.tensor(recorded, dtype=torch.int64, device=collective_device(self.pg))
+        n = len(self.buckets)
+        device = collective_device(self.pg)
+        if self.rank == 0:
+            # Rank 0's first complete backward pass; the current order if none was seen.
+            valid = sorted(self.recorded) == list(range(n))
+            order = torch.tensor(self.recorded if valid else self.order, dtype=torch.int64)
+            order = order.to(device)
+        else:
+            order = torch.empty(n, dtype=torch.int64, device=device)
         src = 0 if self.pg is None else dist.get_global_rank(self.pg, 0)
         dist.broadcast(order, src=src, group=self.pg)
         self.order = order.tolist()
@@ -328,6 +334,8 @@ class Stage2Reducer(GradReducer):
             bucket.reset_backward()
             bucket.valid = False
         self.pool.trim()
+        if self._recording:
+            self.recorded.clear()  # a failed first pass: record the next one
         self.next_pos = 0
         self._callback_queued = False
         self.backward_seen = False
@@ -343,8 +351,7 @@ class Stage1Reducer(GradReducer):
     autograd or the user replaced ``.grad`` by another tensor (its values are copied in).
 
     At world size 1 an fp32 group's flat buffer *is* its gradient shard (same layout), so
-    there is nothing to copy; ``make_reducer`` uses this for stage 2 too when every group
-    is fp32 (a stage 2 at world size 1 would only add a copy of every gradient).
+    there is nothing to copy.
     """
 
     def __init__(self, flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> None:
@@ -448,9 +455,5 @@ class Stage1Reducer(GradReducer):
 
 def make_reducer(flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> GradReducer:
     """The reducer of ``config.stage``."""
-    in_place = world_size_of(flat.process_group) == 1 and all(
-        g.dtype == torch.float32 for g in flat.groups
-    )
-    if config.stage == 1 or in_place:
-        return Stage1Reducer(flat, grads, config)
-    return Stage2Reducer(flat, grads, config)
+    cls = Stage1Reducer if config.stage == 1 else Stage2Reducer
+    return cls(flat, grads, config)

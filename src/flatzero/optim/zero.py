@@ -32,7 +32,12 @@ from ..config import FlattenConfig
 from ..flatten import FlatParams, flatten_parameters
 from .buckets import empty_buffer
 from .config import LossScaleConfig, ZeroConfig
-from .inner import build_inner_optimizer, check_optimizer_class, with_fused_default
+from .inner import (
+    build_inner_optimizer,
+    check_optimizer_class,
+    takes_grad_scale,
+    with_fused_default,
+)
 from .norm import global_sq_norm
 from .reducers import GradReducer, check_unclaimed, make_reducer
 from .scaler import LossScaler
@@ -182,7 +187,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
             if flatten_config is None:
                 # Like torch.optim, leave the params where they are.
-                tensors = _tensors(params)
+                tensors = sorted(_tensors(params), key=lambda t: not t.requires_grad)
                 device = tensors[0].device if tensors else None
                 flatten_config = FlattenConfig(
                     device=str(device) if device is not None and device.type != "meta" else None
@@ -315,8 +320,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def flat_grad_buffers(self) -> list[torch.Tensor]:
         """Stage 1: the flat gradient buffer of every group (params' ``.grad`` are views of
         it; at world size 1 an fp32 group's buffer is its gradient shard). Stage 2: empty
-        (gradients live only in staging buffers and the shards), except at world size 1
-        with fp32 params, where stage 2 works as stage 1 (nothing to shard or reduce)."""
+        (gradients live only in staging buffers and the shards)."""
         return list(getattr(self._reducer, "flat_grads", []))
 
     def gradient_bytes(self) -> int:
@@ -418,9 +422,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if max_norm is not None:
                 clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)
                 coef = (clip * inv).to(device=self._grads[0].device, dtype=torch.float32)
-        if isinstance(coef, torch.Tensor) or coef != 1.0:
-            torch._foreach_mul_(self._grads, coef)
-        self.inner.step()
+        scaled = isinstance(coef, torch.Tensor) or coef != 1.0
+        if scaled and takes_grad_scale(self.inner):
+            # The fused kernel divides by grad_scale as it reads the gradient: no extra pass.
+            device = self._grads[0].device
+            scale = torch.as_tensor(coef, dtype=torch.float32, device=device).reciprocal()
+            self.inner.grad_scale = scale  # type: ignore[attr-defined]
+            try:
+                self.inner.step()
+            finally:
+                self.inner.grad_scale = None  # type: ignore[attr-defined]
+        else:
+            if scaled:
+                torch._foreach_mul_(self._grads, coef)
+            self.inner.step()
         if self._scaler is not None:
             self._scaler.update(found_inf=False)
         self._write_back()
