@@ -6,7 +6,7 @@ from .engine import initialize
 from .flatten import FlatGroup, FlatParams, flatten_parameters, inject_oom
 from .layout import Layout, ParamSpec, plan_layout
 from .loading import load_flat
-from .optim import ZeroOptimizer
+from .optim import LossScaleConfig, ZeroConfig, ZeroOptimizer
 from .report import InitReport
 from .safetensors_index import SafetensorsCheckpoint
 
@@ -17,8 +17,10 @@ __all__ = [
     "FlattenConfig",
     "InitReport",
     "Layout",
+    "LossScaleConfig",
     "ParamSpec",
     "SafetensorsCheckpoint",
+    "ZeroConfig",
     "ZeroOptimizer",
     "export_checkpoint",
     "flatten_parameters",
