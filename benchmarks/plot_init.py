@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt
 
 
 def plot(result: dict, out: str) -> None:
-    """Grouped bars: seconds per method, one group per world size, the limit as a line."""
+    """Grouped bars: seconds per method, one group per world size, the limits as lines."""
     rows = result["rows"]
     sizes = sorted({r["world_size"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -30,16 +30,25 @@ def plot(result: dict, out: str) -> None:
                 ys.append(row["wall_s"])
         bars = ax.bar(xs, ys, width, label=method)
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    styles = {"copy": "--", "first_touch": ":"}
     for j, ws in enumerate(sizes):
-        limit = result["limits"][str(ws)]["seconds"]
-        ax.hlines(limit, j - width / 2, j + 0.8 - width / 2, colors="k", linestyles="--")
+        for key, limit in result["limits"][str(ws)].items():
+            ax.hlines(
+                limit["seconds"],
+                j - width / 2,
+                j + 0.8 - width / 2,
+                colors="k",
+                linestyles=styles[key],
+                label=limit["kind"] if j == 0 else None,
+            )
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))])
     ax.set_xticklabels([f"{ws} rank(s)" for ws in sizes])
     ax.set_ylabel("init seconds (flatten + fp32 master), slowest rank")
     model = result["model"]
     ax.set_title(
         f"{result['spec']['model']}: {model['params'] / 1e9:.2f}B params, "
-        f"{result['spec']['dtype']}, {result['machine']['device']} (dashed: hardware limit)",
+        f"{result['spec']['dtype']}, {result['machine']['device']}, "
+        f"{result['spec']['settle_s']:g} s settle before each trial",
         fontsize=9,
     )
     ax.legend(fontsize=8)

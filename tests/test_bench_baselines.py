@@ -22,6 +22,7 @@ from flatzero.bench.baselines import (
 from flatzero.bench.deepspeed_runner import deepspeed_available, deepspeed_config
 from flatzero.bench.limits import (
     device_copy_seconds,
+    first_touch_seconds,
     memcpy_seconds,
     pinned_h2d_seconds,
 )
@@ -150,8 +151,8 @@ def test_limits_positive() -> None:
     # Chunked: 5 MiB + a remainder through 2 MiB buffers.
     c = memcpy_seconds((5 << 20) + 123, repeats=1, chunk_bytes=2 << 20)
     assert c.chunk_bytes == 2 << 20 and c.gbps > 0
-    f = memcpy_seconds(6 << 20, repeats=1, chunk_bytes=4 << 20, first_touch=True)
-    assert f.kind == "memcpy_first_touch" and f.gbps > 0
+    f = first_touch_seconds(6 << 20, threads=1, repeats=2, settle_s=0.0)
+    assert f.kind == "first_touch" and f.nbytes == 6 << 20 and f.repeats == 2 and f.gbps > 0
     d = device_copy_seconds(4 << 20, "cpu", repeats=1)
     assert d.kind == "memcpy" and d.gbps > 0
     if torch.cuda.is_available():

@@ -22,6 +22,8 @@ def test_bench_init_runs_every_method_and_ends_with_json(capsys, tmp_path):
     assert set(rows) == {(ws, m) for ws in (1, 3) for m in ("flatzero", "torch_cat", "legacy_cpu")}
     assert rows[(1, "flatzero")]["tier"] == "cpu"
     for r in rows.values():
-        assert r["wall_s"] > 0 and r["x_limit"] > 0
+        assert r["wall_s"] > 0 and r["x_limit"] > 0 and r["x_first_touch"] > 0
+    for ws in ("1", "3"):
+        assert {lim["kind"] for lim in result["limits"][ws].values()} == {"memcpy", "first_touch"}
     assert rows[(3, "flatzero")]["x_flatzero"] == 1.0
-    assert any("x limit" in line for line in lines)
+    assert any("x copy" in line and "x 1st touch" in line for line in lines)

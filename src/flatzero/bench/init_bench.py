@@ -15,6 +15,12 @@ several times a memcpy, and whichever method came first would pay it for the oth
 The hardware limit is a plain copy of the bytes the flatten must write (the model, plus
 the fp32 master shard), measured in the same run: memcpy on the host, device-to-device
 copy on a GPU, pinned H2D when the params start in host memory and the buffers go to a GPU.
+On the host a second limit is measured too: the first touch of that many bytes of new
+memory, which is what a new buffer costs (on a VM, an order of magnitude more than memcpy).
+
+``--settle-s`` sleeps before every trial so that every method starts from cold memory, as
+at a job's start (a VM's balloon hands freed guest pages back to the host after 2 s); by
+default trials follow each other and may reuse the memory the previous one freed.
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ class BenchSpec:
     device: str
     params_on: str
     with_lm_head: bool
+    settle_s: float
 
 
 @dataclass(frozen=True)
@@ -174,15 +181,38 @@ def _time_method(method: str, model: nn.Module, spec: BenchSpec, rank: int, ws: 
     return Trial(method, wall, cpu, peak, tier)
 
 
-def _limit(spec: BenchSpec, nbytes: int, threads: int, rank: int) -> dict[str, Any]:
+def _limits(spec: BenchSpec, nbytes: int, threads: int, rank: int) -> dict[str, dict[str, Any]]:
+    """The copy limit of ``nbytes`` and, on the host, their first touch (all ranks at once)."""
     device = _device(spec, rank)
+    results = []
+    dist.barrier()
     if device.type == "cuda" and spec.params_on in ("host", "pinned"):
-        result = limits.pinned_h2d_seconds(nbytes, device)
+        results.append(limits.pinned_h2d_seconds(nbytes, device))
     elif device.type == "cuda":
-        result = limits.device_copy_seconds(nbytes, device)
+        results.append(limits.device_copy_seconds(nbytes, device))
     else:
-        result = limits.memcpy_seconds(nbytes, threads=threads)
-    return {"kind": result.kind, "seconds": result.seconds, "gbps": result.gbps}
+        results.append(limits.memcpy_seconds(nbytes, threads=threads))
+        dist.barrier()
+        results.append(limits.first_touch_seconds(nbytes, threads=threads, repeats=1))
+    return {
+        "copy" if r.kind != "first_touch" else "first_touch": {
+            "kind": r.kind,
+            "seconds": r.seconds,
+            "gbps": r.gbps,
+        }
+        for r in results
+    }
+
+
+def _best_limits(runs: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """The fastest measurement of each limit."""
+    return {key: min((r[key] for r in runs), key=lambda x: x["seconds"]) for key in runs[0]}
+
+
+def _slowest_limits(ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each limit on the slowest rank (the ranks ran at once)."""
+    keys = ranks[0]["limits"]
+    return {key: max((r["limits"][key] for r in ranks), key=lambda x: x["seconds"]) for key in keys}
 
 
 def _rank_main(rank: int, ws: int, spec: BenchSpec) -> dict[str, Any]:
@@ -203,7 +233,7 @@ def _rank_main(rank: int, ws: int, spec: BenchSpec) -> dict[str, Any]:
     threads = cores_per_rank()  # the limit may use every core a rank may use
     where = device if spec.params_on == "device" else torch.device("cpu")
     trials: list[Trial] = []
-    limit_runs = [_limit(spec, must_write, threads, rank)]
+    limit_runs = [_limits(spec, must_write, threads, rank)]
     if "deepspeed" in spec.methods:
         prepare_deepspeed()  # one-off imports and warm-up, outside the timed trials
     for trial in range(spec.warmup + spec.trials):
@@ -212,6 +242,7 @@ def _rank_main(rank: int, ws: int, spec: BenchSpec) -> dict[str, Any]:
         for method in spec.methods[shift:] + spec.methods[:shift]:
             model = _fresh_model(spec, pristine, where)
             trim_host_memory()  # every method starts from the same allocator state
+            time.sleep(spec.settle_s)
             result = _time_method(method, model, spec, rank, ws)
             if trial >= spec.warmup:
                 trials.append(result)
@@ -220,11 +251,10 @@ def _rank_main(rank: int, ws: int, spec: BenchSpec) -> dict[str, Any]:
             trim_host_memory()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    limit_runs.append(_limit(spec, must_write, threads, rank))
-    best_limit = min(limit_runs, key=lambda r: r["seconds"])
+    limit_runs.append(_limits(spec, must_write, threads, rank))
     return {
         "trials": [asdict(t) for t in trials],
-        "limit": best_limit,
+        "limits": _best_limits(limit_runs),
         "model_bytes": model_bytes,
         "must_write_bytes": must_write,
         "params": count_params(meta),
@@ -235,7 +265,7 @@ def _rank_main(rank: int, ws: int, spec: BenchSpec) -> dict[str, Any]:
 
 def _summarize(ws: int, ranks: list[dict[str, Any]], spec: BenchSpec) -> list[dict[str, Any]]:
     """One row per method: median over trials of the slowest rank."""
-    limit_s = max(r["limit"]["seconds"] for r in ranks)
+    limits_here = _slowest_limits(ranks)
     rows = []
     for method in spec.methods:
         per_rank = [[t for t in r["trials"] if t["method"] == method] for r in ranks]
@@ -254,7 +284,12 @@ def _summarize(ws: int, ranks: list[dict[str, Any]], spec: BenchSpec) -> list[di
                 "cpu_s_per_rank": statistics.median(cpus),
                 "cpu_over_wall": statistics.median(cpus) / wall,
                 "model_gbps": ranks[0]["model_bytes"] / wall / 1e9,
-                "x_limit": wall / limit_s,
+                "x_limit": wall / limits_here["copy"]["seconds"],
+                "x_first_touch": (
+                    wall / limits_here["first_touch"]["seconds"]
+                    if "first_touch" in limits_here
+                    else None
+                ),
                 "peak_device_bytes": max(peaks) if None not in peaks else None,
             }
         )
@@ -266,22 +301,25 @@ def _summarize(ws: int, ranks: list[dict[str, Any]], spec: BenchSpec) -> list[di
 
 def _table(rows: list[dict[str, Any]], limits_by_ws: dict[int, dict[str, Any]]) -> str:
     head = (
-        f"{'ranks':>5} {'method':<11} {'tier':<8} {'time s':>8} {'GB/s':>7} {'x limit':>8} "
-        f"{'vs flatzero':>11} {'CPU s/rank':>10} {'CPU/wall':>8} {'peak dev GiB':>12}"
+        f"{'ranks':>5} {'method':<11} {'tier':<8} {'time s':>8} {'GB/s':>7} {'x copy':>7} "
+        f"{'x 1st touch':>11} {'vs flatzero':>11} {'CPU s/rank':>10} {'CPU/wall':>8} "
+        f"{'peak dev GiB':>12}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         peak = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / 2**30:.2f}"
+        touch = "-" if r["x_first_touch"] is None else f"{r['x_first_touch']:.2f}"
         lines.append(
             f"{r['world_size']:>5} {r['method']:<11} {r['tier']:<8} {r['wall_s']:>8.3f} "
-            f"{r['model_gbps']:>7.2f} {r['x_limit']:>8.2f} {r['x_flatzero']:>10.2f}x "
+            f"{r['model_gbps']:>7.2f} {r['x_limit']:>7.2f} {touch:>11} {r['x_flatzero']:>10.2f}x "
             f"{r['cpu_s_per_rank']:>10.2f} {r['cpu_over_wall']:>8.2f} {peak:>12}"
         )
-    for ws, lim in limits_by_ws.items():
-        lines.append(
-            f"limit at {ws} rank(s): {lim['kind']} of the bytes init must write, "
-            f"{lim['seconds']:.3f} s ({lim['gbps']:.2f} GB/s)"
-        )
+    for ws, by_kind in limits_by_ws.items():
+        for lim in by_kind.values():
+            lines.append(
+                f"limit at {ws} rank(s): {lim['kind']} of the bytes init must write, "
+                f"{lim['seconds']:.3f} s ({lim['gbps']:.2f} GB/s)"
+            )
     return "\n".join(lines)
 
 
@@ -312,6 +350,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the params are before init (device: on the GPU)",
     )
     parser.add_argument("--no-lm-head", action="store_true", help="base model only")
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=0.0,
+        help="seconds to sleep before every trial so each starts from cold memory, as at a "
+        "job's start (3 is enough for a VM's free page reporting); default: back to back",
+    )
     parser.add_argument("--json", help="also write the result JSON to this path")
 
 
@@ -321,6 +366,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise SystemExit(f"unknown method(s) {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    if args.settle_s < 0:
+        raise SystemExit(f"--settle-s {args.settle_s} must be >= 0")
     skipped = {}
     if "deepspeed" in methods:
         ok, why = deepspeed_available()
@@ -338,13 +385,14 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         params_on=args.params_on,
         with_lm_head=not args.no_lm_head,
+        settle_s=args.settle_s,
     )
     backend = "nccl" if spec.device == "cuda" else "gloo"
     rows, limits_by_ws, info = [], {}, {}
     for ws in (int(w) for w in args.world_sizes.split(",")):
         ranks = run_ranks(_rank_main, ws, spec, backend=backend, timeout_s=1800)
         rows.extend(_summarize(ws, ranks, spec))
-        limits_by_ws[ws] = max((r["limit"] for r in ranks), key=lambda x: x["seconds"])
+        limits_by_ws[ws] = _slowest_limits(ranks)
         info = {k: ranks[0][k] for k in ("model_bytes", "params", "tensors")}
     print(f"model {spec.model}: {info['params'] / 1e9:.3f}B params, {info['tensors']} tensors, ")
     print(f"{info['model_bytes'] / 2**30:.2f} GiB in {spec.dtype}; {platform.node()}")

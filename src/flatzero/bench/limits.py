@@ -3,13 +3,15 @@
 Every figure flatzero reports is a ratio against a limit measured alongside it:
 
 - ``memcpy_seconds``: a plain host copy (``Tensor.copy_`` between two preallocated byte
-  buffers, which torch runs as a parallel memcpy), with the thread count capped; with
-  ``first_touch=True`` into freshly allocated memory, page faults included;
+  buffers, which torch runs as a parallel memcpy), with the thread count capped;
+- ``first_touch_seconds``: a write of memory the process has never touched, page faults
+  included (the cost of any new host buffer; on a virtual machine it includes the host
+  backing the guest's pages, which can be an order of magnitude slower than memcpy);
 - ``device_copy_seconds``: a device-to-device copy on CUDA, timed with CUDA events (on the
   CPU this is ``memcpy_seconds``);
 - ``pinned_h2d_seconds``: pinned host memory to the device (``None`` without CUDA).
 
-Each one copies ``nbytes`` in chunks of at most ``chunk_bytes`` between two buffers of one
+Each copy limit moves ``nbytes`` in chunks of at most ``chunk_bytes`` between two buffers of one
 chunk each (so it never holds more than two chunks), warms up once (page faults, first-touch
 and allocator effects are excluded), then reports the best of ``repeats`` passes over all
 ``nbytes``. The source is filled before the warm-up: copying untouched pages would read the
@@ -30,6 +32,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "CopyLimit",
     "device_copy_seconds",
+    "first_touch_seconds",
     "memcpy_seconds",
     "pinned_h2d_seconds",
 ]
@@ -45,7 +48,7 @@ class CopyLimit:
     """One measured copy bandwidth.
 
     Attributes:
-        kind: ``"memcpy"``, ``"memcpy_first_touch"``, ``"device_copy"`` or ``"pinned_h2d"``.
+        kind: ``"memcpy"``, ``"first_touch"``, ``"device_copy"`` or ``"pinned_h2d"``.
         device: where the destination lives (``"cpu"``, ``"cuda:0"``, ...).
         nbytes: bytes copied per pass.
         seconds: best time of one pass over ``nbytes``, in seconds.
@@ -114,7 +117,6 @@ def memcpy_seconds(
     *,
     repeats: int = 3,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    first_touch: bool = False,
 ) -> CopyLimit:
     """Time a plain host copy of ``nbytes`` between two preallocated buffers.
 
@@ -124,10 +126,6 @@ def memcpy_seconds(
             Pass the cores per local rank to match what one rank may use.
         repeats: timed passes; the best is kept.
         chunk_bytes: bytes per copy call; at most two such buffers are allocated.
-        first_touch: copy each chunk into a newly allocated buffer instead (freed after
-            each chunk), so the time includes the kernel's page faults and zeroing: the
-            cost of writing any new buffer, such as a flat buffer or a master copy, on
-            the host. Reported as kind ``"memcpy_first_touch"``.
 
     Returns:
         The best pass in seconds, and GB/s in ``.gbps``.
@@ -137,17 +135,58 @@ def memcpy_seconds(
     chunks = _chunks(nbytes, chunk)
     src = torch.empty(chunk, dtype=torch.uint8)
     src.fill_(0x5A)
-    if first_touch:
-        run_pass = _first_touch_pass(chunks, src)
-    else:
-        run_pass = _host_pass(chunks, torch.empty(chunk, dtype=torch.uint8), src)
+    run_pass = _host_pass(chunks, torch.empty(chunk, dtype=torch.uint8), src)
     with _num_threads(threads) as used:
         seconds = _best_of(run_pass, repeats)
     del src, run_pass
-    kind = "memcpy_first_touch" if first_touch else "memcpy"
-    result = CopyLimit(kind, "cpu", nbytes, seconds, used, chunk, repeats)
-    logger.debug("%s %d B, %d threads: %.4f s, %.2f GB/s", kind, nbytes, used, seconds, result.gbps)
+    result = CopyLimit("memcpy", "cpu", nbytes, seconds, used, chunk, repeats)
+    logger.debug("memcpy %d B, %d threads: %.4f s, %.2f GB/s", nbytes, used, seconds, result.gbps)
     return result
+
+
+SETTLE_SECONDS = 3.0
+"""Seconds to wait before touching memory that must be cold: Linux's free page reporting
+(virtio-balloon) hands pages freed by the guest back to the host 2 s after they are freed,
+so a later first touch pays for the host backing them again, as at a job's start."""
+
+
+def first_touch_seconds(
+    nbytes: int,
+    threads: int | None = None,
+    *,
+    repeats: int = 2,
+    settle_s: float = SETTLE_SECONDS,
+) -> CopyLimit:
+    """Time writing ``nbytes`` into one newly allocated host buffer, page faults included.
+
+    Every new host buffer (a flat bucket, an fp32 master copy) costs this on its first
+    write: a page fault per page, the kernel zeroing it, and on a virtual machine the
+    host backing the guest page. Before each pass the process sleeps ``settle_s`` so the
+    memory freed by earlier work is cold again.
+
+    Args:
+        nbytes: bytes to write per pass (one buffer of this size is allocated per pass).
+        threads: cap on torch's intra-op threads during the write (``None``: as is).
+        repeats: passes, each on a new buffer after a settle; the best is kept.
+        settle_s: seconds to sleep before each pass (0: memory freed just before may be
+            reused warm, which measures the allocator rather than the machine).
+
+    Returns:
+        The best pass in seconds (kind ``"first_touch"``), and GB/s in ``.gbps``.
+    """
+    _validate(nbytes, repeats, nbytes)
+    if settle_s < 0:
+        raise ValueError(f"settle_s={settle_s} must be >= 0")
+    times = []
+    with _num_threads(threads) as used:
+        for _ in range(repeats):
+            time.sleep(settle_s)
+            t0 = time.perf_counter()
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            buf.fill_(0x5A)
+            times.append(time.perf_counter() - t0)
+            del buf
+    return CopyLimit("first_touch", "cpu", nbytes, min(times), used, nbytes, repeats)
 
 
 def _host_pass(chunks: list[int], dst: torch.Tensor, src: torch.Tensor) -> Callable[[], float]:
@@ -155,18 +194,6 @@ def _host_pass(chunks: list[int], dst: torch.Tensor, src: torch.Tensor) -> Calla
         t0 = time.perf_counter()
         for n in chunks:
             dst[:n].copy_(src[:n])
-        return time.perf_counter() - t0
-
-    return one_pass
-
-
-def _first_touch_pass(chunks: list[int], src: torch.Tensor) -> Callable[[], float]:
-    def one_pass() -> float:
-        t0 = time.perf_counter()
-        for n in chunks:
-            dst = torch.empty(n, dtype=torch.uint8)
-            dst.copy_(src[:n])
-            del dst
         return time.perf_counter() - t0
 
     return one_pass
