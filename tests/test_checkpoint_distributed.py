@@ -45,18 +45,8 @@ from flatzero.comm import rank_of
 from flatzero.launch import run_ranks
 from flatzero.models import LlamaConfig, build_model
 from flatzero.optim import ZeroConfig, ZeroOptimizer
+from tiny_configs import TINY_LLAMA
 
-LLAMA = LlamaConfig(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-)
 K = 3  # steps before the save
 M = 2  # steps after it
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
@@ -68,7 +58,7 @@ OTHER_BUCKET = 1100
 def make(bucket: int = BUCKET, stage: int = 2, pg=None):
     """A tiny Llama with tied embeddings and a frozen norm, two param groups, AdamW with
     clipping, and an LR schedule."""
-    model = build_model(LLAMA, device="cpu", dtype=torch.float32, seed=0, tie_embeddings=True)
+    model = build_model(TINY_LLAMA, device="cpu", dtype=torch.float32, seed=0, tie_embeddings=True)
     model.model.layers[0].input_layernorm.weight.requires_grad_(False)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
@@ -91,7 +81,7 @@ def make(bucket: int = BUCKET, stage: int = 2, pg=None):
 
 def batches() -> torch.Tensor:
     g = torch.Generator().manual_seed(1234)
-    return torch.randint(0, LLAMA.vocab_size, (K + M, GLOBAL_BATCH, SEQ), generator=g)
+    return torch.randint(0, TINY_LLAMA.vocab_size, (K + M, GLOBAL_BATCH, SEQ), generator=g)
 
 
 def train_step(model, opt, sched, step: int) -> float:
@@ -299,7 +289,7 @@ def test_export_of_the_world_size_4_checkpoint(reference, tmp_path):
         names = list(reader.index)
     for name in names:
         assert torch.equal(state[name].reshape(-1), ref["state"][f"{name}/master"]), name
-    model = build_model(LLAMA, device="cpu", dtype=torch.float32, seed=5, tie_embeddings=True)
+    model = build_model(TINY_LLAMA, device="cpu", dtype=torch.float32, seed=5, tie_embeddings=True)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert missing == ["lm_head.weight"] and unexpected == []  # tied: stored once
 
@@ -381,7 +371,7 @@ def test_file_from_another_checkpoint(damaged, tmp_path):
 
 def test_model_that_does_not_match(reference):
     ckpt, _ = reference
-    wide = LlamaConfig(**{**LLAMA.__dict__, "intermediate_size": 96})
+    wide = LlamaConfig(**{**TINY_LLAMA.__dict__, "intermediate_size": 96})
     model = build_model(wide, device="cpu", dtype=torch.float32, seed=0, tie_embeddings=True)
     opt = ZeroOptimizer(
         model.named_parameters(),
@@ -405,7 +395,7 @@ def test_renamed_params_and_non_strict(reference):
             if extra:
                 self.head2 = torch.nn.Parameter(torch.ones(5))
 
-    model = build_model(LLAMA, device="cpu", dtype=torch.float32, seed=3, tie_embeddings=True)
+    model = build_model(TINY_LLAMA, device="cpu", dtype=torch.float32, seed=3, tie_embeddings=True)
     model.model.layers[0].input_layernorm.weight.requires_grad_(False)
     wrapped = Wrapper(model, extra=True)
     opt = ZeroOptimizer(

@@ -16,24 +16,13 @@ from safetensors.torch import load_file
 from flatzero import FlattenConfig
 from flatzero.checkpoint import ExportConfig, export_checkpoint, save_checkpoint
 from flatzero.checkpoint.export import add_export_arguments, export_main, parse_size
-from flatzero.models import LlamaConfig, build_model
+from flatzero.models import build_model
 from flatzero.optim import ZeroOptimizer
-
-LLAMA = LlamaConfig(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-)
+from tiny_configs import TINY_LLAMA
 
 
 def trained_checkpoint(tmp_path, dtype=torch.bfloat16):
-    model = build_model(LLAMA, device="cpu", dtype=dtype, seed=0, tie_embeddings=True)
+    model = build_model(TINY_LLAMA, device="cpu", dtype=dtype, seed=0, tie_embeddings=True)
     model.model.norm.weight.requires_grad_(False)  # frozen: exported from the model's rest
     opt = ZeroOptimizer(
         model.named_parameters(),
@@ -41,7 +30,9 @@ def trained_checkpoint(tmp_path, dtype=torch.bfloat16):
         lr=1e-2,
         flatten_config=FlattenConfig(bucket_numel=2000, progress=False),
     )
-    ids = torch.randint(0, LLAMA.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, TINY_LLAMA.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0)
+    )
     for _ in range(2):
         model(ids, labels=ids).loss.backward()
         opt.step()
@@ -76,7 +67,7 @@ def test_export_sharded_fp32_equals_masters_and_loads(tmp_path):
     assert torch.equal(state["model.norm.weight"], model.model.norm.weight.float())
     assert "lm_head.weight" not in state  # tied: stored once, as HF does
 
-    fresh = build_model(LLAMA, device="cpu", dtype=torch.float32, seed=7, tie_embeddings=True)
+    fresh = build_model(TINY_LLAMA, device="cpu", dtype=torch.float32, seed=7, tie_embeddings=True)
     missing, unexpected = fresh.load_state_dict(state, strict=False)
     assert missing == ["lm_head.weight"] and unexpected == []
     assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
@@ -91,7 +82,7 @@ def test_export_bf16_single_file_with_tied_names(tmp_path):
     state = load_file(str(out / "model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in state.values())
     assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
-    fresh = build_model(LLAMA, device="cpu", dtype=torch.bfloat16, seed=7, tie_embeddings=True)
+    fresh = build_model(TINY_LLAMA, device="cpu", dtype=torch.bfloat16, seed=7, tie_embeddings=True)
     fresh.load_state_dict(state, strict=True)
     for name, value in masters.items():
         assert torch.equal(state[name], value.to(torch.bfloat16)), name
@@ -165,7 +156,7 @@ def test_export_feeds_direct_load(tmp_path):
     model, _, ckpt = trained_checkpoint(tmp_path)
     out = tmp_path / "export"
     export_checkpoint(ckpt, out, config=ExportConfig(dtype="bf16", max_shard_bytes=9000))
-    meta = build_model(LLAMA, device="meta", dtype=torch.bfloat16, tie_embeddings=True)
+    meta = build_model(TINY_LLAMA, device="meta", dtype=torch.bfloat16, tie_embeddings=True)
     load_flat(meta, out, config=FlattenConfig(bucket_numel=1500, device="cpu", progress=False))
     trained = dict(model.named_parameters())
     for name, p in meta.named_parameters():

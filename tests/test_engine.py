@@ -21,19 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from flatzero.launch import run_ranks
-from flatzero.models import LlamaConfig, build_model, save_model_safetensors
+from flatzero.models import build_model, save_model_safetensors
+from tiny_configs import TINY_LLAMA
 
-LLAMA = LlamaConfig(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-)
 STEPS = 6
 GAS = 2
 MICRO = 2
@@ -43,7 +33,7 @@ SCHED = {"total_num_steps": 8, "warmup_num_steps": 3, "warmup_max_lr": list(LRS)
 
 
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
-    model = build_model(LLAMA, device=device, dtype=dtype, seed=seed, tie_embeddings=True)
+    model = build_model(TINY_LLAMA, device=device, dtype=dtype, seed=seed, tie_embeddings=True)
     model.model.layers[0].input_layernorm.weight.requires_grad_(False)
     return model
 
@@ -75,7 +65,9 @@ def ds_config(stage: int, world_size: int, groups: int = 1, **extra: Any) -> dic
 def data(world_size: int) -> torch.Tensor:
     """Token ids ``[step, micro, rank, batch, seq]``, the same on every rank."""
     g = torch.Generator().manual_seed(1234)
-    return torch.randint(0, LLAMA.vocab_size, (STEPS, GAS, world_size, MICRO, SEQ), generator=g)
+    return torch.randint(
+        0, TINY_LLAMA.vocab_size, (STEPS, GAS, world_size, MICRO, SEQ), generator=g
+    )
 
 
 def train(engine, rank: int, world_size: int, steps: int = STEPS) -> list[float]:
@@ -358,7 +350,7 @@ def _meta_from_safetensors(rank: int, ws: int, root: Path) -> None:
     if rank == 0:
         save_model_safetensors(source, root / "weights.safetensors")
     dist.barrier()
-    meta = build_model(LLAMA, device="meta", dtype=torch.float32, tie_embeddings=True)
+    meta = build_model(TINY_LLAMA, device="meta", dtype=torch.float32, tie_embeddings=True)
     engine, *_ = flatzero.initialize(
         model=meta,
         config=ds_config(2, ws, bf16={"enabled": True}),

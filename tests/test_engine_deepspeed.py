@@ -15,19 +15,9 @@ import pytest
 import torch
 
 from flatzero.launch import run_ranks
-from flatzero.models import LlamaConfig, build_model
+from flatzero.models import build_model
+from tiny_configs import TINY_LLAMA
 
-LLAMA = LlamaConfig(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-)
 STEPS = 10
 
 
@@ -54,7 +44,7 @@ def ds_config(stage: int, dtype: str) -> dict:
 
 def train(engine, rank: int) -> list[float]:
     g = torch.Generator().manual_seed(7)
-    data = torch.randint(0, LLAMA.vocab_size, (2, 2, 2, 2, 12), generator=g)  # cycled
+    data = torch.randint(0, TINY_LLAMA.vocab_size, (2, 2, 2, 2, 12), generator=g)  # cycled
     losses = []
     for step in range(STEPS):
         total = 0.0
@@ -80,11 +70,11 @@ def rank_main(rank: int, world_size: int) -> dict:
     for dtype in ("fp32", "bf16"):
         for stage in (1, 2):
             torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-            model = build_model(LLAMA, device="cpu", dtype=torch_dtype, seed=0)
+            model = build_model(TINY_LLAMA, device="cpu", dtype=torch_dtype, seed=0)
             engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, dtype))
             theirs = train(engine, rank)
             release_engine(engine)
-            model = build_model(LLAMA, device="cpu", dtype=torch.float32, seed=0)
+            model = build_model(TINY_LLAMA, device="cpu", dtype=torch.float32, seed=0)
             engine, *_ = flatzero.initialize(model=model, config=ds_config(stage, dtype))
             ours = train(engine, rank)
             engine.destroy()

@@ -20,20 +20,10 @@ from torch import nn
 
 from flatzero import FlattenConfig
 from flatzero.launch import run_ranks
-from flatzero.models import LlamaConfig, Qwen3MoeConfig, build_model
+from flatzero.models import Qwen3MoeConfig, build_model
 from flatzero.optim import LossScaleConfig, ZeroConfig, ZeroOptimizer
+from tiny_configs import TINY_LLAMA
 
-LLAMA = LlamaConfig(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-)
 MOE = Qwen3MoeConfig(
     vocab_size=96,
     hidden_size=32,
@@ -77,7 +67,7 @@ class Harness(nn.Module):
     def __init__(self, case: Case) -> None:
         super().__init__()
         dtype = DTYPES[case.dtype]
-        config = LLAMA if case.model == "llama" else MOE
+        config = TINY_LLAMA if case.model == "llama" else MOE
         self.lm = build_model(config, device="cpu", dtype=dtype, seed=0, tie_embeddings=True)
         self.aux = nn.Parameter(torch.linspace(-0.5, 0.5, config.hidden_size).to(dtype))
         self.lm.model.layers[0].input_layernorm.weight.requires_grad_(False)
@@ -107,7 +97,9 @@ def use_aux(step: int, micro: int, rank: int) -> bool:
 def batches(world_size: int) -> torch.Tensor:
     """Token ids ``[step, micro, rank, batch, seq]``, the same on every rank."""
     g = torch.Generator().manual_seed(1234)
-    return torch.randint(0, LLAMA.vocab_size, (STEPS, MICRO, world_size, BATCH, SEQ), generator=g)
+    return torch.randint(
+        0, TINY_LLAMA.vocab_size, (STEPS, MICRO, world_size, BATCH, SEQ), generator=g
+    )
 
 
 def micro_loss(h: Harness, data, case: Case, step: int, micro: int, rank: int) -> torch.Tensor:

@@ -126,7 +126,7 @@ def _time_inits(spec: DemoSpec, rank: int, ws: int) -> dict[str, list[float]]:
     """Seconds of each init method on fresh copies of the model, ``trials`` times, each
     starting from the same allocator state."""
     from .bench.baselines import flatten_legacy_cpu, flatten_torch_cat
-    from .bench.deepspeed_runner import trim_host_memory
+    from .bench.procmem import trim_host_memory
 
     times: dict[str, list[float]] = {}
     methods = [f"flatzero {t}" for t in TIERS_ON_CPU] + [TORCH_CAT, LEGACY]

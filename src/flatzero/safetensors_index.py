@@ -11,6 +11,7 @@ memory-mapped read counts towards the reader's RSS; a ``pread`` does not).
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator
@@ -58,10 +59,7 @@ class TensorEntry:
     @property
     def numel(self) -> int:
         """Number of elements."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def _read_header(path: Path) -> dict[str, TensorEntry]:

@@ -49,8 +49,6 @@ the call through ``/proc/self/clear_refs``).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
 import io
 import logging
 import os
@@ -63,6 +61,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatzero.bench.baselines import deepspeed_partition_range
+from flatzero.bench.procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
 
 __all__ = [
     "DeepSpeedInitResult",
@@ -70,9 +69,7 @@ __all__ = [
     "deepspeed_config",
     "prepare_deepspeed",
     "release_engine",
-    "rss_bytes",
     "time_deepspeed_initialize",
-    "trim_host_memory",
 ]
 
 logger = logging.getLogger(__name__)
@@ -266,57 +263,6 @@ def deepspeed_config(
     }
 
 
-def _status_kib(key: str) -> int | None:
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def rss_bytes() -> int:
-    """Current resident set size of this process in bytes (0 where not measurable)."""
-    kib = _status_kib("VmRSS")
-    return 0 if kib is None else kib * 1024
-
-
-def _peak_rss_bytes() -> int:
-    kib = _status_kib("VmHWM")
-    if kib is not None:
-        return kib * 1024
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
-
-
-def trim_host_memory() -> None:
-    """``gc.collect()`` then glibc ``malloc_trim(0)``: hand freed heap memory back to the OS.
-
-    Call between trials of every algorithm alike, so that each starts with the allocator
-    in the same state: without it RSS after a freed trial creeps up (heap retention, not a
-    leak) and the next trial reuses already-faulted pages. A no-op beyond ``gc`` where
-    glibc is not the allocator.
-    """
-    gc.collect()
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def release_engine(engine: Any) -> None:
     """Free a DeepSpeed engine: ``destroy()`` (hooks, global registries), then collect."""
     if engine is None:
@@ -395,7 +341,7 @@ def time_deepspeed_initialize(
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     trim_host_memory()
     dist.barrier()
-    reset = _reset_peak_rss()
+    reset = reset_peak_rss()
     rss_before = rss_bytes()
     c0 = time.process_time()
     t0 = time.perf_counter()
@@ -404,7 +350,7 @@ def time_deepspeed_initialize(
     )
     wall = time.perf_counter() - t0
     cpu = time.process_time() - c0
-    peak = _peak_rss_bytes()
+    peak = peak_rss_bytes()
     rss_after = rss_bytes()
     del optimizer
 

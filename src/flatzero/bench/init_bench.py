@@ -50,8 +50,8 @@ from .deepspeed_runner import (
     deepspeed_available,
     prepare_deepspeed,
     time_deepspeed_initialize,
-    trim_host_memory,
 )
+from .procmem import trim_host_memory
 
 __all__ = ["MODELS", "add_arguments", "run"]
 

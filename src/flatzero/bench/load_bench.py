@@ -44,8 +44,8 @@ from ..flatten import flatten_parameters
 from ..launch import run_ranks
 from ..models import build_model, count_bytes, count_params, load_model_safetensors
 from ..models import save_model_safetensors as save_model
-from .deepspeed_runner import rss_bytes, trim_host_memory
 from .init_bench import MODELS
+from .procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
 
 __all__ = ["METHODS", "LoadSpec", "add_arguments", "run"]
 
@@ -88,25 +88,6 @@ class LoadTrial:
     peak_rss_delta_bytes: int
     read_bytes: int
     tier: str
-
-
-def _status_kib(key: str) -> int:
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def _reset_peak_rss() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
-    except OSError:
-        pass
 
 
 def _read_chars() -> int:
@@ -164,7 +145,7 @@ def _rank_main(rank: int, world_size: int, spec: LoadSpec, expected: dict[str, f
         for method in order:
             trim_host_memory()
             dist.barrier()
-            _reset_peak_rss()
+            reset_peak_rss()
             before = rss_bytes()
             read0, cpu0 = _read_chars(), _cpu_seconds()
             t0 = time.perf_counter()
@@ -172,7 +153,7 @@ def _rank_main(rank: int, world_size: int, spec: LoadSpec, expected: dict[str, f
             wall = time.perf_counter() - t0
             cpu = _cpu_seconds() - cpu0
             read = _read_chars() - read0
-            peak = _status_kib("VmHWM") * 1024 - before
+            peak = peak_rss_bytes() - before
             _check(flat, expected)
             tier = flat.report.groups[0].tier if flat.report.groups else "?"
             del model, flat

@@ -17,6 +17,7 @@ The same plans serve flatzero checkpoints (``index_layout``) and DeepSpeed check
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -79,10 +80,7 @@ class ParamRecord:
     @property
     def numel(self) -> int:
         """Number of elements."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     def runs(self, start: int, end: int) -> Iterable[tuple[Segment, int, int]]:
         """``(segment, lo, hi)`` for every segment overlapping elements ``[start, end)``."""

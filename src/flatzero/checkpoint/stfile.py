@@ -11,6 +11,7 @@ itself does), read back with ``safetensors.safe_open``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import zlib
@@ -55,10 +56,7 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         """Bytes of the tensor's data."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
