@@ -401,17 +401,30 @@ def rank_main_1(rank: int, ws: int, root: str) -> dict[str, Any]:
         train(engine, 0, 1, steps=1)  # and training goes on
         engine.destroy()
         out[stage_dir] = path
-    # A meta-device model straight from a flatzero checkpoint.
+    # A meta-device model straight from a flatzero checkpoint, into the buckets: the
+    # model never gets storage of its own (no to_empty).
     meta = make_model(device="meta")
-    engine, opt, _, _ = flatzero.initialize(
-        model=meta,
-        model_parameters=param_groups(meta),
-        config=ds_config(2, 1, 2),
-        checkpoint=Path(root) / "stage2",
-    )
+    to_empty = nn.Module.to_empty
+    nn.Module.to_empty = lambda *a, **k: (_ for _ in ()).throw(AssertionError("to_empty"))
+    try:
+        engine, opt, _, _ = flatzero.initialize(
+            model=meta,
+            model_parameters=param_groups(meta),
+            config=ds_config(2, 1, 2),
+            checkpoint=Path(root) / "stage2",
+        )
+    finally:
+        nn.Module.to_empty = to_empty
     expected = torch.load(Path(root) / "stage2" / "expected.pt")["full"]
     assert engine.init_report.source == "meta+flatzero checkpoint"
     assert all(torch.equal(p, expected[n]) for n, p in opt.full_params().items())
+    buckets = {b.untyped_storage().data_ptr() for g in opt.flat.groups for b in g.buckets}
+    for name, p in meta.named_parameters():
+        assert p.device.type == "cpu", name  # frozen ones too
+        if p.requires_grad:
+            assert torch.equal(p.detach(), expected[name]), name
+            assert p.untyped_storage().data_ptr() in buckets, name
+    train(engine, 0, 1, steps=1)
     engine.destroy()
     # No checkpoint there: DeepSpeed's (None, None).
     model = make_model()

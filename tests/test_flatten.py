@@ -248,3 +248,38 @@ def test_thread_setting_is_restored_after_flattening():
     before = torch.get_num_threads()
     flatten_parameters(nn.Linear(10, 10), config=FlattenConfig(tier="cpu", progress=False))
     assert torch.get_num_threads() == before
+
+
+def test_allocate_only_binds_meta_params_to_buckets_without_reading_them():
+    model = nn.Sequential(nn.Linear(13, 7), nn.Linear(7, 5)).to(torch.bfloat16)
+    values = _snapshot(model)
+    meta = nn.Sequential(nn.Linear(13, 7), nn.Linear(7, 5)).to(device="meta", dtype=torch.bfloat16)
+    before = [id(p) for p in meta.parameters()]
+    flat = flatten_parameters(
+        meta, config=FlattenConfig(bucket_numel=64, progress=False), allocate_only=True
+    )
+    assert [id(p) for p in meta.parameters()] == before  # the same Parameter objects
+    assert flat.report.bytes_moved.get("host_copy", 0) == 0  # nothing was read
+    (group,) = flat.groups
+    assert group.master is not None and group.master.dtype == torch.float32
+    assert group.master.numel() == group.layout.shard_numel
+    for slot, p in enumerate(group.params):
+        assert p.device.type == "cpu" and p.data_ptr() == group.param_view(slot).data_ptr()
+    for b, bucket in enumerate(group.buckets):
+        for lo, hi in group.layout.gaps(b, 0, bucket.numel()):
+            assert not bucket[lo:hi].any()  # the padding is zero, as after a real flatten
+    # Filling the buckets is what a load does; the params see it.
+    with torch.no_grad():
+        for name, p in meta.named_parameters():
+            p.copy_(values[name])
+    for name, p in meta.named_parameters():
+        assert torch.equal(p.detach(), values[name])
+
+
+def test_allocate_only_rejects_what_it_cannot_honour():
+    meta = nn.Linear(3, 2, device="meta")
+    with pytest.raises(ValueError, match="has nothing to stage with allocate_only"):
+        flatten_parameters(
+            meta, config=FlattenConfig(tier="sharded", progress=False), allocate_only=True
+        )
+    assert meta.weight.device.type == "meta"

@@ -21,7 +21,7 @@ from .flatten.api import resolve_device
 from .params import rebind_param
 from .safetensors_index import SafetensorsCheckpoint
 
-__all__ = ["load_flat", "materialize_rest"]
+__all__ = ["allocate_rest", "load_flat", "materialize_rest"]
 
 
 def materialize_rest(
@@ -62,6 +62,18 @@ def materialize_rest(
         )
     if init_buffers is not None:
         init_buffers(model)
+
+
+def allocate_rest(model: nn.Module, device: torch.device) -> None:
+    """Give frozen params and buffers still on the meta device uninitialized storage on
+    ``device``, for a load to fill; trainable params are left alone."""
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if not p.requires_grad and p.device.type == "meta":
+                rebind_param(p, torch.empty(p.shape, dtype=p.dtype, device=device))
+        for name, b in module.named_buffers(recurse=False):
+            if b.device.type == "meta":
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
 
 
 def load_flat(

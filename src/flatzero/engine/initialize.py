@@ -36,7 +36,7 @@ from ..comm import all_gather_into, collective_device, rank_of, world_size_of
 from ..flatten import FlatParams, flatten_parameters
 from ..flatten.api import resolve_device
 from ..launch import free_port
-from ..loading import materialize_rest
+from ..loading import allocate_rest, materialize_rest
 from ..optim import ZeroOptimizer
 from ..safetensors_index import SafetensorsCheckpoint
 from .config import EngineConfig, parse_config
@@ -509,22 +509,22 @@ def initialize(
             )
         path = Path(checkpoint)
         if _is_flatzero_checkpoint(path):
-            # Storage first (uninitialized), weights after the engine exists.
+            # Buckets and the rest get storage (uninitialized, never a second copy of the
+            # model); the weights are loaded into them once the engine exists.
             buffers_on_meta = any(b.device.type == "meta" for b in model.buffers())
             if buffers_on_meta and init_buffers is None:
                 raise ValueError(
                     "the model has buffers on the meta device; pass init_buffers=fn to compute "
                     "them (a flatzero checkpoint holds only persistent buffers)"
                 )
-            model.to_empty(device=resolve_device(flatten_cfg))
-            if init_buffers is not None:
-                init_buffers(model)
-            # to_empty replaces meta params by new Parameter objects: look them up again.
-            current = dict(model.named_parameters())
-            groups = [{**g, "params": [(n, current[n]) for n, _ in g["params"]]} for g in groups]
             ckpt_dir = path
             source = "meta+flatzero checkpoint"
-            flat = flatten_parameters(groups, process_group=opt_group, config=flatten_cfg)
+            flat = flatten_parameters(
+                groups, process_group=opt_group, config=flatten_cfg, allocate_only=True
+            )
+            allocate_rest(model, flat.groups[0].device)
+            if init_buffers is not None:
+                init_buffers(model)
         else:
             ckpt = SafetensorsCheckpoint(path)
             source = "meta+safetensors"

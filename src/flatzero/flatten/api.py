@@ -21,7 +21,7 @@ from ..report import GroupReport, ReportBuilder
 from ..safetensors_index import SafetensorsCheckpoint
 from .buffers import FlatGroup, FlatParams
 from .faults import allocate_bucket
-from .source import CheckpointSource, ParamSource, TensorSource
+from .source import CheckpointSource, NoValues, ParamSource, TensorSource
 from .threads import capped_threads, host_threads
 from .tiers import Fill, Tier, TierContext, make_tier
 
@@ -196,14 +196,17 @@ class _GroupFlattener:
         self.buffers[bucket] = buf
 
 
-def _build_master(group: FlatGroup, report: ReportBuilder) -> torch.Tensor:
-    """This rank's fp32 shard of ``group``, copied from its own slices only."""
+def _build_master(group: FlatGroup, report: ReportBuilder, *, copy: bool) -> torch.Tensor:
+    """This rank's fp32 shard of ``group``, copied from its own slices only (or, without
+    ``copy``, allocated for a load to fill)."""
     devices = {b.device for b in group.buckets}
     device = devices.pop() if len(devices) == 1 else torch.device("cpu")
     if device.type == "cpu":
         master = empty_host(group.layout.shard_numel, torch.float32)
     else:
         master = torch.empty(group.layout.shard_numel, dtype=torch.float32, device=device)
+    if not copy:
+        return master
     dsts = [master[b.shard_offset : b.shard_offset + b.slice_numel] for b in group.layout.buckets]
     srcs = [group.bucket_shard(b) for b in range(len(group.buckets))]
     torch._foreach_copy_(dsts, srcs)
@@ -221,6 +224,7 @@ def flatten_parameters(
     world_size: int | None = None,
     checkpoint: SafetensorsCheckpoint | None = None,
     key_map: Callable[[str], str] | None = None,
+    allocate_only: bool = False,
 ) -> FlatParams:
     """Flatten ``params`` into contiguous, sharded bucket buffers, in place.
 
@@ -240,6 +244,11 @@ def flatten_parameters(
             the params (which may then be on the meta device): each rank reads only the
             bytes of its slices in the ``sharded`` tier, the all-gather fills the rest.
         key_map: maps a param name to its checkpoint key (default: the same name).
+        allocate_only: allocate the buckets (and master shards) on the target device and
+            make the params views of them without copying any values; the params may be
+            on the meta device. Every bucket then holds garbage but its zeroed padding
+            until the caller fills it, e.g. ``checkpoint.load_flat_params`` or
+            ``ZeroOptimizer.load_state_dict``.
 
     Returns:
         ``FlatParams`` owning the buffers, the layout, the master shards and the report.
@@ -260,7 +269,19 @@ def flatten_parameters(
 
     with report.phase("plan"):
         groups = collect_param_groups(params)
-        if checkpoint is None:
+        if allocate_only:
+            params_on = "device"  # nothing is read: buckets go straight to the target
+            if checkpoint is not None:
+                raise ValueError(
+                    "allocate_only=True reads no values but a checkpoint was given; "
+                    "pass one of them"
+                )
+            if config.tier not in ("auto", "device", "cpu"):
+                raise ValueError(
+                    f"FlattenConfig.tier={config.tier!r} has nothing to stage with "
+                    "allocate_only=True; use 'auto', 'device' or 'cpu'"
+                )
+        elif checkpoint is None:
             params_on, _ = _where_params_are(groups)
         else:
             keys = _checkpoint_keys(groups, checkpoint, key_map)
@@ -321,7 +342,9 @@ def flatten_parameters(
             by_name = dict(zip(user_group.names, user_group.params, strict=True))
             slot_params = tuple(by_name[s.spec.name] for s in gl.slots)
             source: ParamSource
-            if checkpoint is None:
+            if allocate_only:
+                source = NoValues(gl, slot_params)
+            elif checkpoint is None:
                 source = TensorSource(gl, slot_params)
             else:
                 slot_keys = [keys[slot.spec.name] for slot in gl.slots]
@@ -341,7 +364,7 @@ def flatten_parameters(
             )
             if config.build_master:
                 with report.phase("master"):
-                    flat.master = _build_master(flat, report)
+                    flat.master = _build_master(flat, report, copy=not allocate_only)
             devices = {str(b.device) for b in flat.buckets}
             flat_groups.append(flat)
             group_reports.append(

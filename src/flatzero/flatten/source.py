@@ -1,4 +1,5 @@
-"""Where a bucket's values come from: the params themselves, or a safetensors checkpoint.
+"""Where a bucket's values come from: the params themselves, a safetensors checkpoint, or
+nowhere yet (the buckets are allocated and loaded afterwards).
 
 A source also holds the group's params (in slot order) so the flattener can rebind
 them once their bucket is complete.
@@ -15,7 +16,7 @@ from ..layout import GroupLayout, ShardPiece
 from ..params import rebind_param
 from ..safetensors_index import SafetensorsCheckpoint
 
-__all__ = ["CheckpointSource", "ParamSource", "TensorSource"]
+__all__ = ["CheckpointSource", "NoValues", "ParamSource", "TensorSource"]
 
 
 class ParamSource:
@@ -62,6 +63,17 @@ class TensorSource(ParamSource):
         if dsts:
             torch._foreach_copy_(dsts, srcs)
         return sum(d.numel() for d in dsts) * dest.element_size()
+
+
+class NoValues(ParamSource):
+    """Copies nothing: the buckets get storage and the params become views of it, and the
+    caller fills every bucket afterwards (``flatten_parameters(allocate_only=True)``)."""
+
+    def device_of(self, pieces: Sequence[ShardPiece]) -> torch.device | None:
+        return None
+
+    def copy_into(self, pieces: Sequence[ShardPiece], dest: torch.Tensor, dest_start: int) -> int:
+        return 0
 
 
 class CheckpointSource(ParamSource):
