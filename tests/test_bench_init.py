@@ -18,6 +18,7 @@ def test_bench_init_runs_every_method_and_ends_with_json(capsys, tmp_path):
     lines = capsys.readouterr().out.strip().splitlines()
     result = json.loads(lines[-1])
     assert result == json.loads(out.read_text())
+    assert result["command"] == "flatzero " + " ".join(argv)
     rows = {(r["world_size"], r["method"]): r for r in result["rows"]}
     assert set(rows) == {(ws, m) for ws in (1, 3) for m in ("flatzero", "torch_cat", "legacy_cpu")}
     assert rows[(1, "flatzero")]["tier"] == "cpu"

@@ -6,15 +6,16 @@ import json
 
 import pytest
 
-from flatzero.bench import step
+from flatzero.cli import main
 
 
 def test_step_benchmark_runs_and_reports(tmp_path, capsys):
     out_json, out_md = tmp_path / "step.json", tmp_path / "step.md"
-    argv = ["--model", "tiny", "--world-sizes", "1", "--steps", "2", "--warmup", "1"]
+    argv = ["bench", "step", "--model", "tiny", "--world-sizes", "1"]
+    argv += ["--steps", "2", "--warmup", "1"]
     argv += ["--batch", "1", "--seq", "16", "--no-deepspeed"]
     argv += ["--json", str(out_json), "--markdown", str(out_md)]
-    assert step.main(argv) == 0
+    assert main(argv) == 0
     result = json.loads(out_json.read_text())
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
     rows = {row["method"]: row for row in result["rows"]}
@@ -24,5 +25,6 @@ def test_step_benchmark_runs_and_reports(tmp_path, capsys):
         assert set(row["ratios"]) == {"torch-adamw", "torch-adamw-fused"}
         # The same training: every method ends at (nearly) the same loss.
         assert row["final_loss"] == pytest.approx(rows["torch-adamw"]["final_loss"], rel=1e-4)
+    assert result["command"] == "flatzero " + " ".join(argv)
     text = out_md.read_text()
-    assert "flatzero bench step --model tiny" in text and "| 1 | flatzero-z2 |" in text
+    assert f"Command: `{result['command']}`" in text and "| 1 | flatzero-z2 |" in text

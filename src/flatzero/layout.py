@@ -23,7 +23,7 @@ import hashlib
 import json
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 __all__ = [
     "DEFAULT_ALIGNMENT",
@@ -57,16 +57,15 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str
+    numel: int = field(init=False, repr=False, compare=False)
+    """Number of elements (derived from ``shape``)."""
 
     def __post_init__(self) -> None:
-        if any(d < 0 for d in self.shape):
-            raise ValueError(f"param {self.name!r} has a negative dimension in shape {self.shape}")
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-
-    @property
-    def numel(self) -> int:
-        """Number of elements."""
-        return math.prod(self.shape)
+        shape = tuple(map(int, self.shape))
+        if shape and min(shape) < 0:
+            raise ValueError(f"param {self.name!r} has a negative dimension in shape {shape}")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "numel", math.prod(shape))
 
 
 @dataclass(frozen=True)
@@ -324,7 +323,14 @@ class Layout:
                         for s in g.slots
                     ],
                     "buckets": [
-                        {k: v for k, v in asdict(b).items() if k != "world_size"} for b in g.buckets
+                        {
+                            "index": b.index,
+                            "numel": b.numel,
+                            "slots": list(b.slots),
+                            "used": b.used,
+                            "shard_offset": b.shard_offset,
+                        }
+                        for b in g.buckets
                     ],
                 }
                 for g in self.groups

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ from .layout import ParamSpec
 __all__ = ["ParamGroup", "collect_param_groups", "dtype_name", "rebind_param"]
 
 
+@functools.cache
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")

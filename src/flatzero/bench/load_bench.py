@@ -32,7 +32,6 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +45,7 @@ from ..models import build_model, count_bytes, count_params, load_model_safetens
 from ..models import save_model_safetensors as save_model
 from .init_bench import MODELS
 from .procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
+from .provenance import command_line, utc_timestamp
 
 __all__ = ["METHODS", "LoadSpec", "add_arguments", "run"]
 
@@ -267,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
         )
     result = {
         "benchmark": "load",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command_line(args),
+        "date": utc_timestamp(),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "torch": torch.__version__,

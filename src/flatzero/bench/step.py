@@ -32,11 +32,9 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
@@ -47,8 +45,9 @@ from ..config import FlattenConfig
 from ..launch import run_ranks
 from ..models import build_model, count_params, scaled
 from ..optim import ZeroConfig, ZeroOptimizer
+from .provenance import command_line, utc_timestamp
 
-__all__ = ["MODELS", "StepSpec", "add_arguments", "main", "run"]
+__all__ = ["MODELS", "StepSpec", "add_arguments", "run"]
 
 MODELS = {
     # Seconds per step on a laptop CPU: for tests and smoke runs.
@@ -420,9 +419,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", help="also write the table (markdown) to this path")
 
 
-def run(args: argparse.Namespace, argv_hint: Sequence[str] | None = None) -> int:
-    """Run the benchmark; print a table and one JSON line (``argv_hint``: the arguments,
-    for the command line recorded in the markdown; ``sys.argv`` by default)."""
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; print a table and one JSON line."""
     from .deepspeed_runner import deepspeed_available
 
     stages = tuple(int(s) for s in args.stages.split(","))
@@ -478,7 +476,8 @@ def run(args: argparse.Namespace, argv_hint: Sequence[str] | None = None) -> int
     print(table)
     result = {
         "benchmark": "step",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command_line(args),
+        "date": utc_timestamp(),
         "machine": {
             "node": platform.node(),
             "cpus": os.cpu_count(),
@@ -496,14 +495,10 @@ def run(args: argparse.Namespace, argv_hint: Sequence[str] | None = None) -> int
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     if args.markdown:
-        if argv_hint is None:  # called from the CLI: the arguments after "step"
-            argv = sys.argv
-            argv_hint = argv[argv.index("step") + 1 :] if "step" in argv else argv[1:]
-        command = "flatzero bench step " + " ".join(argv_hint)
         with open(args.markdown, "w") as f:
             f.write(
                 f"# flatzero bench step, {result['date']}\n\n"
-                f"Command: `{command}`\n\n{header}\n\n"
+                f"Command: `{result['command']}`\n\n{header}\n\n"
                 f"Each phase: the slowest rank's time, median over {args.steps} timed steps per "
                 "method (methods alternate step by step). bwd+reduce: backward with the "
                 "gradient reduction complete; step: clipping, optimizer step, parameter "
@@ -512,14 +507,3 @@ def run(args: argparse.Namespace, argv_hint: Sequence[str] | None = None) -> int
             )
     print(json.dumps(result))
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``flatzero bench step`` as a standalone entry point (``python -m flatzero.bench.step``)."""
-    parser = argparse.ArgumentParser(prog="flatzero bench step", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv), argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

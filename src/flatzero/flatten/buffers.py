@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +13,23 @@ from torch import nn
 from ..layout import GroupLayout, Layout
 from ..report import InitReport
 
-__all__ = ["FlatGroup", "FlatParams"]
+__all__ = ["FlatGroup", "FlatParams", "shaped_view"]
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def shaped_view(flat: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Elements ``[offset, offset + prod(shape))`` of the 1-D contiguous ``flat``, as a
+    contiguous tensor of ``shape``: one ``as_strided`` (a slice plus a ``view`` costs two
+    ops, which adds up over the thousands of params of an unfused MoE)."""
+    return flat.as_strided(shape, _contiguous_strides(shape), flat.storage_offset() + offset)
 
 
 @dataclass
@@ -63,7 +80,7 @@ class FlatGroup:
     def param_view(self, slot: int) -> torch.Tensor:
         """The bucket elements of param ``slot``, shaped like the param."""
         s = self.layout.slots[slot]
-        return self.buckets[s.bucket][s.offset : s.end].view(s.spec.shape)
+        return shaped_view(self.buckets[s.bucket], s.offset, s.spec.shape)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from torch import nn
 from ..layout import GroupLayout, ShardPiece
 from ..params import rebind_param
 from ..safetensors_index import SafetensorsCheckpoint
+from .buffers import shaped_view
 
 __all__ = ["CheckpointSource", "NoValues", "ParamSource", "TensorSource"]
 
@@ -50,15 +51,16 @@ class TensorSource(ParamSource):
         """A piece that covers a whole param is copied with the param's own shape and
         strides (no reshape copy of a non-contiguous param)."""
         dsts, srcs = [], []
+        slots = self.layout.slots
         for piece in pieces:
             src = self.params[piece.slot].detach()
             start = piece.bucket_start - dest_start
-            dst = dest[start : start + piece.numel]
-            if piece.param_start == 0 and piece.param_end == src.numel():
-                dsts.append(dst.view(src.shape))
+            spec = slots[piece.slot].spec
+            if piece.param_start == 0 and piece.param_end == spec.numel:
+                dsts.append(shaped_view(dest, start, spec.shape))
                 srcs.append(src)
             else:
-                dsts.append(dst)
+                dsts.append(dest[start : start + piece.numel])
                 srcs.append(src.reshape(-1)[piece.param_start : piece.param_end])
         if dsts:
             torch._foreach_copy_(dsts, srcs)

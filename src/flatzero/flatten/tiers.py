@@ -25,6 +25,7 @@ from ..comm import all_gather_into
 from ..hostmem import empty_host
 from ..layout import GroupLayout
 from ..report import ReportBuilder
+from .buffers import shaped_view
 from .source import ParamSource
 
 __all__ = ["Fill", "StagingRing", "Tier", "TierContext", "copy_kind", "make_tier"]
@@ -250,7 +251,7 @@ class OffloadTier(UploadTier):
                 torch.cuda.current_stream(self.ctx.device).synchronize()
             for index in layout.buckets[bucket].slots:
                 slot = layout.slots[index]
-                source.rebind(index, image[slot.offset : slot.end].view(slot.spec.shape))
+                source.rebind(index, shaped_view(image, slot.offset, slot.spec.shape))
             self.images[bucket] = image
 
     def fill(self, layout: GroupLayout, source: ParamSource, bucket: int, buf: torch.Tensor):
