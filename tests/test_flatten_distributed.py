@@ -126,6 +126,84 @@ def test_out_of_memory_on_one_rank_moves_every_rank_down_without_a_hang():
     assert "on another rank" in results[0][1][0]
 
 
+def _local_fallback_worker(rank: int, world_size: int) -> dict:
+    """``device`` tier (on the CPU): rank 1 runs out of memory at bucket 1 (-> offload)
+    and again at bucket 2 (-> cpu); the other ranks never do."""
+    import flatzero.flatten.api as api
+
+    reference = _reference()
+    torch.manual_seed(1234)
+    model = Net()
+    config = FlattenConfig(tier="device", device="cpu", bucket_numel=300, progress=False)
+    calls = {"per_bucket": 0, "per_group": 0}
+    per_bucket, per_group = api.all_reduce_max, api.all_reduce_max_each
+
+    def count_per_bucket(*args):
+        calls["per_bucket"] += 1
+        return per_bucket(*args)
+
+    def count_per_group(*args):
+        calls["per_group"] += 1
+        return per_group(*args)
+
+    api.all_reduce_max, api.all_reduce_max_each = count_per_bucket, count_per_group
+    try:
+        if rank == 1:
+            with inject_oom(at_bucket=1, tier="device"), inject_oom(at_bucket=2, tier="offload"):
+                flat = flatten_parameters(model, config=config)
+        else:
+            flat = flatten_parameters(model, config=config)
+    finally:
+        api.all_reduce_max, api.all_reduce_max_each = per_bucket, per_group
+    _check(model, flat, reference)
+    return {
+        "tiers": flat.report.groups[0].bucket_tiers,
+        "events": flat.report.events,
+        "calls": calls,
+        "groups": len(flat.groups),
+    }
+
+
+def test_local_tiers_fall_back_alone_and_agree_once_per_group():
+    results = run_ranks(_local_fallback_worker, 3, timeout_s=60)
+    assert len({r["tiers"] for r in results}) == 1
+    tiers = results[0]["tiers"]
+    assert len(tiers) > 3
+    assert tiers[:3] == ("device", "offload", "cpu") and set(tiers[3:]) == {"cpu"}
+    for r in results:  # no round trip per bucket: one agreement per group
+        assert r["calls"] == {"per_bucket": 0, "per_group": r["groups"]}
+    assert "on rank 1" in results[1]["events"][0] and "'offload'" in results[1]["events"][0]
+    assert "on rank 1" in results[1]["events"][1] and "'cpu'" in results[1]["events"][1]
+    for r in (results[0], results[2]):
+        (event,) = r["events"]
+        assert "follow another rank" in event and f"buckets 1..{len(tiers) - 1}" in event
+
+
+def _last_tier_oom_worker(rank: int, world_size: int) -> str:
+    reference = _reference()
+    torch.manual_seed(1234)
+    model = Net()
+    config = FlattenConfig(tier="device", device="cpu", bucket_numel=300, progress=False)
+    try:
+        if rank == 2:
+            with inject_oom(at_bucket=2, times=3):  # device, offload and cpu all fail
+                flatten_parameters(model, config=config)
+        else:
+            flatten_parameters(model, config=config)
+    except MemoryError as error:
+        for name, p in model.named_parameters():  # nothing lost on any rank
+            assert torch.equal(p, reference[name]), name
+        return str(error)
+    raise AssertionError("flatten_parameters did not raise")
+
+
+def test_last_tier_out_of_memory_on_one_rank_raises_on_every_rank():
+    errors = run_ranks(_last_tier_oom_worker, 3, timeout_s=60)
+    assert "on rank 2 at bucket 2" in errors[2] and "the last tier" in errors[2]
+    assert all("on another rank at bucket 2" in e for e in errors[:2])
+    assert all("still holds its data" in e for e in errors)
+
+
 def _mismatch_worker(rank: int, world_size: int) -> str:
     model = nn.Linear(4, 3 + rank)  # different shapes on every rank
     weight = model.weight.detach().clone()

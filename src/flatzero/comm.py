@@ -10,6 +10,7 @@ import torch.distributed as dist
 __all__ = [
     "all_gather_into",
     "all_reduce_max",
+    "all_reduce_max_each",
     "all_reduce_min",
     "check_same_everywhere",
     "collective_device",
@@ -51,12 +52,18 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-def _all_reduce_int(value: int, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> int:
+def _all_reduce_ints(
+    values: list[int], op: dist.ReduceOp, group: dist.ProcessGroup | None
+) -> list[int]:
     if world_size_of(group) == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
+        return values
+    t = torch.tensor(values, dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(t, op=op, group=group)
-    return int(t.item())
+    return t.tolist()
+
+
+def _all_reduce_int(value: int, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> int:
+    return _all_reduce_ints([value], op, group)[0]
 
 
 def all_reduce_min(value: int, group: dist.ProcessGroup | None) -> int:
@@ -67,6 +74,12 @@ def all_reduce_min(value: int, group: dist.ProcessGroup | None) -> int:
 def all_reduce_max(value: int, group: dist.ProcessGroup | None) -> int:
     """Maximum of an integer over all ranks."""
     return _all_reduce_int(value, dist.ReduceOp.MAX, group)
+
+
+def all_reduce_max_each(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
+    """Element-wise maximum of a list of integers (the same length everywhere) over all
+    ranks, in one collective."""
+    return _all_reduce_ints(values, dist.ReduceOp.MAX, group)
 
 
 def check_same_everywhere(what: str, value: str, group: dist.ProcessGroup | None) -> None:

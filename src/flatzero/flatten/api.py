@@ -11,7 +11,13 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..comm import all_reduce_max, check_same_everywhere, rank_of, world_size_of
+from ..comm import (
+    all_reduce_max,
+    all_reduce_max_each,
+    check_same_everywhere,
+    rank_of,
+    world_size_of,
+)
 from ..config import FlattenConfig
 from ..hostmem import empty_host
 from ..layout import GroupLayout, plan_layout
@@ -96,8 +102,24 @@ def _control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return group
 
 
+# How far down its fallback chain (device/host/sharded -> offload -> cpu) a bucket went;
+# every chain starts at the tier all ranks agreed on, so the maximum over ranks is the
+# lowest tier any rank reached.
+_TIER_LEVEL = {"device": 0, "host": 0, "sharded": 0, "offload": 1, "cpu": 2}
+_UNFILLED = 3  # a bucket that no tier could allocate
+
+
 class _GroupFlattener:
-    """Flattens the buckets of one group, falling back a tier when memory runs out."""
+    """Flattens the buckets of one group, falling back a tier when memory runs out.
+
+    Every rank must end with each bucket in the same tier (the optimizer's collectives
+    run bucket by bucket, on the bucket's device). A tier whose fill is a collective
+    (``sharded``: the all-gather) agrees with the other ranks on every allocation before
+    filling. The other tiers fill locally, so a rank falls back on its own and the ranks
+    agree once, after the last bucket: a bucket that went lower on any rank goes to that
+    tier everywhere. That saves a round trip per bucket (hundreds on a large model), and
+    out-of-memory stays an exception rather than the rule.
+    """
 
     def __init__(
         self,
@@ -121,20 +143,80 @@ class _GroupFlattener:
     def run(self, tier_name: str) -> None:
         tier = make_tier(tier_name, self.ctx)
         tier.begin(self.layout, self.source, range(len(self.layout.buckets)))
+        out_of_memory: MemoryError | None = None
         for bucket in range(len(self.layout.buckets)):
-            while True:
-                buf, error = self._allocate(tier, bucket)
-                # Agree before any collective in fill(): a rank that could not allocate
-                # must not leave the others waiting in an all-gather.
-                if all_reduce_max(int(error is not None), self.control) == 0:
-                    break
-                buf = None
-                tier = self._fall_back(tier, bucket, error)
+            try:
+                tier, buf = self._allocate_agreed(tier, bucket)
+            except MemoryError as error:  # the last tier, on this rank alone
+                out_of_memory = error
+                break
             self.bucket_tiers[bucket] = tier.name
             self._pending.append((bucket, tier.fill(self.layout, self.source, bucket, buf)))
             self._complete(block=False)
             self.progress.update(1)
         self._complete(block=True)
+        self._agree_on_tiers(out_of_memory)
+
+    def _allocate_agreed(self, tier: Tier, bucket: int) -> tuple[Tier, torch.Tensor]:
+        """The bucket's buffer, in ``tier`` or, after running out of memory, a lower one.
+
+        A collective tier checks with every rank first: a rank that could not allocate
+        must not leave the others waiting in the fill's all-gather.
+        """
+        while True:
+            buf, error = self._allocate(tier, bucket)
+            if tier.collective:
+                if all_reduce_max(int(error is not None), self.control) == 0:
+                    assert buf is not None
+                    return tier, buf
+            elif buf is not None:
+                return tier, buf
+            tier = self._fall_back(tier, bucket, error)
+
+    def _agree_on_tiers(self, out_of_memory: MemoryError | None) -> None:
+        """Make every rank hold each bucket in the lowest tier any rank used for it.
+
+        Raises:
+            MemoryError: on every rank, when some rank could not allocate a bucket even in
+                the last tier (every parameter still holds its data).
+        """
+        mine = [_TIER_LEVEL.get(t, _UNFILLED) for t in self.bucket_tiers]
+        agreed = all_reduce_max_each(mine, self.control)
+        if out_of_memory is not None:
+            raise out_of_memory
+        if max(agreed) == _UNFILLED:
+            bucket = agreed.index(_UNFILLED)
+            raise MemoryError(
+                f"out of memory on another rank at bucket {bucket} of group "
+                f"{self.layout.group_index} ({self.layout.dtype}) in the last tier; every "
+                "parameter still holds its data. Free memory, use more ranks, or a smaller "
+                "bucket_numel"
+            )
+        followed = [b for b, (m, a) in enumerate(zip(mine, agreed, strict=True)) if a > m]
+        for bucket in followed:
+            lower = "cpu" if agreed[bucket] == _TIER_LEVEL["cpu"] else "offload"
+            if lower == "cpu":
+                self._move_to_host(bucket)
+            self.bucket_tiers[bucket] = lower
+        if followed:
+            message = (
+                f"buckets {followed[0]}..{followed[-1]} of group {self.layout.group_index} "
+                f"({self.layout.dtype}) follow another rank, which ran out of memory, into "
+                f"tier(s) {sorted({self.bucket_tiers[b] for b in followed})}"
+            )
+            logger.warning("%s", message)
+            self.ctx.report.events.append(message)
+
+    def _move_to_host(self, bucket: int) -> None:
+        """Move a complete bucket into host memory (a no-op when it is there already)."""
+        buf = self.buffers[bucket]
+        assert buf is not None
+        if buf.device.type == "cpu":
+            return
+        host = empty_host(buf.numel(), buf.dtype)
+        host.copy_(buf)
+        self.ctx.report.moved("d2h", buf.nbytes)
+        self._rebind(bucket, host)
 
     def _allocate(
         self, tier: Tier, bucket: int
@@ -155,7 +237,11 @@ class _GroupFlattener:
         return buf, None
 
     def _fall_back(self, tier: Tier, bucket: int, error: BaseException | None) -> Tier:
-        """Switch the remaining buckets to the next tier down (every rank does the same)."""
+        """Switch this rank's remaining buckets to the next tier down.
+
+        Raises:
+            MemoryError: ``tier`` is the last one.
+        """
         self._complete(block=True)
         if self.ctx.device.type == "cuda":
             torch.cuda.empty_cache()

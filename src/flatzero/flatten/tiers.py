@@ -148,6 +148,9 @@ def _zero_gaps(layout: GroupLayout, bucket: int, dest: torch.Tensor, lo: int, hi
 class DirectTier:
     """``device`` and ``cpu``: copy every param of the bucket straight into it."""
 
+    collective = False
+    """Whether ``fill`` runs a collective (every rank must fill the same bucket)."""
+
     def __init__(self, name: str, ctx: TierContext) -> None:
         self.name = name
         self.ctx = ctx
@@ -177,6 +180,7 @@ class UploadTier:
         self.ctx = ctx
         self.bucket_device = ctx.device
         self.own_slice = name == "sharded" and ctx.world_size > 1
+        self.collective = self.own_slice  # the all-gather of the other ranks' slices
 
     def begin(self, layout: GroupLayout, source: ParamSource, buckets: range) -> None:
         """Nothing to prepare."""
