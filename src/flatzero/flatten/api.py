@@ -186,12 +186,7 @@ class _GroupFlattener:
             raise out_of_memory
         if max(agreed) == _UNFILLED:
             bucket = agreed.index(_UNFILLED)
-            raise MemoryError(
-                f"out of memory on another rank at bucket {bucket} of group "
-                f"{self.layout.group_index} ({self.layout.dtype}) in the last tier; every "
-                "parameter still holds its data. Free memory, use more ranks, or a smaller "
-                "bucket_numel"
-            )
+            raise self._last_tier_error("on another rank", bucket, "the last tier")
         followed = [b for b, (m, a) in enumerate(zip(mine, agreed, strict=True)) if a > m]
         for bucket in followed:
             lower = "cpu" if agreed[bucket] == _TIER_LEVEL["cpu"] else "offload"
@@ -199,13 +194,11 @@ class _GroupFlattener:
                 self._move_to_host(bucket)
             self.bucket_tiers[bucket] = lower
         if followed:
-            message = (
+            self._warn(
                 f"buckets {followed[0]}..{followed[-1]} of group {self.layout.group_index} "
                 f"({self.layout.dtype}) follow another rank, which ran out of memory, into "
                 f"tier(s) {sorted({self.bucket_tiers[b] for b in followed})}"
             )
-            logger.warning("%s", message)
-            self.ctx.report.events.append(message)
 
     def _move_to_host(self, bucket: int) -> None:
         """Move a complete bucket into host memory (a no-op when it is there already)."""
@@ -248,21 +241,29 @@ class _GroupFlattener:
         lower = next_tier_down(tier.name)
         where = f"on rank {self.ctx.rank}" if error is not None else "on another rank"
         if lower is None:
-            raise MemoryError(
-                f"out of memory {where} at bucket {bucket} of group {self.layout.group_index} "
-                f"({self.layout.dtype}) in tier {tier.name!r}, the last tier; every parameter "
-                "still holds its data. Free memory, use more ranks, or a smaller bucket_numel"
-            ) from error
-        message = (
+            last = f"tier {tier.name!r}, the last tier"
+            raise self._last_tier_error(where, bucket, last) from error
+        self._warn(
             f"out of memory {where} at bucket {bucket} of group {self.layout.group_index} "
             f"({self.layout.dtype}) in tier {tier.name!r}; buckets {bucket}.. continue in "
             f"tier {lower!r}"
         )
-        logger.warning("%s", message)
-        self.ctx.report.events.append(message)
         new_tier = make_tier(lower, self.ctx)
         new_tier.begin(self.layout, self.source, range(bucket, len(self.layout.buckets)))
         return new_tier
+
+    def _last_tier_error(self, where: str, bucket: int, tier_text: str) -> MemoryError:
+        """The error of a bucket that not even the last tier could allocate."""
+        return MemoryError(
+            f"out of memory {where} at bucket {bucket} of group {self.layout.group_index} "
+            f"({self.layout.dtype}) in {tier_text}; every parameter still holds its data. "
+            "Free memory, use more ranks, or a smaller bucket_numel"
+        )
+
+    def _warn(self, message: str) -> None:
+        """Log a fallback and record it in the init report."""
+        logger.warning("%s", message)
+        self.ctx.report.events.append(message)
 
     def _complete(self, *, block: bool) -> None:
         """Rebind the params of every bucket whose copy has finished."""
