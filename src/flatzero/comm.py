@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import torch
@@ -85,20 +86,25 @@ def all_reduce_max_each(values: list[int], group: dist.ProcessGroup | None) -> l
 def check_same_everywhere(what: str, value: str, group: dist.ProcessGroup | None) -> None:
     """Raise ``ValueError`` on every rank if ``value`` differs between ranks.
 
-    Every rank takes part in one ``all_gather_object``, so a mismatch is an error
-    on all ranks at once rather than a later hang.
+    Every rank takes part in one small all-reduce of a hash of ``value`` (its maximum
+    and the maximum of its negation tell whether all ranks agree), so a mismatch is an
+    error on all ranks at once rather than a later hang; only then are the values
+    gathered, to name them in the error.
     """
     if world_size_of(group) == 1:
         return
+    digest = int.from_bytes(hashlib.sha256(value.encode()).digest()[:7], "little")
+    high, neg_low = _all_reduce_ints([digest, -digest], dist.ReduceOp.MAX, group)
+    if high == -neg_low:
+        return
     values: list[str | None] = [None] * world_size_of(group)
     dist.all_gather_object(values, value, group=group)
-    if len(set(values)) != 1:
-        by_rank = ", ".join(f"rank {r}: {v[:16]}" for r, v in enumerate(values) if v)
-        raise ValueError(
-            f"{what} differs between ranks ({by_rank}); every rank must pass the same "
-            "parameters (names, shapes, dtypes, requires_grad, groups) in the same order "
-            "and the same config"
-        )
+    by_rank = ", ".join(f"rank {r}: {v[:16]}" for r, v in enumerate(values) if v)
+    raise ValueError(
+        f"{what} differs between ranks ({by_rank}); every rank must pass the same "
+        "parameters (names, shapes, dtypes, requires_grad, groups) in the same order "
+        "and the same config"
+    )
 
 
 def all_gather_into(

@@ -53,7 +53,8 @@ class DemoSpec:
         micro_batch: sequences per micro-batch per rank.
         grad_accum: micro-batches per optimizer step.
         seq_len: tokens per sequence.
-        trials: timed init trials per method (the median is shown).
+        trials: timed init trials per method (the median is shown), after one untimed
+            round that takes the one-time costs (imports, first collectives) out.
         bucket_numel: flatten and reduce bucket size (elements).
         out: directory for the checkpoint, the plot and ``demo.json``.
     """
@@ -67,7 +68,7 @@ class DemoSpec:
     micro_batch: int = 4
     grad_accum: int = 2
     seq_len: int = 32
-    trials: int = 3
+    trials: int = 5
     bucket_numel: int = 2**22
     out: str = "flatzero-demo"
 
@@ -124,14 +125,15 @@ def _micro_batch(spec: DemoSpec, corpus: torch.Tensor, step: int, micro: int, ra
 
 def _time_inits(spec: DemoSpec, rank: int, ws: int) -> dict[str, list[float]]:
     """Seconds of each init method on fresh copies of the model, ``trials`` times, each
-    starting from the same allocator state."""
+    starting from the same allocator state, the order rotating between trials."""
     from .bench.baselines import flatten_legacy_cpu, flatten_torch_cat
     from .bench.procmem import trim_host_memory
 
-    times: dict[str, list[float]] = {}
     methods = [f"flatzero {t}" for t in TIERS_ON_CPU] + [TORCH_CAT, LEGACY]
-    for _ in range(spec.trials):
-        for method in methods:
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for trial in range(1 + spec.trials):  # trial 0 warms up
+        shift = trial % len(methods)  # no method is always the first after a build
+        for method in methods[shift:] + methods[:shift]:
             model = build_model(spec.model_config(), device="cpu", dtype=torch.float32, seed=0)
             trim_host_memory()  # every method starts from the same allocator state
             dist.barrier()
@@ -144,7 +146,9 @@ def _time_inits(spec: DemoSpec, rank: int, ws: int) -> dict[str, list[float]]:
                 params = [[p for p in model.parameters() if p.requires_grad]]
                 baseline = flatten_torch_cat if method == TORCH_CAT else flatten_legacy_cpu
                 result = baseline(params, rank=rank, world_size=ws)
-            times.setdefault(method, []).append(time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            if trial > 0:
+                times[method].append(seconds)
             del model, result
             trim_host_memory()
     return times
