@@ -86,8 +86,8 @@ MODELS = {
     "qwen3-moe-small-unfused": lambda: scaled(
         "qwen3-30b-a3b", layers=2, experts=32, expert_layout="unfused"
     ),
-    # The 16-layer Qwen3-30B-A3B tensor count (178 fused, 6,290 unfused) at hidden 64:
-    # what each method spends per tensor, apart from the bytes.
+    # The 16-layer Qwen3-30B-A3B tensor count (179 fused, 6,291 unfused, LM head included)
+    # at hidden 64: what each method spends per tensor, apart from the bytes.
     "qwen3-moe-narrow-fused": lambda: _narrow_moe("fused"),
     "qwen3-moe-narrow-unfused": lambda: _narrow_moe("unfused"),
     # Full shapes, for a GPU node.

@@ -25,7 +25,7 @@ from ..memory import choose_tier, is_oom, next_tier_down
 from ..params import ParamGroup, collect_param_groups
 from ..report import GroupReport, ReportBuilder
 from ..safetensors_index import SafetensorsCheckpoint
-from .buffers import FlatGroup, FlatParams, shaped_view
+from .buffers import FlatGroup, FlatParams
 from .faults import allocate_bucket
 from .source import CheckpointSource, NoValues, ParamSource, TensorSource
 from .threads import capped_threads, host_threads
@@ -277,9 +277,7 @@ class _GroupFlattener:
         self._pending = still
 
     def _rebind(self, bucket: int, buf: torch.Tensor) -> None:
-        for index in self.layout.buckets[bucket].slots:
-            slot = self.layout.slots[index]
-            self.source.rebind(index, shaped_view(buf, slot.offset, slot.spec.shape))
+        self.source.rebind_bucket(bucket, buf)
         self.buffers[bucket] = buf
 
 

@@ -27,9 +27,13 @@ class ParamSource:
         self.layout = layout
         self.params = list(params)
 
-    def rebind(self, slot: int, tensor: torch.Tensor) -> None:
-        """Point param ``slot`` at ``tensor`` (same shape; values already copied there)."""
-        rebind_param(self.params[slot], tensor)
+    def rebind_bucket(self, bucket: int, buf: torch.Tensor) -> None:
+        """Point every param of ``bucket`` at its view of ``buf``, a complete image of the
+        bucket (values already copied there)."""
+        slots = self.layout.slots
+        for index in self.layout.buckets[bucket].slots:
+            slot = slots[index]
+            rebind_param(self.params[index], shaped_view(buf, slot.offset, slot.spec.shape))
 
     def device_of(self, pieces: Sequence[ShardPiece]) -> torch.device | None:
         """Device the pieces are read from (None when there are none)."""

@@ -25,7 +25,6 @@ from ..comm import all_gather_into
 from ..hostmem import empty_host
 from ..layout import GroupLayout
 from ..report import ReportBuilder
-from .buffers import shaped_view
 from .source import ParamSource
 
 __all__ = ["Fill", "StagingRing", "Tier", "TierContext", "copy_kind", "make_tier"]
@@ -253,9 +252,7 @@ class OffloadTier(UploadTier):
             self.ctx.report.moved(kind, source.copy_into(pieces, image, 0))
             if pin:
                 torch.cuda.current_stream(self.ctx.device).synchronize()
-            for index in layout.buckets[bucket].slots:
-                slot = layout.slots[index]
-                source.rebind(index, shaped_view(image, slot.offset, slot.spec.shape))
+            source.rebind_bucket(bucket, image)
             self.images[bucket] = image
 
     def fill(self, layout: GroupLayout, source: ParamSource, bucket: int, buf: torch.Tensor):
