@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .devices import collective_device
 
 __all__ = [
     "all_gather_into",
@@ -14,7 +19,7 @@ __all__ = [
     "all_reduce_max_each",
     "all_reduce_min",
     "check_same_everywhere",
-    "collective_device",
+    "describe_differences",
     "local_world_size",
     "rank_of",
     "reduce_scatter_into",
@@ -44,13 +49,6 @@ def rank_of(group: dist.ProcessGroup | None) -> int:
 def local_world_size() -> int:
     """Ranks on this node, from torchrun's ``LOCAL_WORLD_SIZE`` (1 when unset)."""
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-
-
-def collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """The device small control tensors must live on for ``group``'s backend."""
-    if is_distributed(group) and "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _all_reduce_ints(
@@ -83,28 +81,58 @@ def all_reduce_max_each(values: list[int], group: dist.ProcessGroup | None) -> l
     return _all_reduce_ints(values, dist.ReduceOp.MAX, group)
 
 
-def check_same_everywhere(what: str, value: str, group: dist.ProcessGroup | None) -> None:
-    """Raise ``ValueError`` on every rank if ``value`` differs between ranks.
+def check_same_everywhere(
+    what: str, fields: Mapping[str, str], group: dist.ProcessGroup | None
+) -> None:
+    """Raise ``ValueError`` on every rank if any of ``fields`` differs between ranks.
 
-    Every rank takes part in one small all-reduce of a hash of ``value`` (its maximum
-    and the maximum of its negation tell whether all ranks agree), so a mismatch is an
-    error on all ranks at once rather than a later hang; only then are the values
-    gathered, to name them in the error.
+    ``fields`` maps a name (``"FlattenConfig"``, ``"layout digest"``, ...) to a text that
+    must be the same everywhere: what a setting means, never text that differs by rank
+    for the same meaning (a device index, a path). Every rank takes part in one small
+    all-reduce of a hash of all fields (its maximum and the maximum of its negation tell
+    whether all ranks agree), so a mismatch is an error on all ranks at once rather than a
+    later hang; only then are the values gathered, and the error names each differing
+    field with every rank's value.
     """
     if world_size_of(group) == 1:
         return
-    digest = int.from_bytes(hashlib.sha256(value.encode()).digest()[:7], "little")
+    text = json.dumps(dict(fields), sort_keys=True)
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
     high, neg_low = _all_reduce_ints([digest, -digest], dist.ReduceOp.MAX, group)
     if high == -neg_low:
         return
-    values: list[str | None] = [None] * world_size_of(group)
-    dist.all_gather_object(values, value, group=group)
-    by_rank = ", ".join(f"rank {r}: {v[:16]}" for r, v in enumerate(values) if v)
-    raise ValueError(
-        f"{what} differs between ranks ({by_rank}); every rank must pass the same "
-        "parameters (names, shapes, dtypes, requires_grad, groups) in the same order "
-        "and the same config"
+    values: list[Any] = [None] * world_size_of(group)
+    dist.all_gather_object(values, dict(fields), group=group)
+    raise ValueError(f"{what} differs between ranks: {describe_differences(values)}")
+
+
+def describe_differences(values: Sequence[Mapping[str, str]], limit: int = 300) -> str:
+    """Each field whose value differs between ranks, with every rank's value (values
+    longer than ``limit`` characters are cut around where they first differ)."""
+    lines = []
+    for name in sorted({k for v in values for k in v}):
+        per_rank = [v.get(name, "<missing>") for v in values]
+        if len(set(per_rank)) == 1:
+            continue
+        start = _first_difference(per_rank)
+        shown = []
+        for rank, value in enumerate(per_rank):
+            if len(value) > limit:
+                lo = max(0, start - limit // 3)
+                value = ("..." if lo else "") + value[lo : lo + limit] + "..."
+            shown.append(f"rank {rank}: {value!r}")
+        lines.append(f"{name} ({'; '.join(shown)})")
+    return "; ".join(lines) + (
+        ". Every rank must pass the same parameters (names, shapes, dtypes, requires_grad, "
+        "groups) in the same order and the same config"
     )
+
+
+def _first_difference(values: Sequence[str]) -> int:
+    for i, chars in enumerate(zip(*values, strict=False)):
+        if len(set(chars)) > 1:
+            return i
+    return min(len(v) for v in values)
 
 
 def all_gather_into(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -76,3 +77,10 @@ class FlattenConfig:
                     "'bfloat16', 'float16' or 'float32', or None to keep each param's dtype"
                 )
             object.__setattr__(self, "dtype", name)
+
+    def compared_text(self) -> str:
+        """What every rank's config must agree on, as text: the fields with ``device``
+        reduced to its type (each rank has its own GPU) and ``progress`` dropped (only rank
+        0 shows a bar)."""
+        device = None if self.device is None else torch.device(self.device).type
+        return repr(dataclasses.replace(self, device=device, progress=True))

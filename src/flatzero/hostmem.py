@@ -12,11 +12,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import logging
 import sys
 
 import torch
 
-__all__ = ["empty_host"]
+__all__ = ["empty_host", "release_pinned_cache", "staging_buffer"]
+
+logger = logging.getLogger(__name__)
 
 _HUGE_PAGE = 2 * 2**20
 """Bytes in a transparent huge page on x86-64 and arm64 Linux."""
@@ -56,3 +59,34 @@ def empty_host(numel: int, dtype: torch.dtype) -> torch.Tensor:
     length = min(length, raw.numel() - start) // _HUGE_PAGE * _HUGE_PAGE
     madvise(raw.data_ptr() + start, length, _MADV_HUGEPAGE)  # advice only: failure is harmless
     return raw[start : start + nbytes].view(dtype)
+
+
+def staging_buffer(nbytes: int, *, pin: bool) -> tuple[torch.Tensor, bool]:
+    """A 1-D uint8 host buffer of ``nbytes`` for uploads, and whether it is page-locked.
+
+    Page-locked (pinned) memory makes a host-to-device copy a true asynchronous DMA. It
+    comes from PyTorch's pinned caching allocator, which rounds a request up to a power
+    of two: callers ask for powers of two. When pinning fails (the system's page-locked
+    limit), the buffer is pageable and its copies are synchronous: slower, never wrong.
+    """
+    if pin:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True
+        except RuntimeError as error:
+            logger.warning(
+                "could not pin %d bytes of staging memory (%s); uploads go through pageable "
+                "memory and are synchronous",
+                nbytes,
+                error,
+            )
+    return empty_host(nbytes, torch.uint8), False
+
+
+def release_pinned_cache() -> None:
+    """Give the pinned blocks PyTorch's caching allocator keeps after they were freed back
+    to the system (a no-op without CUDA or on a PyTorch without the call)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()

@@ -19,6 +19,7 @@ Terms, all counted in elements of the group's dtype:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -213,6 +214,12 @@ class GroupLayout:
             slot = self.slots[i]
             if slot.numel:
                 yield ShardPiece(i, 0, slot.numel, -1, bucket, slot.offset)
+
+    def pieces_between(self, bucket: int, lo: int, hi: int) -> Iterator[ShardPiece]:
+        """The pieces of params between bucket elements ``lo`` and ``hi`` (any range, e.g.
+        a chunk of a staged slice; ``shard_start`` is -1)."""
+        for piece in self._pieces_in(bucket, lo, hi):
+            yield dataclasses.replace(piece, shard_start=-1)
 
     def _pieces_in(self, bucket: int, lo: int, hi: int) -> Iterator[ShardPiece]:
         b = self.buckets[bucket]

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import FlattenConfig
+from .devices import resolve_device
 from .flatten import FlatParams, flatten_parameters
-from .flatten.api import resolve_device
 from .params import rebind_param
 from .safetensors_index import SafetensorsCheckpoint
 
@@ -108,7 +108,9 @@ def load_flat(
         else (SafetensorsCheckpoint(checkpoint))
     )
     mapping = key_map or (lambda name: name)
-    materialize_rest(model, ckpt, mapping, resolve_device(config), init_buffers)
+    materialize_rest(
+        model, ckpt, mapping, resolve_device(config.device, process_group), init_buffers
+    )
     return flatten_parameters(
         model, process_group=process_group, config=config, checkpoint=ckpt, key_map=key_map
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -12,9 +11,14 @@ from .comm import all_reduce_min
 
 __all__ = ["TierDecision", "choose_tier", "free_bytes", "is_oom", "next_tier_down"]
 
-logger = logging.getLogger(__name__)
+_FALLBACK_ON_HOST = {"device": "offload", "offload": "cpu", "host": "cpu", "sharded": "cpu"}
+"""Flat buffers in host memory: every tier may end in the ``cpu`` tier."""
 
-_FALLBACK = {"device": "offload", "offload": "cpu", "host": "cpu", "sharded": "cpu"}
+_FALLBACK_ON_CUDA = {"device": "offload"}
+"""Flat buffers on a GPU: only ``device`` has somewhere to go (``offload`` moves the
+params out of the way). A bucket in host memory beside buckets on the GPU would leave the
+optimizer a mix it cannot use, so the other tiers end the chain: out of memory there is a
+``MemoryError`` on every rank, with every parameter intact."""
 
 
 def free_bytes(device: torch.device) -> int:
@@ -47,9 +51,11 @@ def is_oom(error: BaseException) -> bool:
     )
 
 
-def next_tier_down(tier: str) -> str | None:
-    """The tier that takes over the remaining buckets after ``tier`` ran out of memory."""
-    return _FALLBACK.get(tier)
+def next_tier_down(tier: str, device: torch.device) -> str | None:
+    """The tier that takes over the remaining buckets after ``tier`` ran out of memory
+    while building buffers for ``device`` (None: nothing below)."""
+    chain = _FALLBACK_ON_CUDA if device.type == "cuda" else _FALLBACK_ON_HOST
+    return chain.get(tier)
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,7 @@ def choose_tier(
     world_size: int,
     largest_bucket_bytes: int,
     total_bytes: int,
+    shard_bytes: int,
     group: dist.ProcessGroup | None,
 ) -> TierDecision:
     """Pick the flatten tier; every rank must call this and gets the same answer.
@@ -83,40 +90,57 @@ def choose_tier(
         requested: ``FlattenConfig.tier``.
         params_on: ``"device"`` (the accelerator), ``"host"`` or ``"meta"``.
         device: where the flat buffers go.
-        world_size: ranks in the process group.
+        world_size: ranks the buckets are sharded over.
         largest_bucket_bytes: bytes of the largest bucket of any group.
         total_bytes: bytes of all buckets of all groups.
-        group: the process group used to agree on the minimum free memory.
+        shard_bytes: bytes this rank allocates on ``device`` beside the buckets: the fp32
+            master and gradient shards (0 when no master is built).
+        group: the ranks that agree on the minimum free memory.
+
+    Raises:
+        MemoryError: on every rank, when ``auto`` finds that no tier can fit the buckets
+            and shards on the GPU of the rank with the least free memory (nothing has been
+            touched yet).
     """
     min_free = all_reduce_min(free_bytes(device), group)
     if requested != "auto":
         return TierDecision(requested, f"tier {requested!r} was requested", min_free)
-    gib = 2**30
     if device.type == "cpu":
         return TierDecision("cpu", "no accelerator: flat buffers in host memory", min_free)
     if params_on == "device":
-        if min_free >= largest_bucket_bytes:
+        # The params already occupy the device: the buckets replace them one at a time.
+        if min_free >= largest_bucket_bytes + shard_bytes:
             return TierDecision(
                 "device",
-                f"params on {device.type}; {min_free / gib:.2f} GiB free >= one bucket",
+                f"params on {device.type}; {_gib(min_free)} free >= one bucket and the fp32 "
+                f"shards ({_gib(largest_bucket_bytes + shard_bytes)})",
                 min_free,
             )
-        return TierDecision(
-            "offload",
-            f"params on {device.type} but only {min_free / gib:.2f} GiB free, "
-            f"less than one bucket ({largest_bucket_bytes / gib:.2f} GiB)",
-            min_free,
-        )
-    if min_free < total_bytes:
-        logger.warning(
-            "the flat buffers need %.2f GiB on %s but the least free memory over all ranks "
-            "is %.2f GiB; buckets that do not fit will stay in host memory",
-            total_bytes / gib,
-            device,
-            min_free / gib,
-        )
+        if min_free >= shard_bytes:
+            return TierDecision(
+                "offload",
+                f"params on {device.type} but only {_gib(min_free)} free, less than one bucket "
+                f"and the fp32 shards ({_gib(largest_bucket_bytes + shard_bytes)})",
+                min_free,
+            )
+        raise _too_small(device, min_free, shard_bytes, "the fp32 master and gradient shards")
+    need = total_bytes + shard_bytes
+    if min_free < need:
+        raise _too_small(device, min_free, need, "the flat buffers and fp32 shards")
     if world_size == 1:
         return TierDecision("host", "params in host memory, one rank", min_free)
     return TierDecision(
         "sharded", f"params in host memory, {world_size} ranks share the upload", min_free
+    )
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def _too_small(device: torch.device, free: int, need: int, what: str) -> MemoryError:
+    return MemoryError(
+        f"{what} need {_gib(need)} per rank on {device.type} but the rank with the least free "
+        f"memory has {_gib(free)}; nothing was changed. Use more ranks (the shards shrink with "
+        "them), free memory on the GPU, or bf16 params"
     )

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import all_gather_into, collective_device, rank_of, world_size_of
+from ..comm import all_gather_into, rank_of, world_size_of
+from ..devices import activate, collective_device, local_cuda_index, resolve_device
 from ..flatten import FlatParams, flatten_parameters
-from ..flatten.api import resolve_device
 from ..launch import free_port
 from ..loading import allocate_rest, materialize_rest
 from ..optim import ZeroOptimizer
@@ -67,7 +67,7 @@ def _ensure_process_group(dist_init_required: bool | None) -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(local_cuda_index())
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
     logger.info(
         "initialized torch.distributed (%s): rank %d of %d",
@@ -270,13 +270,28 @@ def _trainable_dtypes(groups: list[dict[str, Any]]) -> str:
     return "/".join(dtypes)
 
 
+_CHECKSUM_CHUNK = 2**24
+"""Elements summed at a time by ``bitwise_sum`` (its scratch is 128 MiB of int64 at most)."""
+
+
+def bitwise_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of ``t``'s elements read as integers of the same width (an int64 scalar on
+    ``t``'s device): equal on two ranks when their bits are, and computed chunk by chunk,
+    never as a widened copy of the whole bucket."""
+    words = t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.itemsize])
+    total = torch.zeros((), dtype=torch.int64, device=t.device)
+    for lo in range(0, words.numel(), _CHECKSUM_CHUNK):
+        total += words[lo : lo + _CHECKSUM_CHUNK].sum(dtype=torch.int64)
+    return total
+
+
 @torch.no_grad()
 def _sync_params(flat: FlatParams, mode: str, group: Any, replicated: bool) -> str:
     """Make every rank's initial weights equal; returns what was done."""
     if world_size_of(group) == 1 or mode == "none":
         return "nothing (one rank)" if world_size_of(group) == 1 else "none"
     if mode == "check":
-        sums = torch.stack([b.double().sum() for g in flat.groups for b in g.buckets]).to(
+        sums = torch.stack([bitwise_sum(b) for g in flat.groups for b in g.buckets]).to(
             collective_device(group)
         )
         gathered = [torch.empty_like(sums) for _ in range(world_size_of(group))]
@@ -498,6 +513,13 @@ def initialize(
     stage0 = cfg.zero.stage == 0 and world_size > 1
     opt_group = dist.new_subgroups(group_size=1)[0] if stage0 else group
     flatten_cfg = cfg.flatten_config()
+    # As DeepSpeed's engine does: this rank's GPU (LOCAL_RANK, unless the script chose one)
+    # becomes the current device, whoever created the process group.
+    target = resolve_device(flatten_cfg.device, group)
+    activate(target)
+    flatten = functools.partial(
+        flatten_parameters, process_group=opt_group, config=flatten_cfg, agreement_group=group
+    )
     on_meta = any(p.device.type == "meta" for g in groups for _, p in g["params"])
     ckpt_dir = None
     source = ""
@@ -519,25 +541,15 @@ def initialize(
                 )
             ckpt_dir = path
             source = "meta+flatzero checkpoint"
-            flat = flatten_parameters(
-                groups, process_group=opt_group, config=flatten_cfg, allocate_only=True
-            )
+            flat = flatten(groups, allocate_only=True)
             allocate_rest(model, flat.groups[0].device)
             if init_buffers is not None:
                 init_buffers(model)
         else:
             ckpt = SafetensorsCheckpoint(path)
             source = "meta+safetensors"
-            materialize_rest(
-                model, ckpt, key_map or (lambda n: n), resolve_device(flatten_cfg), init_buffers
-            )
-            flat = flatten_parameters(
-                groups,
-                process_group=opt_group,
-                config=flatten_cfg,
-                checkpoint=ckpt,
-                key_map=key_map,
-            )
+            materialize_rest(model, ckpt, key_map or (lambda n: n), target, init_buffers)
+            flat = flatten(groups, checkpoint=ckpt, key_map=key_map)
     else:
         if checkpoint is not None:
             raise ValueError(
@@ -546,7 +558,7 @@ def initialize(
             )
         devices = sorted({str(p.device) for g in groups for _, p in g["params"]})
         source = f"{','.join(devices)} {_trainable_dtypes(groups)}"
-        flat = flatten_parameters(groups, process_group=opt_group, config=flatten_cfg)
+        flat = flatten(groups)
     phases["flatten"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()

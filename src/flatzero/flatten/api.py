@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from contextlib import closing
 from typing import Any
 
 import torch
@@ -19,8 +20,10 @@ from ..comm import (
     world_size_of,
 )
 from ..config import FlattenConfig
+from ..control import control_group
+from ..devices import resolve_device
 from ..hostmem import empty_host
-from ..layout import GroupLayout, plan_layout
+from ..layout import GroupLayout, Layout, plan_layout
 from ..memory import choose_tier, is_oom, next_tier_down
 from ..params import ParamGroup, collect_param_groups
 from ..report import GroupReport, ReportBuilder
@@ -34,18 +37,6 @@ from .tiers import Fill, Tier, TierContext, make_tier
 __all__ = ["flatten_parameters"]
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(config: FlattenConfig) -> torch.device:
-    """Where the flat buffers go: ``config.device``, else the current GPU, else the CPU."""
-    if config.device is not None:
-        device = torch.device(config.device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        return device
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _where_params_are(groups: list[ParamGroup]) -> tuple[str, torch.device]:
@@ -92,16 +83,6 @@ def _checkpoint_keys(
     return keys
 
 
-def _control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """A gloo group for per-bucket agreement, so it never waits behind GPU collectives."""
-    if world_size_of(group) == 1:
-        return group
-    if "nccl" in str(dist.get_backend(group)).lower():
-        ranks = dist.get_process_group_ranks(group) if group is not None else None
-        return dist.new_group(ranks=ranks, backend="gloo")
-    return group
-
-
 # How far down its fallback chain (device/host/sharded -> offload -> cpu) a bucket went;
 # every chain starts at the tier all ranks agreed on, so the maximum over ranks is the
 # lowest tier any rank reached.
@@ -141,6 +122,11 @@ class _GroupFlattener:
         self._pending: list[tuple[int, Fill]] = []
 
     def run(self, tier_name: str) -> None:
+        """Flatten every bucket of the group, starting in tier ``tier_name``.
+
+        Raises:
+            MemoryError: on every rank, when a bucket fits in no tier on some rank.
+        """
         tier = make_tier(tier_name, self.ctx)
         tier.begin(self.layout, self.source, range(len(self.layout.buckets)))
         out_of_memory: MemoryError | None = None
@@ -163,8 +149,11 @@ class _GroupFlattener:
         A collective tier checks with every rank first: a rank that could not allocate
         must not leave the others waiting in the fill's all-gather.
         """
+        tier.prepare(self.layout, self.source, bucket)
         while True:
             buf, error = self._allocate(tier, bucket)
+            while buf is None and tier.make_room(self.layout, self.source):
+                buf, error = self._allocate(tier, bucket)
             if tier.collective:
                 if all_reduce_max(int(error is not None), self.control) == 0:
                     assert buf is not None
@@ -214,20 +203,17 @@ class _GroupFlattener:
     def _allocate(
         self, tier: Tier, bucket: int
     ) -> tuple[torch.Tensor | None, BaseException | None]:
-        """The bucket's buffer on the tier's device, or the out-of-memory error."""
-        try:
-            buf = allocate_bucket(
-                self.layout.buckets[bucket].numel,
-                getattr(torch, self.layout.dtype),
-                tier.bucket_device,
-                ordinal=self.first_ordinal + bucket,
-                tier=tier.name,
-            )
-        except (torch.OutOfMemoryError, RuntimeError) as error:
-            if not is_oom(error):
-                raise
-            return None, error
-        return buf, None
+        """The bucket's buffer on the tier's device, or the out-of-memory error (on a GPU,
+        after emptying the allocator's cache and trying once more)."""
+        numel = self.layout.buckets[bucket].numel
+        dtype = getattr(torch, self.layout.dtype)
+        ordinal = self.first_ordinal + bucket
+        return allocate_or_oom(
+            lambda: allocate_bucket(
+                numel, dtype, tier.bucket_device, ordinal=ordinal, tier=tier.name
+            ),
+            tier.bucket_device,
+        )
 
     def _fall_back(self, tier: Tier, bucket: int, error: BaseException | None) -> Tier:
         """Switch this rank's remaining buckets to the next tier down.
@@ -236,9 +222,7 @@ class _GroupFlattener:
             MemoryError: ``tier`` is the last one.
         """
         self._complete(block=True)
-        if self.ctx.device.type == "cuda":
-            torch.cuda.empty_cache()
-        lower = next_tier_down(tier.name)
+        lower = next_tier_down(tier.name, self.ctx.device)
         where = f"on rank {self.ctx.rank}" if error is not None else "on another rank"
         if lower is None:
             last = f"tier {tier.name!r}, the last tier"
@@ -250,6 +234,7 @@ class _GroupFlattener:
         )
         new_tier = make_tier(lower, self.ctx)
         new_tier.begin(self.layout, self.source, range(bucket, len(self.layout.buckets)))
+        new_tier.prepare(self.layout, self.source, bucket)
         return new_tier
 
     def _last_tier_error(self, where: str, bucket: int, tier_text: str) -> MemoryError:
@@ -258,6 +243,12 @@ class _GroupFlattener:
             f"out of memory {where} at bucket {bucket} of group {self.layout.group_index} "
             f"({self.layout.dtype}) in {tier_text}; every parameter still holds its data. "
             "Free memory, use more ranks, or a smaller bucket_numel"
+            + (
+                ""
+                if self.ctx.device.type == "cpu"
+                else " (on a GPU the buffers never fall back to host memory: the optimizer needs "
+                "every bucket on the device)"
+            )
         )
 
     def _warn(self, message: str) -> None:
@@ -281,24 +272,72 @@ class _GroupFlattener:
         self.buffers[bucket] = buf
 
 
-def _build_master(group: FlatGroup, report: ReportBuilder, *, copy: bool) -> torch.Tensor:
-    """This rank's fp32 shard of ``group``, copied from its own slices only (or, without
-    ``copy``, allocated for a load to fill)."""
-    devices = {b.device for b in group.buckets}
-    device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+def allocate_or_oom(
+    allocate: Callable[[], torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor | None, BaseException | None]:
+    """``allocate()``, or ``(None, error)`` when memory runs out; on a GPU the caching
+    allocator's unused blocks are released and the allocation tried once more first."""
+    for attempt in (0, 1):
+        try:
+            return allocate(), None
+        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as error:
+            if not is_oom(error):
+                raise
+            if attempt or device.type != "cuda":
+                return None, error
+            torch.cuda.empty_cache()
+    raise AssertionError("unreachable")
+
+
+def _allocate_masters(
+    layout: Layout,
+    device: torch.device,
+    control: dist.ProcessGroup | None,
+    rank: int,
+) -> list[torch.Tensor]:
+    """This rank's empty fp32 master shard of every group, on ``device``.
+
+    Allocated before any bucket, so that running out of memory here changes nothing.
+
+    Raises:
+        MemoryError: on every rank, when some rank could not allocate its shards.
+    """
+    masters: list[torch.Tensor] = []
+    error: BaseException | None = None
+    for g in layout.groups:
+        master, error = allocate_or_oom(
+            lambda g=g: _empty(g.shard_numel, torch.float32, device), device
+        )
+        if master is None:
+            break
+        masters.append(master)
+    if all_reduce_max(int(error is not None), control) == 0:
+        return masters
+    masters.clear()
+    where = f"on rank {rank}" if error is not None else "on another rank"
+    shard_gib = sum(g.shard_numel for g in layout.groups) * 4 / 2**30
+    raise MemoryError(
+        f"out of memory {where} allocating the fp32 master shards ({shard_gib:.2f} GiB per "
+        f"rank on {device.type}); nothing was changed. Use more ranks (the shards shrink with "
+        "them) or free memory"
+    ) from error
+
+
+def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
-        master = empty_host(group.layout.shard_numel, torch.float32)
-    else:
-        master = torch.empty(group.layout.shard_numel, dtype=torch.float32, device=device)
-    if not copy:
-        return master
+        return empty_host(numel, dtype)
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def _copy_master(group: FlatGroup, report: ReportBuilder) -> None:
+    """Copy this rank's slices of the group's buckets into its master shard."""
+    master = group.master
+    assert master is not None
     dsts = [master[b.shard_offset : b.shard_offset + b.slice_numel] for b in group.layout.buckets]
     srcs = [group.bucket_shard(b) for b in range(len(group.buckets))]
     torch._foreach_copy_(dsts, srcs)
-    report.moved(
-        "host_copy" if device.type == "cpu" else "device_copy", sum(s.nbytes for s in srcs)
-    )
-    return master
+    kind = "host_copy" if master.device.type == "cpu" else "device_copy"
+    report.moved(kind, sum(s.nbytes for s in srcs))
 
 
 def flatten_parameters(
@@ -310,6 +349,8 @@ def flatten_parameters(
     checkpoint: SafetensorsCheckpoint | None = None,
     key_map: Callable[[str], str] | None = None,
     allocate_only: bool = False,
+    agreement_group: dist.ProcessGroup | None = None,
+    reserve_grad_shards: bool | None = None,
 ) -> FlatParams:
     """Flatten ``params`` into contiguous, sharded bucket buffers, in place.
 
@@ -334,22 +375,33 @@ def flatten_parameters(
             on the meta device. Every bucket then holds garbage but its zeroed padding
             until the caller fills it, e.g. ``checkpoint.load_flat_params`` or
             ``ZeroOptimizer.load_state_dict``.
+        agreement_group: the ranks that take every decision together (the layout check,
+            the tier, the out-of-memory fallback); default ``process_group``. Replicated
+            data parallelism (ZeRO stage 0) shards over a one-rank group per rank and
+            decides over all of them.
+        reserve_grad_shards: count an fp32 gradient shard per group (what
+            ``ZeroOptimizer`` allocates next) in the memory the tier decision needs;
+            default: when ``config.build_master`` is on.
 
     Returns:
         ``FlatParams`` owning the buffers, the layout, the master shards and the report.
 
     Raises:
         ValueError / TypeError: bad input (named in the message, nothing changed).
-        MemoryError: not even host memory could hold a bucket (params keep their data).
+        MemoryError: on every rank, when the buckets and shards fit in no tier (every
+            param keeps its data; on a GPU buffers never fall back to host memory).
     """
     config = config or FlattenConfig()
     rank, ws = rank_of(process_group), world_size_of(process_group)
+    deciders = process_group if agreement_group is None else agreement_group
+    if reserve_grad_shards is None:
+        reserve_grad_shards = config.build_master
     if world_size is not None and world_size != ws:
         raise ValueError(
             f"world_size={world_size} was given but the process group has {ws} ranks; "
             "launch with the matching number of processes or drop the world_size argument"
         )
-    device = resolve_device(config)
+    device = resolve_device(config.device, process_group)
     report = ReportBuilder(rank, ws, device)
 
     with report.phase("plan"):
@@ -387,11 +439,27 @@ def flatten_parameters(
         )
 
     with report.phase("sync"):
-        if ws > 1:  # the digest hashes every param's entry: skip it when alone
-            check_same_everywhere("the layout", f"{layout.digest()}/{config}", process_group)
+        if world_size_of(deciders) > 1:  # the digest hashes every param's entry: skip it alone
+            check_same_everywhere(
+                "the flatten setup",
+                {
+                    "params": f"{layout.num_params} params, {layout.param_numel} elements",
+                    "layout digest": layout.digest(),
+                    "FlattenConfig": config.compared_text(),
+                    "buffer device type": device.type,
+                },
+                deciders,
+            )
         bucket_bytes = [
             b.numel * getattr(torch, g.dtype).itemsize for g in layout.groups for b in g.buckets
         ]
+        slice_bytes = [
+            b.slice_numel * getattr(torch, g.dtype).itemsize
+            for g in layout.groups
+            for b in g.buckets
+        ]
+        shard_bytes = sum(g.shard_numel for g in layout.groups) * 4
+        shards_per_group = int(config.build_master) + int(reserve_grad_shards)
         decision = choose_tier(
             config.tier,
             params_on=params_on,
@@ -399,9 +467,14 @@ def flatten_parameters(
             world_size=ws,
             largest_bucket_bytes=max(bucket_bytes),
             total_bytes=sum(bucket_bytes),
-            group=process_group,
+            shard_bytes=shard_bytes * shards_per_group,
+            group=deciders,
         )
-        control = _control_group(process_group)
+        control = control_group(deciders)
+        master_device = torch.device("cpu") if decision.tier == "cpu" else device
+        masters = (
+            _allocate_masters(layout, master_device, control, rank) if config.build_master else []
+        )
 
     ctx = TierContext(
         device=device,
@@ -410,7 +483,8 @@ def flatten_parameters(
         group=process_group,
         report=report,
         staging_slots=config.staging_buffers,
-        staging_bytes=max(bucket_bytes),
+        largest_bucket_bytes=max(bucket_bytes),
+        largest_slice_bytes=max(slice_bytes),
     )
     flat_groups: list[FlatGroup] = []
     group_reports: list[GroupReport] = []
@@ -421,7 +495,7 @@ def flatten_parameters(
         disable=not config.progress or rank != 0,
         delay=2.0,
     )
-    with capped_threads(host_threads(config, decision.tier)), progress:
+    with capped_threads(host_threads(config, decision.tier)), progress, closing(ctx):
         ordinal = 0
         for gl in layout.groups:
             user_group = groups[gl.group_index]
@@ -449,8 +523,10 @@ def flatten_parameters(
                 rank=rank,
             )
             if config.build_master:
-                with report.phase("master"):
-                    flat.master = _build_master(flat, report, copy=not allocate_only)
+                flat.master = masters[len(flat_groups)]
+                if not allocate_only:
+                    with report.phase("master"):
+                        _copy_master(flat, report)
             devices = {str(b.device) for b in flat.buckets}
             flat_groups.append(flat)
             group_reports.append(
@@ -478,4 +554,5 @@ def flatten_parameters(
         rank=rank,
         world_size=ws,
         frozen=[p for g in groups for p in g.frozen],
+        agreement_group=agreement_group,
     )

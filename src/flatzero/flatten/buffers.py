@@ -95,6 +95,8 @@ class FlatParams:
         rank: this rank.
         world_size: number of ranks.
         frozen: params with ``requires_grad=False``; left exactly as they were.
+        agreement_group: the ranks that decide together (``flatten_parameters``'s
+            ``agreement_group``); None: ``process_group``.
     """
 
     layout: Layout
@@ -104,6 +106,12 @@ class FlatParams:
     rank: int
     world_size: int
     frozen: list[nn.Parameter] = field(default_factory=list)
+    agreement_group: dist.ProcessGroup | None = None
+
+    @property
+    def deciders(self) -> dist.ProcessGroup | None:
+        """The group every rank-wide decision about these buffers is taken over."""
+        return self.process_group if self.agreement_group is None else self.agreement_group
 
     def named_params(self) -> dict[str, nn.Parameter]:
         """Every flattened param by name."""

@@ -9,9 +9,15 @@ down when memory runs out. Tiers never rebind a param to a partially filled buck
 |---------|---------------------------------|-----------------------------------------------|
 | device  | params on the target device     | ``_foreach_copy_`` into the bucket            |
 | cpu     | params in host memory, no GPU   | ``_foreach_copy_`` into a host bucket         |
-| host    | params in host memory, 1 rank   | host fill of a staging slot, async upload     |
+| host    | params in host memory, 1 rank   | host fill of staging chunks, async upload     |
 | sharded | params in host memory, N ranks  | upload of this rank's slice, all-gather       |
-| offload | params on the device, no room   | params to pinned host images, then upload     |
+| offload | params on the device, no room   | bucket by bucket: params to a host image, the |
+|         |                                 | image uploaded as ``host`` does               |
+
+A tier's steps per bucket: ``prepare`` (before allocation: ``offload`` moves the bucket's
+params out of the way), then, when allocation still fails, ``make_room`` (``offload``
+moves the next bucket's params out too), then ``fill``. Staging memory (pinned on CUDA)
+is a few slots of at most 64 MiB, released when the flatten call ends (``close``).
 """
 
 from __future__ import annotations
@@ -22,12 +28,22 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_gather_into
-from ..hostmem import empty_host
+from ..hostmem import empty_host, release_pinned_cache, staging_buffer
 from ..layout import GroupLayout
 from ..report import ReportBuilder
 from .source import ParamSource
 
-__all__ = ["Fill", "StagingRing", "Tier", "TierContext", "copy_kind", "make_tier"]
+__all__ = [
+    "STAGING_CHUNK_BYTES",
+    "Fill",
+    "StagingRing",
+    "Tier",
+    "TierContext",
+    "chunks",
+    "copy_kind",
+    "make_tier",
+    "staging_slot_bytes",
+]
 
 
 @dataclass
@@ -54,6 +70,25 @@ class Fill:
         return self.done is None or self.done.query()
 
 
+STAGING_CHUNK_BYTES = 64 * 2**20
+"""Largest staging slot (bytes): a bucket or slice larger than this is streamed through
+the ring in chunks, so pinned memory per rank stays ``staging_buffers`` x 64 MiB at most
+whatever the bucket size (a 152k x 2048 embedding alone in its bucket is 600 MiB)."""
+
+
+def staging_slot_bytes(largest_staged_bytes: int) -> int:
+    """Bytes of one staging slot for ranges of at most ``largest_staged_bytes``: the next
+    power of two (what the pinned allocator hands out anyway), at most
+    ``STAGING_CHUNK_BYTES``."""
+    need = max(1, largest_staged_bytes)
+    return min(STAGING_CHUNK_BYTES, 1 << (need - 1).bit_length())
+
+
+def chunks(lo: int, hi: int, numel: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` cut into consecutive ranges of at most ``numel`` elements."""
+    return [(start, min(start + numel, hi)) for start in range(lo, hi, numel)]
+
+
 @dataclass
 class _Slot:
     buffer: torch.Tensor  # uint8, viewed as the bucket dtype
@@ -63,20 +98,29 @@ class _Slot:
 class StagingRing:
     """A few host buffers that host fills and uploads take turns on.
 
-    Pinned when the target is a CUDA device, so the upload is a true async DMA; the
-    fill of one slot overlaps the upload of the others.
+    Pinned when the target is a CUDA device (so the upload is a true async DMA and the
+    fill of one slot overlaps the upload of the others), pageable when pinning fails.
 
     Args:
         slots: number of buffers.
-        nbytes: size of each buffer (bytes): the largest bucket (or slice) to stage.
+        nbytes: size of each buffer (bytes); see ``staging_slot_bytes``.
         pin: allocate page-locked memory.
     """
 
     def __init__(self, slots: int, nbytes: int, *, pin: bool) -> None:
-        self._slots = [
-            _Slot(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)) for _ in range(slots)
-        ]
+        self._slots = []
+        self.pinned = pin
+        for _ in range(slots):
+            buffer, pinned = staging_buffer(nbytes, pin=pin)
+            self.pinned = self.pinned and pinned
+            self._slots.append(_Slot(buffer))
+        self.slot_bytes = nbytes
         self._next = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the ring holds."""
+        return self.slot_bytes * len(self._slots)
 
     def acquire(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, _Slot]:
         """The next slot, once its previous upload has completed, and its first
@@ -87,7 +131,15 @@ class StagingRing:
             slot.done.synchronize()
             slot.done = None
         nbytes = numel * dtype.itemsize
+        assert nbytes <= self.slot_bytes, "a staged chunk is larger than a slot"
         return slot.buffer[:nbytes].view(dtype), slot
+
+    def drain(self) -> None:
+        """Wait until no upload reads from the ring any more."""
+        for slot in self._slots:
+            if slot.done is not None:
+                slot.done.synchronize()
+                slot.done = None
 
 
 @dataclass
@@ -101,7 +153,8 @@ class TierContext:
         group: the process group (None at world size 1 without one).
         report: where bytes moved and events are counted.
         staging_slots: number of staging buffers for the upload tiers.
-        staging_bytes: size of each staging buffer (bytes).
+        largest_bucket_bytes: bytes of the largest bucket (what ``host`` stages).
+        largest_slice_bytes: bytes of the largest rank slice (what ``sharded`` stages).
     """
 
     device: torch.device
@@ -110,17 +163,26 @@ class TierContext:
     group: dist.ProcessGroup | None
     report: ReportBuilder
     staging_slots: int
-    staging_bytes: int
-    _ring: StagingRing | None = field(default=None, repr=False)
+    largest_bucket_bytes: int
+    largest_slice_bytes: int
+    _rings: dict[int, StagingRing] = field(default_factory=dict, repr=False)
     _copy_stream: torch.cuda.Stream | None = field(default=None, repr=False)
 
+    def ring(self, largest_staged_bytes: int) -> StagingRing:
+        """A staging ring whose slots take chunks of ranges up to ``largest_staged_bytes``,
+        created on first use (one per slot size; the ``host`` and ``sharded`` tiers of one
+        call may both stage)."""
+        nbytes = staging_slot_bytes(largest_staged_bytes)
+        ring = self._rings.get(nbytes)
+        if ring is None:
+            ring = StagingRing(self.staging_slots, nbytes, pin=self.device.type == "cuda")
+            self._rings[nbytes] = ring
+        return ring
+
     @property
-    def ring(self) -> StagingRing:
-        """The staging ring, created on first use."""
-        if self._ring is None:
-            pin = self.device.type == "cuda"
-            self._ring = StagingRing(self.staging_slots, self.staging_bytes, pin=pin)
-        return self._ring
+    def staging_bytes(self) -> int:
+        """Host bytes held by the staging rings now."""
+        return sum(r.nbytes for r in self._rings.values())
 
     @property
     def copy_stream(self) -> torch.cuda.Stream | None:
@@ -128,6 +190,16 @@ class TierContext:
         if self.device.type == "cuda" and self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
         return self._copy_stream
+
+    def close(self) -> None:
+        """Wait for every upload, then release the staging memory (pinned pages go back
+        to the system rather than staying in PyTorch's pinned cache)."""
+        pinned = any(r.pinned for r in self._rings.values())
+        for ring in self._rings.values():
+            ring.drain()
+        self._rings.clear()
+        if pinned:
+            release_pinned_cache()
 
 
 def copy_kind(src: torch.device, dst: torch.device) -> str:
@@ -158,6 +230,13 @@ class DirectTier:
     def begin(self, layout: GroupLayout, source: ParamSource, buckets: range) -> None:
         """Nothing to prepare."""
 
+    def prepare(self, layout: GroupLayout, source: ParamSource, bucket: int) -> None:
+        """Nothing to do before the bucket is allocated."""
+
+    def make_room(self, layout: GroupLayout, source: ParamSource) -> bool:
+        """Nothing can be moved out of the way: False."""
+        return False
+
     def fill(self, layout: GroupLayout, source: ParamSource, bucket: int, buf: torch.Tensor):
         """Copy the bucket's params into ``buf`` on the current stream."""
         pieces = list(layout.bucket_pieces_all(bucket))
@@ -168,11 +247,14 @@ class DirectTier:
 
 
 class UploadTier:
-    """``host`` and ``sharded``: fill a staging slot on the host, upload it asynchronously.
+    """``host`` and ``sharded``: fill staging slots on the host, upload them asynchronously.
 
     ``sharded`` uploads only this rank's slice of each bucket and all-gathers the rest,
-    so each rank moves 1/N of the model over PCIe; ``host`` uploads whole buckets.
+    so each rank moves 1/N of the model over PCIe; ``host`` uploads whole buckets. A range
+    larger than a staging slot is streamed through the ring chunk by chunk.
     """
+
+    collective = False
 
     def __init__(self, name: str, ctx: TierContext) -> None:
         self.name = name
@@ -184,93 +266,99 @@ class UploadTier:
     def begin(self, layout: GroupLayout, source: ParamSource, buckets: range) -> None:
         """Nothing to prepare."""
 
+    def prepare(self, layout: GroupLayout, source: ParamSource, bucket: int) -> None:
+        """Nothing to do before the bucket is allocated."""
+
+    def make_room(self, layout: GroupLayout, source: ParamSource) -> bool:
+        """Nothing can be moved out of the way: False."""
+        return False
+
     def _range(self, layout: GroupLayout, bucket: int) -> tuple[int, int]:
         if self.own_slice:
             return layout.buckets[bucket].rank_range(self.ctx.rank)
         return 0, layout.buckets[bucket].numel
 
     def fill(self, layout: GroupLayout, source: ParamSource, bucket: int, buf: torch.Tensor):
-        """Stage this rank's part of the bucket, upload it, all-gather when sharded."""
+        """Stage this rank's part of the bucket chunk by chunk, upload each chunk, then
+        all-gather when sharded."""
         ctx = self.ctx
         lo, hi = self._range(layout, bucket)
-        if self.own_slice:
-            pieces = list(layout.bucket_pieces(bucket, ctx.rank))
-        else:
-            pieces = list(layout.bucket_pieces_all(bucket))
-        target = buf[lo:hi]
-        done = None
         stream = ctx.copy_stream
+        done = None
         if stream is None:  # host buffers: fill the bucket itself, no staging needed
-            _zero_gaps(layout, bucket, target, lo, hi)
-            ctx.report.moved("host_copy", source.copy_into(pieces, target, lo))
+            _zero_gaps(layout, bucket, buf[lo:hi], lo, hi)
+            pieces = list(layout.pieces_between(bucket, lo, hi))
+            ctx.report.moved("host_copy", source.copy_into(pieces, buf[lo:hi], lo))
         else:
-            stage, ring_slot = ctx.ring.acquire(hi - lo, buf.dtype)
-            _zero_gaps(layout, bucket, stage, lo, hi)
-            ctx.report.moved("host_copy", source.copy_into(pieces, stage, lo))
-            stream.wait_stream(torch.cuda.current_stream(buf.device))
-            with torch.cuda.stream(stream):
-                target.copy_(stage, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
+            largest = ctx.largest_slice_bytes if self.own_slice else ctx.largest_bucket_bytes
+            ring = ctx.ring(largest)
+            stream.wait_stream(torch.cuda.current_stream(buf.device))  # buf's allocation
+            for start, end in chunks(lo, hi, ring.slot_bytes // buf.element_size()):
+                stage, slot = ring.acquire(end - start, buf.dtype)
+                _zero_gaps(layout, bucket, stage, start, end)
+                pieces = list(layout.pieces_between(bucket, start, end))
+                ctx.report.moved("host_copy", source.copy_into(pieces, stage, start))
+                with torch.cuda.stream(stream):
+                    buf[start:end].copy_(stage, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                slot.done = done
+                ctx.report.moved("h2d", stage.nbytes)
             buf.record_stream(stream)
-            ring_slot.done = done
-            ctx.report.moved("h2d", stage.nbytes)
         if self.own_slice:
             if done is not None:
                 torch.cuda.current_stream(buf.device).wait_event(done)
-            all_gather_into(buf, target, ctx.group)
-            ctx.report.moved("all_gather", buf.nbytes - target.nbytes)
+            all_gather_into(buf, buf[lo:hi], ctx.group)
+            ctx.report.moved("all_gather", buf.nbytes - buf[lo:hi].nbytes)
         return Fill(buf, done)
 
 
 class OffloadTier(UploadTier):
-    """``offload``: params on a full device go to pinned host images, then upload.
+    """``offload``: params on a full device make room for their own bucket.
 
-    ``begin`` copies the remaining buckets' params into host images laid out exactly
-    like their buckets and rebinds the params to them (their device memory is freed,
-    their values kept); ``fill`` then uploads each image with one copy.
+    Before a bucket is allocated, its params move to a host image laid out like the
+    bucket and are rebound to it (their device memory is freed, their values kept); the
+    image is then uploaded like the ``host`` tier does, through the pinned staging ring,
+    and freed once the bucket is complete. One bucket's image is on the host at a time;
+    when freeing one bucket's params is not enough room (they shared allocator blocks with
+    other params), ``make_room`` moves the next bucket's params out too.
     """
 
     def __init__(self, name: str, ctx: TierContext) -> None:
         super().__init__("host", ctx)
         self.name = name
-        self.images: dict[int, torch.Tensor] = {}
+        self._moved: set[int] = set()
+        self._ahead: list[int] = []
 
     def begin(self, layout: GroupLayout, source: ParamSource, buckets: range) -> None:
-        """Move every param of ``buckets`` into a host image of its bucket."""
-        pin = self.ctx.device.type == "cuda"
-        dtype = getattr(torch, layout.dtype)
-        for bucket in buckets:
-            numel = layout.buckets[bucket].numel
-            if pin:
-                image = torch.empty(numel, dtype=dtype, pin_memory=True)
-            else:
-                image = empty_host(numel, dtype)
-            pieces = list(layout.bucket_pieces_all(bucket))
-            _zero_gaps(layout, bucket, image, 0, numel)
-            kind = copy_kind(source.device_of(pieces) or image.device, image.device)
-            self.ctx.report.moved(kind, source.copy_into(pieces, image, 0))
-            if pin:
-                torch.cuda.current_stream(self.ctx.device).synchronize()
-            source.rebind_bucket(bucket, image)
-            self.images[bucket] = image
+        """Remember which buckets are still to come (``make_room`` takes from them)."""
+        self._ahead = list(buckets)
 
-    def fill(self, layout: GroupLayout, source: ParamSource, bucket: int, buf: torch.Tensor):
-        """Upload the bucket's host image in one copy."""
-        image = self.images.pop(bucket)
-        done = None
-        stream = self.ctx.copy_stream
-        if stream is None:
-            buf.copy_(image)
-        else:
-            stream.wait_stream(torch.cuda.current_stream(buf.device))
-            with torch.cuda.stream(stream):
-                buf.copy_(image, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
-            buf.record_stream(stream)
-        self.ctx.report.moved("h2d" if buf.device.type == "cuda" else "host_copy", image.nbytes)
-        return Fill(buf, done)
+    def prepare(self, layout: GroupLayout, source: ParamSource, bucket: int) -> None:
+        """Move the bucket's params to a host image, releasing their device memory."""
+        if bucket in self._ahead:
+            self._ahead.remove(bucket)
+        if bucket not in self._moved:
+            self._offload(layout, source, bucket)
+
+    def make_room(self, layout: GroupLayout, source: ParamSource) -> bool:
+        """Offload the next bucket still on the device; False when none is left."""
+        while self._ahead:
+            bucket = self._ahead.pop(0)
+            if bucket not in self._moved:
+                self._offload(layout, source, bucket)
+                return True
+        return False
+
+    def _offload(self, layout: GroupLayout, source: ParamSource, bucket: int) -> None:
+        numel = layout.buckets[bucket].numel
+        image = empty_host(numel, getattr(torch, layout.dtype))
+        pieces = list(layout.bucket_pieces_all(bucket))
+        _zero_gaps(layout, bucket, image, 0, numel)
+        kind = copy_kind(source.device_of(pieces) or image.device, image.device)
+        self.ctx.report.moved(kind, source.copy_into(pieces, image, 0))
+        source.rebind_bucket(bucket, image)
+        self._moved.add(bucket)
 
 
 Tier = DirectTier | UploadTier | OffloadTier

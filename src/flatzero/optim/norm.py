@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import collective_device, world_size_of
+from ..comm import world_size_of
+from ..devices import collective_device
 
 __all__ = ["global_sq_norm"]
 

@@ -23,7 +23,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from ..comm import collective_device, rank_of, reduce_scatter_into, world_size_of
+from ..comm import rank_of, reduce_scatter_into, world_size_of
+from ..devices import collective_device
 from ..flatten.buffers import FlatParams
 from .buckets import BucketState, InFlight, StagingPool, bucket_states, empty_buffer
 from .config import ZeroConfig

@@ -29,7 +29,10 @@ from ..comm import (
     world_size_of,
 )
 from ..config import FlattenConfig
+from ..control import control_group
+from ..devices import backend_of, buckets_may_use_cuda, collectives_run_on_cpu
 from ..flatten import FlatParams, flatten_parameters
+from ..flatten.api import allocate_or_oom
 from .buckets import empty_buffer
 from .config import LossScaleConfig, ZeroConfig
 from .inner import (
@@ -85,6 +88,74 @@ def _tensors(params: Any) -> list[torch.Tensor]:
         items = list(params)
     tensors = [item[1] if isinstance(item, tuple) else item for item in items]
     return [t for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def _setup_fields(
+    config: ZeroConfig, optimizer_cls: type, defaults: dict[str, Any]
+) -> dict[str, str]:
+    """What every rank's optimizer setup must agree on (see ``check_same_everywhere``)."""
+    return {
+        "ZeroConfig": repr(config),
+        "optimizer": optimizer_cls.__qualname__,
+        "optimizer arguments": repr(sorted(defaults.items())),
+    }
+
+
+def check_buckets_usable(flat: FlatParams) -> None:
+    """Refuse buckets the optimizer's collectives cannot run on: every bucket and master
+    shard on one device, which the process group's backend can reduce-scatter on.
+
+    Raises:
+        ValueError: naming the devices and the backend, and what to change.
+    """
+    devices = {str(b.device) for g in flat.groups for b in g.buckets}
+    devices |= {str(g.master.device) for g in flat.groups if g.master is not None}
+    if len(devices) > 1:
+        raise ValueError(
+            f"the flat buckets and master shards are on several devices ({sorted(devices)}); "
+            "ZeroOptimizer needs them on one device. Flatten again with one tier "
+            "(FlattenConfig(tier=...)) or with more free memory"
+        )
+    device = flat.groups[0].device
+    if flat.world_size == 1:
+        return
+    pg = flat.process_group
+    usable = buckets_may_use_cuda(pg) if device.type == "cuda" else collectives_run_on_cpu(pg)
+    if not usable:
+        raise ValueError(
+            f"the flat buckets are on {device} but the process group's backend "
+            f"{backend_of(pg)!r} cannot reduce-scatter {device.type} tensors; use a backend "
+            f"for {device.type} tensors (nccl for cuda, gloo for cpu, or 'cpu:gloo,cuda:nccl') "
+            "or flatten onto the device the backend serves (FlattenConfig(device=...))"
+        )
+
+
+def _allocate_grad_shards(flat: FlatParams) -> list[torch.Tensor]:
+    """This rank's fp32 gradient shard of every group, beside its master shard.
+
+    Raises:
+        MemoryError: on every rank, when some rank could not allocate its shards (the
+            params keep their values in the buckets).
+    """
+    grads: list[torch.Tensor] = []
+    error: BaseException | None = None
+    for g in flat.groups:
+        grad, error = allocate_or_oom(
+            lambda g=g: empty_buffer(g.layout.shard_numel, torch.float32, g.device).zero_(),
+            g.device,
+        )
+        if grad is None:
+            break
+        grads.append(grad)
+    if all_reduce_max(int(error is not None), control_group(flat.deciders)) == 0:
+        return grads
+    grads.clear()
+    where = f"on rank {flat.rank}" if error is not None else "on another rank"
+    raise MemoryError(
+        f"out of memory {where} allocating the fp32 gradient shards "
+        f"({sum(g.layout.shard_numel for g in flat.groups) * 4 / 2**30:.2f} GiB per rank); "
+        "the params keep their values. Use more ranks or free memory"
+    ) from error
 
 
 def _probe_optimizer(
@@ -176,13 +247,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 )
             check_same_everywhere(
                 "the ZeroOptimizer setup",
-                f"{flat.layout.digest()}/{config}/{optimizer_cls.__qualname__}/{defaults}",
+                {
+                    "layout digest": flat.layout.digest(),
+                    **_setup_fields(config, optimizer_cls, defaults),
+                },
                 flat.process_group,
             )
         else:
             check_same_everywhere(
                 "the ZeroOptimizer setup",
-                f"{config}/{optimizer_cls.__qualname__}/{defaults}",
+                _setup_fields(config, optimizer_cls, defaults),
                 process_group,
             )
             if flatten_config is None:
@@ -194,14 +268,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 )
             flat = flatten_parameters(params, process_group=process_group, config=flatten_config)
 
+        check_buckets_usable(flat)
         self.flat = flat
         self.config = config
         self._pg = flat.process_group
         self._world_size = world_size_of(self._pg)
         self._rank = rank_of(self._pg)
-        self._grads = [
-            empty_buffer(g.layout.shard_numel, torch.float32, g.device).zero_() for g in flat.groups
-        ]
+        self._grads = _allocate_grad_shards(flat)
         self._masters: list[nn.Parameter] = []
         for group, grad in zip(flat.groups, self._grads, strict=True):
             master = nn.Parameter(group.master, requires_grad=True)

@@ -1,0 +1,114 @@
+"""The control group: host-side agreement that never waits behind GPU collectives.
+
+flatzero's ranks agree on small things (a tier, an out-of-memory error, a checkpoint's
+progress) with tiny all-reduces. On an NCCL group those would queue behind the GPU's work
+and, while one rank spends minutes writing a checkpoint, trip the NCCL watchdog. So they
+run on a gloo group over the same ranks: the process group itself when its backend runs
+on the host, else one created for it.
+
+A control group is created once per process group and reused by every flatten call,
+optimizer and checkpoint over it; only the group's own ranks take part in creating it
+(``use_local_synchronization``), so data-parallel subgroups inside tensor parallelism
+create theirs independently. It lives as long as its process group: it is destroyed with
+them by ``torch.distributed.destroy_process_group()``. (Destroying it earlier and
+creating it again would reuse its rendezvous prefix in the store, which torch derives
+from the ranks and the number of groups, and meet the previous group's stale keys.)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .comm import all_reduce_max, world_size_of
+from .devices import collectives_run_on_cpu
+
+__all__ = ["agree_on_error", "control_group", "host_work_timeout", "wait_for_host_work"]
+
+logger = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT = timedelta(minutes=30)
+"""Timeout of each collective on a control group flatzero creates (long host-side waits
+use ``wait_for_host_work`` with a timeout that fits the work)."""
+
+_MIN_HOST_WORK = timedelta(minutes=30)
+_SLOWEST_DISK_BYTES_PER_S = 20e6
+"""The slowest write rate a checkpoint's timeout allows for (20 MB/s: a busy network
+file system), so that only a hung rank, never a slow disk, times out."""
+
+_controls: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+"""``id(process group) -> (process group, its control group)``; the process group is held
+so that its id is not reused while the entry lives."""
+
+
+def _separate_control_needed(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` needs a gloo group of its own for host-side agreement."""
+    return not collectives_run_on_cpu(group)
+
+
+def _alive(group: dist.ProcessGroup) -> bool:
+    try:
+        dist.get_world_size(group)
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
+def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The group for host-side agreement among ``group``'s ranks (``None``: the default
+    group, or no group at all).
+
+    Collective the first time it is called for a ``group`` with an NCCL-only backend:
+    every rank of ``group`` (and only those) must call it.
+    """
+    if world_size_of(group) == 1 or not _separate_control_needed(group):
+        return group
+    parent = group if group is not None else dist.group.WORLD
+    for key, (pg, control) in list(_controls.items()):
+        if not (_alive(pg) and _alive(control)):
+            del _controls[key]
+    entry = _controls.get(id(parent))
+    if entry is not None:
+        return entry[1]
+    ranks = dist.get_process_group_ranks(parent)
+    control = dist.new_group(
+        ranks=ranks,
+        backend="gloo",
+        timeout=CONTROL_TIMEOUT,
+        use_local_synchronization=True,
+        group_desc="flatzero control",
+    )
+    _controls[id(parent)] = (parent, control)
+    logger.debug("created a gloo control group over ranks %s", ranks)
+    return control
+
+
+def host_work_timeout(nbytes: int) -> timedelta:
+    """How long ranks may wait for one rank's host-side work over ``nbytes`` (a checkpoint
+    write): at least 30 minutes, more for writes that take longer at 20 MB/s."""
+    return max(_MIN_HOST_WORK, timedelta(seconds=math.ceil(nbytes / _SLOWEST_DISK_BYTES_PER_S)))
+
+
+def wait_for_host_work(group: dist.ProcessGroup | None, nbytes: int) -> None:
+    """Wait, on the control group, until every rank of ``group`` got here, allowing the
+    slowest of them ``host_work_timeout(nbytes)``. Collective."""
+    control = control_group(group)
+    if world_size_of(control) == 1:
+        return
+    dist.monitored_barrier(control, timeout=host_work_timeout(nbytes), wait_all_ranks=True)
+
+
+def agree_on_error(
+    error: BaseException | None, group: dist.ProcessGroup | None, elsewhere: str
+) -> None:
+    """Raise on every rank of ``group`` when any rank had ``error``: the rank's own error,
+    or ``RuntimeError(elsewhere)`` on the ranks that had none. Collective (on the control
+    group)."""
+    failed = all_reduce_max(int(error is not None), control_group(group))
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(elsewhere)
