@@ -14,13 +14,20 @@ def _info(_args: argparse.Namespace) -> int:
     import torch
 
     import flatzero
+    from flatzero.devices import local_cuda_index
 
     print(f"flatzero {flatzero.__version__}, torch {torch.__version__}")
     if torch.cuda.is_available():
+        # Free memory needs a CUDA context: only on this rank's device, never on every GPU
+        # (a context costs each GPU ~500 MiB and would land in every other rank's way).
+        mine = local_cuda_index()
         for i in range(torch.cuda.device_count()):
-            free, total = torch.cuda.mem_get_info(i)
-            name = torch.cuda.get_device_name(i)
-            print(f"cuda:{i} {name}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+            props = torch.cuda.get_device_properties(i)
+            line = f"cuda:{i} {props.name}: {props.total_memory / 2**30:.1f} GiB"
+            if i == mine:
+                free, _total = torch.cuda.mem_get_info(i)
+                line += f", {free / 2**30:.1f} GiB free (this rank's device)"
+            print(line)
     else:
         print("no CUDA device: flat buffers go to host memory (tier 'cpu')")
     print(f"tiers: {', '.join(flatzero.TIERS)}")

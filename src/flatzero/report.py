@@ -60,7 +60,10 @@ class InitReport:
         bytes_moved: bytes copied, by kind: ``device_copy``, ``host_copy``, ``h2d``, ``d2h``,
             ``all_gather`` (bytes received by this rank).
         peak_device_bytes: peak CUDA memory allocated during init above what was allocated
-            when it started (bytes); ``None`` without CUDA.
+            when it started (bytes); ``None`` without CUDA. flatzero never resets the
+            process's peak statistics (they are the user's): when an earlier peak of the
+            process was higher than any point of the init, this is that earlier peak above
+            the start, an upper bound.
         host_peak_rss_bytes: the process's peak resident set size so far (bytes).
         events: notable things that happened, e.g. an out-of-memory fallback.
     """
@@ -141,7 +144,6 @@ class ReportBuilder:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._device_base = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -162,7 +164,7 @@ class ReportBuilder:
         """Freeze the report."""
         peak = None
         if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device) - self._device_base
+            peak = max(0, torch.cuda.max_memory_allocated(self.device) - self._device_base)
         return InitReport(
             rank=self.rank,
             world_size=self.world_size,

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import FlattenConfig
+from ..devices import local_cuda_index
 from ..flatten import flatten_parameters
 from ..flatten.threads import cores_per_rank
 from ..launch import run_ranks
@@ -133,7 +134,7 @@ class Trial:
 
 def _device(spec: BenchSpec, rank: int) -> torch.device:
     if spec.device == "cuda":
-        return torch.device("cuda", rank % torch.cuda.device_count())
+        return torch.device("cuda", local_cuda_index())
     return torch.device("cpu")
 
 

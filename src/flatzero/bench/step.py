@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import FlattenConfig
+from ..devices import local_cuda_index
 from ..launch import run_ranks
 from ..models import build_model, count_params, scaled
 from ..optim import ZeroConfig, ZeroOptimizer
@@ -238,7 +239,7 @@ _KINDS: dict[str, type[_Method]] = {
 
 def _device(spec: StepSpec, rank: int) -> torch.device:
     if spec.device == "cuda":
-        return torch.device("cuda", rank % torch.cuda.device_count())
+        return torch.device("cuda", local_cuda_index())
     return torch.device("cpu")
 
 

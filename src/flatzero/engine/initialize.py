@@ -518,7 +518,10 @@ def initialize(
     target = resolve_device(flatten_cfg.device, group)
     activate(target)
     flatten = functools.partial(
-        flatten_parameters, process_group=opt_group, config=flatten_cfg, agreement_group=group
+        flatten_parameters,
+        process_group=opt_group,
+        config=flatten_cfg,
+        agreement_group=dist.group.WORLD if group is None else group,
     )
     on_meta = any(p.device.type == "meta" for g in groups for _, p in g["params"])
     ckpt_dir = None

@@ -223,7 +223,7 @@ class _GroupFlattener:
         """
         self._complete(block=True)
         lower = next_tier_down(tier.name, self.ctx.device)
-        where = f"on rank {self.ctx.rank}" if error is not None else "on another rank"
+        where = f"on rank {rank_of(self.control)}" if error is not None else "on another rank"
         if lower is None:
             last = f"tier {tier.name!r}, the last tier"
             raise self._last_tier_error(where, bucket, last) from error

@@ -279,31 +279,33 @@ class UploadTier:
         return 0, layout.buckets[bucket].numel
 
     def fill(self, layout: GroupLayout, source: ParamSource, bucket: int, buf: torch.Tensor):
-        """Stage this rank's part of the bucket chunk by chunk, upload each chunk, then
-        all-gather when sharded."""
+        """Fill this rank's part of the bucket chunk by chunk (on a GPU: stage each chunk in
+        the pinned ring and upload it asynchronously), then all-gather when sharded."""
         ctx = self.ctx
         lo, hi = self._range(layout, bucket)
+        largest = ctx.largest_slice_bytes if self.own_slice else ctx.largest_bucket_bytes
+        chunk_numel = staging_slot_bytes(largest) // buf.element_size()
         stream = ctx.copy_stream
-        done = None
-        if stream is None:  # host buffers: fill the bucket itself, no staging needed
-            _zero_gaps(layout, bucket, buf[lo:hi], lo, hi)
-            pieces = list(layout.pieces_between(bucket, lo, hi))
-            ctx.report.moved("host_copy", source.copy_into(pieces, buf[lo:hi], lo))
-        else:
-            largest = ctx.largest_slice_bytes if self.own_slice else ctx.largest_bucket_bytes
-            ring = ctx.ring(largest)
+        ring = ctx.ring(largest) if stream is not None else None
+        if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(buf.device))  # buf's allocation
-            for start, end in chunks(lo, hi, ring.slot_bytes // buf.element_size()):
-                stage, slot = ring.acquire(end - start, buf.dtype)
-                _zero_gaps(layout, bucket, stage, start, end)
-                pieces = list(layout.pieces_between(bucket, start, end))
-                ctx.report.moved("host_copy", source.copy_into(pieces, stage, start))
+        done = None
+        for start, end in chunks(lo, hi, chunk_numel):
+            # Host buffers are filled in place; a GPU bucket through a staging slot.
+            stage, slot = (
+                (buf[start:end], None) if ring is None else ring.acquire(end - start, buf.dtype)
+            )
+            _zero_gaps(layout, bucket, stage, start, end)
+            pieces = list(layout.pieces_between(bucket, start, end))
+            ctx.report.moved("host_copy", source.copy_into(pieces, stage, start))
+            if stream is not None and slot is not None:
                 with torch.cuda.stream(stream):
                     buf[start:end].copy_(stage, non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(stream)
                 slot.done = done
                 ctx.report.moved("h2d", stage.nbytes)
+        if stream is not None:
             buf.record_stream(stream)
         if self.own_slice:
             if done is not None:
