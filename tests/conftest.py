@@ -1,9 +1,25 @@
-"""Shared fixtures: quiet, deterministic, one thread per test process."""
+"""Shared fixtures: quiet, deterministic, one thread per test process.
+
+The suite tests the same thing on every machine: unless ``FLATZERO_TEST_GPU=1`` is set,
+every GPU is hidden (``CUDA_VISIBLE_DEVICES=""``) before anything can initialize CUDA
+(torch initializes it lazily, at the first query), and the ranks the tests spawn inherit
+that. Without it, a GPU machine would send the "CPU" tests' buckets to CUDA. The GPU tests
+(``tests/gpu``, ``tests/test_checkpoint_gpu.py``) then skip; run them with
+``FLATZERO_TEST_GPU=1 python3 -m pytest -q tests/gpu tests/test_checkpoint_gpu.py``.
+"""
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+GPU_ENV = "FLATZERO_TEST_GPU"
+"""Set to ``1`` to let the tests see the machine's GPUs."""
+
+if os.environ.get(GPU_ENV) != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,6 @@
 """Checkpoints of a ZeroOptimizer on CUDA: device tensors streamed to the rank file
-through pinned chunks, loaded back onto the device (skipped without CUDA)."""
+through pinned chunks, loaded back onto the device (skipped without CUDA; run with
+``FLATZERO_TEST_GPU=1``, as the CPU suite hides the GPUs)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from flatzero.optim import ZeroOptimizer
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA (run with FLATZERO_TEST_GPU=1)"
+    ),
 ]
 
 LLAMA = LlamaConfig(

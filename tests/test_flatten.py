@@ -241,9 +241,10 @@ def test_host_threads_never_exceed_the_ranks_share_of_cores(monkeypatch):
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert cores_per_rank() == max(1, cores // 8)
-    assert host_threads(FlattenConfig(), "host") == max(1, cores // 8)
-    assert host_threads(FlattenConfig(), "cpu") == 1
-    assert host_threads(FlattenConfig(host_threads=3), "cpu") == 3
+    assert host_threads(FlattenConfig()) == max(1, cores // 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert host_threads(FlattenConfig()) == cores
+    assert host_threads(FlattenConfig(host_threads=3)) == 3
 
 
 def test_thread_setting_is_restored_after_flattening():

@@ -189,7 +189,10 @@ def test_materialize_rejects_meta_device() -> None:
         materialize(build_model(TINY_LLAMA), "meta")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (run with FLATZERO_TEST_GPU=1)"
+)
 def test_materialize_on_cuda_equals_cpu() -> None:
     on_cpu = _state(build_model(TINY_QWEN, device="cpu"))
     on_cuda = _state(build_model(TINY_QWEN, device="cuda"))

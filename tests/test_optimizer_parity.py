@@ -562,7 +562,9 @@ def test_distributed_parity_memory_and_errors(world_size):
         assert memory["stage1_flat_numel"]
 
         errors = out["errors"]
-        assert "the flatten setup differs between ranks: layout digest" in errors["mismatch"], errors["mismatch"]
+        assert "the flatten setup differs between ranks: layout digest" in errors["mismatch"], (
+            errors["mismatch"]
+        )
         assert errors["mismatch_unchanged"]
         assert "differs between ranks" in errors["stage_mismatch"]
         assert errors["loaded_masters_equal"]

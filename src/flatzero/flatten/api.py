@@ -495,7 +495,7 @@ def flatten_parameters(
         disable=not config.progress or rank != 0,
         delay=2.0,
     )
-    with capped_threads(host_threads(config, decision.tier)), progress, closing(ctx):
+    with capped_threads(host_threads(config)), progress, closing(ctx):
         ordinal = 0
         for gl in layout.groups:
             user_group = groups[gl.group_index]

@@ -2,10 +2,10 @@
 
 DeepSpeed issue #7677: eight ranks of a node each flattened on the CPU with every core,
 2,244 CPU-minutes for a 19-minute init. A rank here never uses more than its share of
-the cores, and the ``cpu`` tier uses one thread: its copies are bound by memory
-bandwidth, which a second thread per rank barely raises (docs/benchmarks.md) while it
-doubles the CPU time. The upload tiers fill pinned staging buffers that the GPU drains
-at PCIe speed, several times one thread's memcpy, so they use the rank's whole share.
+the cores (cores / ``LOCAL_WORLD_SIZE``), and uses all of that share: on the host, what
+bounds a fresh bucket or master shard is the first touch of its pages (a page fault per
+page), which spreads over threads, and the upload tiers fill pinned staging buffers that
+the GPU drains faster than one thread's memcpy.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ def cores_per_rank() -> int:
     return max(1, (cores or 1) // local_world_size())
 
 
-def host_threads(config: FlattenConfig, tier: str) -> int:
-    """Intra-op threads for flattening in ``tier`` (``config.host_threads`` if set)."""
+def host_threads(config: FlattenConfig) -> int:
+    """Intra-op threads for flattening: ``config.host_threads`` if set, else the rank's
+    share of the cores."""
     if config.host_threads is not None:
         return config.host_threads
-    return 1 if tier == "cpu" else cores_per_rank()
+    return cores_per_rank()
 
 
 @contextmanager

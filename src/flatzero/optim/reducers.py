@@ -364,7 +364,8 @@ class Stage1Reducer(GradReducer):
         for gi, group in enumerate(flat.groups):
             layout = group.layout
             if self.world_size == 1 and group.dtype == torch.float32:
-                buffer = grads[gi]  # the shard has the buckets' layout: use it in place
+                # The shard has the buckets' layout: use it in place (autograd adds into it).
+                buffer = grads[gi].zero_()
                 self._aliased.add(gi)
             else:
                 buffer = empty_buffer(layout.numel, group.dtype, group.device).zero_()

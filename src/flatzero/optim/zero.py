@@ -33,6 +33,7 @@ from ..control import control_group
 from ..devices import backend_of, buckets_may_use_cuda, collectives_run_on_cpu
 from ..flatten import FlatParams, flatten_parameters
 from ..flatten.api import allocate_or_oom
+from ..layout import GroupLayout
 from .buckets import empty_buffer
 from .config import LossScaleConfig, ZeroConfig
 from .inner import (
@@ -141,11 +142,11 @@ def _allocate_grad_shards(flat: FlatParams) -> list[torch.Tensor]:
     error: BaseException | None = None
     for g in flat.groups:
         grad, error = allocate_or_oom(
-            lambda g=g: empty_buffer(g.layout.shard_numel, torch.float32, g.device).zero_(),
-            g.device,
+            lambda g=g: empty_buffer(g.layout.shard_numel, torch.float32, g.device), g.device
         )
         if grad is None:
             break
+        _zero_padding(grad, g.layout, flat.rank)
         grads.append(grad)
     if all_reduce_max(int(error is not None), control_group(flat.deciders)) == 0:
         return grads
@@ -156,6 +157,20 @@ def _allocate_grad_shards(flat: FlatParams) -> list[torch.Tensor]:
         f"({sum(g.layout.shard_numel for g in flat.groups) * 4 / 2**30:.2f} GiB per rank); "
         "the params keep their values. Use more ranks or free memory"
     ) from error
+
+
+def _zero_padding(shard: torch.Tensor, layout: GroupLayout, rank: int) -> None:
+    """Zero the padding of a gradient shard; the rest is written (not added) by the first
+    reduction of every accumulation window, so it needs no zeroing: a full memset would
+    touch every page of the shard once more at init, on a fresh host buffer the slowest
+    part of init."""
+    gaps = []
+    for index, bucket in enumerate(layout.buckets):
+        lo, hi = bucket.rank_range(rank)
+        base = bucket.shard_offset - lo
+        gaps += [shard[base + start : base + end] for start, end in layout.gaps(index, lo, hi)]
+    if gaps:
+        torch._foreach_zero_(gaps)
 
 
 def _probe_optimizer(
