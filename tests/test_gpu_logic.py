@@ -320,7 +320,12 @@ def test_backends_decide_where_buffers_and_control_tensors_go(fake_gpus, monkeyp
         assert devices.buckets_may_use_cuda(None) is on_cuda, backend
         assert devices.collectives_run_on_cpu(None) is on_cpu, backend
         assert devices.collective_device(None) == control_device, backend
+    # A model placed on cuda:5 without set_device: its collectives go with the data.
+    monkeypatch.setattr(devices, "backend_of", lambda group: "nccl")
+    assert devices.collective_device(None, torch.device("cuda", 5)) == torch.device("cuda", 5)
+    assert devices.collective_device(None, torch.device("cpu")) == torch.device("cuda", 2)
     monkeypatch.setattr(devices, "backend_of", lambda group: "gloo")
+    assert devices.collective_device(None, torch.device("cuda", 5)) == torch.device("cpu")
     assert devices.resolve_device(None, None) == torch.device("cpu")  # a gloo group, GPUs seen
     with pytest.raises(ValueError, match="backend 'gloo' cannot reduce-scatter CUDA"):
         devices.resolve_device("cuda", None)

@@ -138,11 +138,17 @@ def resolve_device(requested: str | None, group: dist.ProcessGroup | None) -> to
     return device
 
 
-def collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where small control tensors for ``group``'s collectives live: the host unless the
-    backend runs on CUDA only (NCCL), then this rank's GPU."""
+def collective_device(
+    group: dist.ProcessGroup | None, data_device: torch.device | None = None
+) -> torch.device:
+    """Where small tensors for ``group``'s collectives live: the host unless the backend
+    runs on CUDA only (NCCL), then the GPU of the data they go with (``data_device``, so
+    a script that placed its model on ``cuda:N`` without ``set_device`` stays on it), else
+    this rank's GPU."""
     backend = backend_of(group)
     if backend and _cuda_backend(backend) and not _cpu_backend(backend):
+        if data_device is not None and data_device.type == "cuda":
+            return data_device
         return torch.device("cuda", local_cuda_index(group))
     return torch.device("cpu")
 

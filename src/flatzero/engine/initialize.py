@@ -292,7 +292,7 @@ def _sync_params(flat: FlatParams, mode: str, group: Any, replicated: bool) -> s
         return "nothing (one rank)" if world_size_of(group) == 1 else "none"
     if mode == "check":
         sums = torch.stack([bitwise_sum(b) for g in flat.groups for b in g.buckets]).to(
-            collective_device(group)
+            collective_device(group, flat.groups[0].device)
         )
         gathered = [torch.empty_like(sums) for _ in range(world_size_of(group))]
         dist.all_gather(gathered, sums, group=group)

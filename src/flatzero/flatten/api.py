@@ -439,6 +439,8 @@ def flatten_parameters(
         )
 
     with report.phase("sync"):
+        # Every agreement runs on the gloo control group: no control tensor on a GPU.
+        control = control_group(deciders)
         if world_size_of(deciders) > 1:  # the digest hashes every param's entry: skip it alone
             check_same_everywhere(
                 "the flatten setup",
@@ -448,7 +450,7 @@ def flatten_parameters(
                     "FlattenConfig": config.compared_text(),
                     "buffer device type": device.type,
                 },
-                deciders,
+                control,
             )
         bucket_bytes = [
             b.numel * getattr(torch, g.dtype).itemsize for g in layout.groups for b in g.buckets
@@ -468,9 +470,8 @@ def flatten_parameters(
             largest_bucket_bytes=max(bucket_bytes),
             total_bytes=sum(bucket_bytes),
             shard_bytes=shard_bytes * shards_per_group,
-            group=deciders,
+            group=control,
         )
-        control = control_group(deciders)
         master_device = torch.device("cpu") if decision.tier == "cpu" else device
         masters = (
             _allocate_masters(layout, master_device, control, rank) if config.build_master else []

@@ -19,7 +19,7 @@ def global_sq_norm(shards: list[torch.Tensor], group: dist.ProcessGroup | None) 
     squares are summed in float64 so that finite fp32 gradients never overflow the sum.
     """
     distributed = world_size_of(group) > 1
-    device = collective_device(group) if distributed else shards[0].device
+    device = collective_device(group, shards[0].device) if distributed else shards[0].device
     norms = torch._foreach_norm(shards)
     sq = torch.stack([n.to(device=device, dtype=torch.float64) for n in norms]).square().sum()
     if distributed:

@@ -304,7 +304,7 @@ class Stage2Reducer(GradReducer):
         self._recording = False
         self.pool.quiet = False
         n = len(self.buckets)
-        device = collective_device(self.pg)
+        device = collective_device(self.pg, self.flat.groups[0].device)
         if self.rank == 0:
             # Rank 0's first complete backward pass; the current order if none was seen.
             valid = sorted(self.recorded) == list(range(n))

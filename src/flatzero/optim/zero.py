@@ -266,13 +266,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     "layout digest": flat.layout.digest(),
                     **_setup_fields(config, optimizer_cls, defaults),
                 },
-                flat.process_group,
+                control_group(flat.deciders),
             )
         else:
             check_same_everywhere(
                 "the ZeroOptimizer setup",
                 _setup_fields(config, optimizer_cls, defaults),
-                process_group,
+                control_group(process_group),
             )
             if flatten_config is None:
                 # Like torch.optim, leave the params where they are.
@@ -688,7 +688,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._check_state_dict(state_dict)
         except ValueError as e:
             error = e
-        if all_reduce_max(int(error is not None), self._pg):
+        if all_reduce_max(int(error is not None), control_group(self.flat.deciders)):
             if error is not None:
                 raise error
             raise ValueError(
