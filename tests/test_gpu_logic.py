@@ -570,3 +570,23 @@ def test_info_creates_a_cuda_context_on_this_ranks_gpu_only(fake_gpus, monkeypat
     assert main(["info"]) == 0
     assert queried == [2]
     assert capsys.readouterr().out.count("H100") == 4
+
+
+# ------------------------------------------- 7: waiting for another rank's host work
+def _slow_rank0_worker(rank: int, world_size: int, backend: str) -> float:
+    from datetime import timedelta
+
+    group = dist.new_group(backend=backend, timeout=timedelta(seconds=1.5))
+    t0 = time.monotonic()
+    if rank == 0:
+        time.sleep(3.0)  # a checkpoint write longer than the group's own timeout
+    control.wait_for_host_work(group, nbytes=0)
+    waited = time.monotonic() - t0
+    dist.all_reduce(torch.ones(1), group=group)  # the group still works afterwards
+    return waited
+
+
+@pytest.mark.parametrize("backend", ["gloo", "cpu:gloo"])
+def test_ranks_wait_for_a_slow_writer_beyond_the_groups_timeout(backend):
+    waited = run_ranks(_slow_rank0_worker, 3, backend, timeout_s=60)
+    assert all(w >= 2.9 for w in waited), waited

@@ -21,6 +21,7 @@ import logging
 import math
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from .comm import all_reduce_max, world_size_of
@@ -94,11 +95,32 @@ def host_work_timeout(nbytes: int) -> timedelta:
 
 def wait_for_host_work(group: dist.ProcessGroup | None, nbytes: int) -> None:
     """Wait, on the control group, until every rank of ``group`` got here, allowing the
-    slowest of them ``host_work_timeout(nbytes)``. Collective."""
+    slowest of them ``host_work_timeout(nbytes)``. Collective.
+
+    A star of point-to-point messages through the control group's rank 0, each waited
+    with that timeout on every rank (``dist.monitored_barrier`` applies its timeout on
+    rank 0 only, and takes plain gloo groups only).
+    """
     control = control_group(group)
-    if world_size_of(control) == 1:
+    size = world_size_of(control)
+    if size == 1:
         return
-    dist.monitored_barrier(control, timeout=host_work_timeout(nbytes), wait_all_ranks=True)
+    timeout = host_work_timeout(nbytes)
+    peers = [dist.get_global_rank(control, r) for r in range(size)]
+    if dist.get_rank(control) == 0:
+        tokens = [torch.zeros(1, dtype=torch.uint8) for _ in range(1, size)]
+        for work in [
+            dist.irecv(t, src=p, group=control) for t, p in zip(tokens, peers[1:], strict=True)
+        ]:
+            work.wait(timeout)
+        for work in [
+            dist.isend(t, dst=p, group=control) for t, p in zip(tokens, peers[1:], strict=True)
+        ]:
+            work.wait(timeout)
+    else:
+        token = torch.zeros(1, dtype=torch.uint8)
+        dist.isend(token, dst=peers[0], group=control).wait(timeout)
+        dist.irecv(token, src=peers[0], group=control).wait(timeout)
 
 
 def agree_on_error(

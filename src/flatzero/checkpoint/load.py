@@ -6,7 +6,8 @@ runs from the old ranks' memory-mapped files. Per-element optimizer states are r
 same way as the master weights, so they resume exactly; scalar state (``step``,
 hyperparameters, loss scaler, scheduler) comes from ``meta.json``. Everything is read and
 checked before anything changes: an error on any rank makes every rank raise with the
-optimizer, the params and the scheduler untouched.
+optimizer, the params and the scheduler untouched. The ranks wait for the slowest reader
+on the process group's control group (gloo), with a timeout that fits the bytes read.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_gather_into, all_reduce_max
+from ..control import control_group, wait_for_host_work
 from .config import LoadConfig
 from .format import MASTER, CheckpointMeta, GroupRecord, decode_value
 from .optimizer_state import build_state_dict, merge_group_records
@@ -62,8 +64,11 @@ class LoadResult:
     seconds: float
 
 
-def _all_ok(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
-    if all_reduce_max(int(error is not None), group) == 0:
+def _all_ok(error: BaseException | None, group: dist.ProcessGroup | None, nbytes: int) -> None:
+    """Raise on every rank if ``error`` happened on any rank, once every rank has read its
+    ``nbytes`` (on the control group, never behind GPU work)."""
+    wait_for_host_work(group, nbytes)
+    if all_reduce_max(int(error is not None), control_group(group)) == 0:
         return
     if error is not None:
         raise error
@@ -167,18 +172,22 @@ def load_checkpoint(
     group = flat.process_group
     rank, world_size = flat.rank, flat.world_size
     layout = flat.layout
+    control_group(group)  # created (collective) now, not while some rank reads
 
     error: BaseException | None = None
     state_dict: dict[str, Any] | None = None
     reader: CheckpointReader | None = None
     scheduler_state = None
     elements = 0
+    verified = 0
     try:
         reader = CheckpointReader(directory, tag)
         meta = reader.meta
         plans = reader.plan(layout, rank, rename=rename, strict=config.strict)
         if config.verify:
-            reader.verify(sorted({src[0] for p in plans for src in p.sources}))
+            ranks = sorted({src[0] for p in plans for src in p.sources})
+            verified = sum(meta.files[r].bytes for r in ranks)
+            reader.verify(ranks)
         sources = _group_sources(reader, layout, rename)
         masters, states, records = [], [], []
         for gi, plan in enumerate(plans):
@@ -210,7 +219,7 @@ def load_checkpoint(
             _check_model_rest(reader, model)
     except (ValueError, TypeError, OSError) as e:
         error = e
-    _all_ok(error, group)
+    _all_ok(error, group, verified + elements * 4)
     assert reader is not None and state_dict is not None
     meta = reader.meta
 
@@ -320,6 +329,7 @@ def load_flat_params(
     all-gather fills the rest of every bucket. Collective.
     """
     t0 = time.perf_counter()
+    control_group(flat.process_group)  # created (collective) now, not while some rank reads
     error: BaseException | None = None
     shards: list[torch.Tensor] = []
     reader = None
@@ -337,7 +347,7 @@ def load_flat_params(
             shards.append(shard)
     except (ValueError, TypeError, OSError) as e:
         error = e
-    _all_ok(error, flat.process_group)
+    _all_ok(error, flat.process_group, sum(s.numel() for s in shards) * 4)
     assert reader is not None
     elements = 0
     for group, shard in zip(flat.groups, shards, strict=True):

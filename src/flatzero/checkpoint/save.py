@@ -13,6 +13,12 @@ Protocol (collective; every rank of the optimizer's process group calls it):
 
 An error on any rank makes every rank raise and rank 0 remove the temporary directory; a
 process killed mid-save leaves only the ``.tmp-*`` directory, which loaders ignore.
+
+Every agreement (the tag, errors, the file records) runs on the process group's control
+group (``flatzero.control``: gloo, never queued behind GPU work or the NCCL watchdog).
+Where ranks wait for writing (their own and rank 0's files, rank 0's publishing), they
+first meet in ``wait_for_host_work`` with a timeout that fits the bytes written, then take
+the quick error agreement.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import all_reduce_max, world_size_of
+from ..comm import world_size_of
+from ..control import agree_on_error, control_group, wait_for_host_work
 from .atomic import publish, remove_stale_tmp, tmp_dir_name, write_latest
 from .config import SaveConfig
 from .format import (
@@ -45,7 +52,7 @@ from .optimizer_state import capture_optimizer
 from .rng import capture_rng
 from .writer import fault_point, model_extras, write_rank_file, write_tensors
 
-__all__ = ["save_checkpoint"]
+__all__ = ["save_checkpoint", "save_nbytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +64,13 @@ def _versions() -> dict[str, str]:
 
 
 def _agree_tag(tag: str, group: dist.ProcessGroup | None) -> tuple[str, str]:
-    """Every rank's tag must be the same; returns it and rank 0's nonce."""
+    """Every rank's tag must be the same; returns it and rank 0's nonce (gathered on the
+    control group of ``group``)."""
     nonce = secrets.token_hex(6)
     if world_size_of(group) == 1:
         return tag, nonce
     values: list[Any] = [None] * world_size_of(group)
-    dist.all_gather_object(values, (tag, nonce), group=group)
+    dist.all_gather_object(values, (tag, nonce), group=control_group(group))
     tags = {t for t, _ in values}
     if len(tags) != 1:
         raise ValueError(
@@ -73,12 +81,31 @@ def _agree_tag(tag: str, group: dist.ProcessGroup | None) -> tuple[str, str]:
 
 
 def _all_ok(error: BaseException | None, group: dist.ProcessGroup | None, what: str) -> None:
-    """Raise on every rank if ``error`` happened on any rank."""
-    if all_reduce_max(int(error is not None), group) == 0:
-        return
-    if error is not None:
-        raise error
-    raise RuntimeError(f"saving the checkpoint failed on another rank while {what} (see its error)")
+    """Raise on every rank if ``error`` happened on any rank (on the control group)."""
+    agree_on_error(
+        error, group, f"saving the checkpoint failed on another rank while {what} (see its error)"
+    )
+
+
+def _tensor_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def save_nbytes(optimizer: Any, model: torch.nn.Module | None = None) -> int:
+    """About how many bytes ``save_checkpoint(..., optimizer, model=model)`` writes on rank 0:
+    its master and per-element optimizer-state shards, and the model's frozen params and
+    buffers (no collective, nothing copied)."""
+    sd = optimizer.state_dict()
+    shards = list(sd["master"])
+    for state in sd["optimizer"]["state"].values():
+        shards += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    nbytes = _tensor_bytes(shards)
+    if model is not None:
+        flat = optimizer.flat
+        ids = {id(p): n for g in flat.groups for n, p in zip(g.names, g.params, strict=True)}
+        with contextlib.suppress(ValueError):  # meta tensors: save_checkpoint says so
+            nbytes += _tensor_bytes(model_extras(model, ids)[0].values())
+    return nbytes
 
 
 def _prune(root: Path, keep_last: int, keep: set[str]) -> None:
@@ -136,6 +163,7 @@ def save_checkpoint(
     rank, world_size = flat.rank, flat.world_size
     layout = flat.layout
     root = Path(directory)
+    control_group(group)  # created (collective) now, not while some rank writes
 
     error: BaseException | None = None
     captured = None
@@ -177,10 +205,15 @@ def save_checkpoint(
             tmp.mkdir()
         except (OSError, ValueError) as e:
             error = e
+    wait_for_host_work(group, 0)  # rank 0 may be removing stale directories
     _all_ok(error, group, f"creating {tmp}")
 
     record: FileRecord | None = None
     rest_record: FileRecord | None = None
+    # The most any rank writes: rank 0 its shards (every rank's are the same size) and the
+    # model's rest.
+    written = _tensor_bytes(t for pairs in captured.tensors for _, t in pairs)
+    written += _tensor_bytes(rest.values())
     try:
         tensors = [
             (state_key(gi, name), t)
@@ -202,15 +235,16 @@ def save_checkpoint(
             checksums=config.checksums,
         )
         if rank == 0 and rest:
-            rest_record = write_tensors(
+            rest_record = write_tensors(  # device tensors stream through two host chunks
                 tmp / MODEL_REST,
-                [(n, t.cpu() if t.device.type != "cpu" else t) for n, t in rest.items()],
+                list(rest.items()),
                 {"format": "pt", "tag": tag},
                 checksums=config.checksums,
             )
     except (OSError, ValueError, TypeError) as e:
         error = e
     try:
+        wait_for_host_work(group, written)
         _all_ok(error, group, f"writing its rank file into {tmp}")
     except BaseException:
         if rank == 0:
@@ -220,7 +254,7 @@ def save_checkpoint(
     records: list[Any] = [record]
     if world_size_of(group) > 1:
         records = [None] * world_size
-        dist.all_gather_object(records, record, group=group)
+        dist.all_gather_object(records, record, group=control_group(group))
 
     if rank == 0:
         try:
@@ -254,6 +288,7 @@ def save_checkpoint(
         except (OSError, ValueError, TypeError) as e:
             error = e
             shutil.rmtree(tmp, ignore_errors=True)
+    wait_for_host_work(group, 0)  # rank 0 writes meta.json, renames and prunes
     _all_ok(error, group, f"publishing {final}")
     if rank == 0:
         total = sum(r.bytes for r in records)

@@ -3,9 +3,10 @@
 ``safetensors.torch.save_file`` wants every tensor of a file at once in host memory. The
 writer here takes the header up front (names, dtypes, shapes are known before any data)
 and then streams each tensor: a CPU tensor is written straight from its memory, a device
-tensor through a bounded host chunk. It checksums what it writes (crc32) and fsyncs. The
-files are ordinary safetensors files (the header padded to 8 bytes, as safetensors
-itself does), read back with ``safetensors.safe_open``.
+tensor through two bounded host chunks, the device-to-host copy of one chunk overlapping
+the file write of the other (``staging_plan``). It checksums what it writes (crc32) and
+fsyncs. The files are ordinary safetensors files (the header padded to 8 bytes, as
+safetensors itself does), read back with ``safetensors.safe_open``.
 """
 
 from __future__ import annotations
@@ -18,12 +19,21 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
 
-__all__ = ["SafetensorsWriter", "TensorEntry", "open_safetensors", "tensor_crc32"]
+from ..hostmem import release_pinned_cache, staging_buffer
+
+__all__ = [
+    "ChunkOp",
+    "SafetensorsWriter",
+    "TensorEntry",
+    "open_safetensors",
+    "staging_plan",
+    "tensor_crc32",
+]
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -43,6 +53,72 @@ if hasattr(torch, "float8_e4m3fn"):
 
 _CHUNK_BYTES = 64 * 2**20
 """Device tensors are copied to the host and written in chunks of this many bytes."""
+
+_SLOTS = 2
+"""Host chunks a device tensor is staged through: one is copied into while the other is
+written."""
+
+
+class ChunkOp(NamedTuple):
+    """One step of writing a device tensor's bytes through host chunks.
+
+    Attributes:
+        kind: ``"copy"``: copy the tensor's bytes ``[start, stop)`` into host slot ``slot``
+            (asynchronously); ``"write"``: wait until that copy has completed, then write
+            the slot's first ``stop - start`` bytes to the file.
+        chunk: the chunk's index (chunk ``k`` holds bytes ``[k * chunk_bytes, ...)``).
+        start: first byte of the chunk in the tensor.
+        stop: one past its last byte.
+        slot: the host chunk it goes through (``chunk % slots``).
+    """
+
+    kind: str
+    chunk: int
+    start: int
+    stop: int
+    slot: int
+
+
+def staging_plan(nbytes: int, chunk_bytes: int, slots: int = _SLOTS) -> list[ChunkOp]:
+    """The order in which ``nbytes`` bytes are copied into ``slots`` host chunks of
+    ``chunk_bytes`` and written to the file.
+
+    Chunks are written in order, each once, so the file gets the bytes in order. Copies
+    run ahead of the writes by up to ``slots - 1`` chunks: chunk ``k + 1``'s copy is issued
+    before chunk ``k`` is written (it overlaps the write), and chunk ``k + slots``'s copy
+    into the same slot only after chunk ``k``'s write returned (the slot is free again).
+    The last chunk is short when ``chunk_bytes`` does not divide ``nbytes``; no bytes, no
+    steps.
+    """
+    if nbytes < 0 or chunk_bytes < 1 or slots < 1:
+        raise ValueError(
+            f"staging_plan needs nbytes >= 0, chunk_bytes >= 1 and slots >= 1; got "
+            f"nbytes={nbytes}, chunk_bytes={chunk_bytes}, slots={slots}"
+        )
+    chunks = -(-nbytes // chunk_bytes)
+    ops: list[ChunkOp] = []
+    copied = 0
+    for k in range(chunks):
+        while copied < min(chunks, k + slots):
+            start = copied * chunk_bytes
+            ops.append(
+                ChunkOp("copy", copied, start, min(nbytes, start + chunk_bytes), copied % slots)
+            )
+            copied += 1
+        start = k * chunk_bytes
+        ops.append(ChunkOp("write", k, start, min(nbytes, start + chunk_bytes), k % slots))
+    return ops
+
+
+def _staged(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is written through host chunks (it is not in host memory)."""
+    return tensor.device.type != "cpu"
+
+
+def _on_cuda(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s chunks are copied with CUDA streams and events (a test seam:
+    CPU tests run the CUDA path with ``torch.cuda`` stubbed)."""
+    return tensor.device.type == "cuda"
 
 
 @dataclass(frozen=True)
@@ -124,6 +200,9 @@ class SafetensorsWriter:
         self.nbytes = len(self._prefix) + offset
         self._next = 0
         self._file = None
+        self._slots: list[torch.Tensor] = []
+        self._pinned = False  # every slot is page-locked: copies into them are asynchronous
+        self._pin_tried = False  # slots were asked to be pinned: release the pinned cache
 
     def __enter__(self) -> SafetensorsWriter:
         self._file = open(self.path, "xb")
@@ -144,24 +223,84 @@ class SafetensorsWriter:
             )
         tensor = tensor.detach()
         crc = 0
-        if tensor.device.type == "cpu":
+        if not _staged(tensor):
             view = _byte_view(tensor.contiguous())
             self._file.write(view)
             if self.checksums:
                 crc = zlib.crc32(view)
         else:
-            flat = tensor.reshape(-1)
-            step = max(1, _CHUNK_BYTES // max(1, tensor.element_size()))
-            host = torch.empty(min(step, flat.numel()), dtype=tensor.dtype, pin_memory=True)
-            for start in range(0, flat.numel(), step):
-                n = min(step, flat.numel() - start)
-                host[:n].copy_(flat[start : start + n])
-                view = _byte_view(host[:n])
-                self._file.write(view)
-                if self.checksums:
-                    crc = zlib.crc32(view, crc)
+            crc = self._write_staged(tensor)
         self.crc32[name] = crc if self.checksums else None
         self._next += 1
+
+    def _staging_slots(self, cuda: bool) -> list[torch.Tensor]:
+        """The host chunks device tensors go through: allocated at the first device tensor
+        (pinned on CUDA when the system allows), as large as the largest entry needs, kept
+        until the file is closed."""
+        if not self._slots:
+            largest = max(e.nbytes for e in self.entries)
+            size = max(1, min(_CHUNK_BYTES, largest))
+            count = _SLOTS if largest > size else 1
+            self._pin_tried = cuda
+            pinned = cuda
+            for _ in range(count):
+                buffer, ok = staging_buffer(size, pin=cuda)
+                self._slots.append(buffer)
+                pinned = pinned and ok
+            self._pinned = pinned
+        return self._slots
+
+    def _write_staged(self, tensor: torch.Tensor) -> int:
+        """Write a device tensor's bytes through the host chunks; returns their crc32 (0
+        without checksums).
+
+        On CUDA the copies run on a side stream that first waits for the current stream
+        (which produced the tensor); each chunk's copy is non-blocking into pinned memory and
+        records an event, and the chunk is written only after its event completed, while
+        the next chunk's copy runs (``staging_plan``). The side stream is synchronized
+        before returning, also on an error, so no copy still reads the tensor or writes a
+        chunk afterwards.
+        """
+        assert self._file is not None
+        data = tensor.reshape(-1).contiguous().view(torch.uint8)
+        if data.numel() == 0:
+            return 0
+        cuda = _on_cuda(data)
+        slots = self._staging_slots(cuda)
+        ops = staging_plan(data.numel(), slots[0].numel(), len(slots))
+        crc = 0
+        if not cuda:  # another accelerator: synchronous copies through the same chunks
+            for op in ops:
+                host = slots[op.slot][: op.stop - op.start]
+                if op.kind == "copy":
+                    host.copy_(data[op.start : op.stop])
+                else:
+                    crc = self._emit(host, crc)
+            return crc
+        with torch.cuda.device(data.device):
+            side = torch.cuda.Stream(data.device)
+            side.wait_stream(torch.cuda.current_stream(data.device))
+            events = [torch.cuda.Event() for _ in slots]
+            try:
+                for op in ops:
+                    host = slots[op.slot][: op.stop - op.start]
+                    if op.kind == "copy":
+                        with torch.cuda.stream(side):
+                            host.copy_(data[op.start : op.stop], non_blocking=self._pinned)
+                        events[op.slot].record(side)
+                    else:
+                        events[op.slot].synchronize()
+                        crc = self._emit(host, crc)
+            finally:
+                side.synchronize()
+        return crc
+
+    def _emit(self, host: torch.Tensor, crc: int) -> int:
+        """Write a host chunk to the file; returns the running crc32."""
+        assert self._file is not None
+        view = _byte_view(host)
+        self._file.write(view)
+        return zlib.crc32(view, crc) if self.checksums else crc
 
     def __exit__(self, exc_type, exc, tb) -> None:
         assert self._file is not None
@@ -175,6 +314,15 @@ class SafetensorsWriter:
         finally:
             self._file.close()
             self._file = None
+            self._release_staging()
+
+    def _release_staging(self) -> None:
+        """Drop the host chunks; pinned ones go back to the system, not to PyTorch's cache."""
+        pinned = self._pin_tried
+        self._slots = []
+        self._pinned = self._pin_tried = False
+        if pinned:
+            release_pinned_cache()
 
 
 def open_safetensors(path: str | os.PathLike[str]) -> Any:

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import all_reduce_max, rank_of, world_size_of
+from ..comm import rank_of, world_size_of
+from ..control import agree_on_error, control_group, wait_for_host_work
 from ..optim import ZeroOptimizer
 from ..report import InitReport
 from .config import EngineConfig
@@ -358,29 +359,33 @@ class Engine(nn.Module):
             True, as DeepSpeed does.
         """
         from ..checkpoint import SaveConfig, save_checkpoint
+        from ..checkpoint.save import save_nbytes
 
         if tag is None:
             tag = f"global_step{self.global_steps}"
         extra = {_ENGINE_STATE: self._engine_state(), "client_state": client_state or {}}
+        model = None if exclude_frozen_parameters else self.module
         kwargs = {
             "scheduler": self.lr_scheduler,
-            "model": None if exclude_frozen_parameters else self.module,
+            "model": model,
             "extra": extra,
             "config": SaveConfig(update_latest=save_latest),
         }
         if self._replicated:
-            # Stage 0: every rank holds the same state; rank 0 writes a one-rank checkpoint.
+            # Stage 0: every rank holds the same state; rank 0 writes a one-rank checkpoint
+            # while the others wait on the control group (gloo: no NCCL watchdog), as long as
+            # writing that many bytes may take.
+            control_group(self._pg)  # created (collective) before rank 0 starts writing
             error: BaseException | None = None
             if self.global_rank == 0:
                 try:
                     save_checkpoint(save_dir, self.optimizer, tag, **kwargs)
                 except BaseException as e:
                     error = e
-            failed = all_reduce_max(int(error is not None), self._pg)
-            if error is not None:
-                raise error
-            if failed:
-                raise RuntimeError("saving the checkpoint failed on rank 0 (see its error)")
+            wait_for_host_work(self._pg, save_nbytes(self.optimizer, model))
+            agree_on_error(
+                error, self._pg, "saving the checkpoint failed on rank 0 (see its error)"
+            )
         else:
             save_checkpoint(save_dir, self.optimizer, tag, **kwargs)
         return True
