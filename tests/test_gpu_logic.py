@@ -577,6 +577,7 @@ def _slow_rank0_worker(rank: int, world_size: int, backend: str) -> float:
     from datetime import timedelta
 
     group = dist.new_group(backend=backend, timeout=timedelta(seconds=1.5))
+    control.wait_for_host_work(None, nbytes=0)  # the default group too
     t0 = time.monotonic()
     if rank == 0:
         time.sleep(3.0)  # a checkpoint write longer than the group's own timeout

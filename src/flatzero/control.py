@@ -105,6 +105,8 @@ def wait_for_host_work(group: dist.ProcessGroup | None, nbytes: int) -> None:
     size = world_size_of(control)
     if size == 1:
         return
+    if control is None:  # the default group
+        control = dist.group.WORLD
     timeout = host_work_timeout(nbytes)
     peers = [dist.get_global_rank(control, r) for r in range(size)]
     if dist.get_rank(control) == 0:
