@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="versions, devices and tiers").set_defaults(run=_info)
 
     from . import demo
-    from .bench import init_bench, load_bench, step
+    from .bench import doors, init_bench, load_bench, step
     from .checkpoint import deepspeed_import, export
 
     def command(subparsers, name: str, help_text: str, add_arguments, run) -> None:
@@ -61,7 +61,12 @@ def _parser() -> argparse.ArgumentParser:
             deepspeed_import.import_deepspeed_main)  # fmt: skip
     bench = sub.add_parser("bench", help="benchmarks against baselines and hardware limits")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
-    for name, module in (("init", init_bench), ("step", step), ("load", load_bench)):
+    for name, module in (
+        ("init", init_bench),
+        ("step", step),
+        ("load", load_bench),
+        ("doors", doors),
+    ):
         command(bench_sub, name, module.__doc__.splitlines()[0], module.add_arguments, module.run)
     return parser
 
