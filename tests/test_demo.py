@@ -12,7 +12,9 @@ from flatzero.demo import DemoSpec, run_demo
 
 @pytest.mark.slow
 def test_demo_small(tmp_path, capsys):
-    spec = DemoSpec(steps=8, hidden=128, experts=4, vocab=1024, trials=1, out=str(tmp_path))
+    spec = DemoSpec(
+        steps=8, hidden=128, experts=4, vocab=1024, trials=1, door_model="tiny", out=str(tmp_path)
+    )
     result = run_demo(spec)
     out = capsys.readouterr().out
     assert result["reload_ok"]
@@ -27,6 +29,14 @@ def test_demo_small(tmp_path, capsys):
     }
     assert "flatzero.initialize" in out and "ZeRO stage 2, fp32, 2 rank(s)" in out
     assert "weights match" in out and "reloaded at world size 1" in out
+    assert "flatzero.initialize against deepspeed.initialize on tiny" in out
+    doors = result["doors"]["doors"]
+    assert (
+        doors["flatzero"]["init_s"] > 0
+        and doors["flatzero"]["ttfs_s"] > doors["flatzero"]["init_s"]
+    )
+    if "deepspeed" in doors:
+        assert doors["deepspeed"]["init_s"] > 0 and "flatzero / deepspeed" in out
     assert (tmp_path / "demo.json").is_file()
     assert json.loads((tmp_path / "demo.json").read_text())["reload_ok"] is True
     if result["plot"] is not None:

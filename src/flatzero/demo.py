@@ -3,15 +3,21 @@
 1. Spawns ranks (2 by default, gloo on the CPU, as ``torchrun`` would).
 2. Builds a small Qwen3-MoE-shaped model (the Qwen3-30B-A3B config cut down in layers,
    width and experts; unfused experts, so many small tensors) on every rank.
-3. Times its init three ways on fresh copies: each flatten tier that runs here, DeepSpeed
-   0.19's whole-group ``torch.cat`` and DeepSpeed's older CPU path (``flatzero.bench``'s
-   re-implementations), then initializes it through ``flatzero.initialize`` with a
-   DeepSpeed config and prints the init report next to the ``torch.cat`` baseline.
+3. Times flattening alone, in process, on fresh copies: each flatten tier that runs here
+   (``flatten_parameters``) against DeepSpeed 0.19's whole-group ``torch.cat`` and its
+   older CPU path (``flatzero.bench``'s re-implementations of DeepSpeed's flatten), then
+   initializes the model through ``flatzero.initialize`` with a DeepSpeed config and
+   prints the init report.
 4. Trains some steps on a small synthetic corpus (ZeRO-2, gradient accumulation,
    clipping, a warmup schedule), printing a falling loss.
 5. Saves a checkpoint, reloads it in a fresh world of one rank into a model built with
    another seed, and checks that the weights match the trained ones exactly.
-6. Writes a PNG: init time per tier and method, and loss per step.
+6. Door against door: ``flatzero.initialize`` against ``deepspeed.initialize`` (when
+   DeepSpeed is installed), each launch a fresh ``torchrun`` job as at a job's start, on
+   the tensor count of DeepSpeed issue #7677 (16-layer Qwen3-30B-A3B, unfused experts,
+   6,291 tensors, at hidden 64): init, then the first training step
+   (``flatzero bench doors`` does this at length).
+7. Writes a PNG: flatten time per tier and method, and loss per step.
 """
 
 from __future__ import annotations
@@ -53,8 +59,10 @@ class DemoSpec:
         micro_batch: sequences per micro-batch per rank.
         grad_accum: micro-batches per optimizer step.
         seq_len: tokens per sequence.
-        trials: timed init trials per method (the median is shown), after one untimed
+        trials: timed flatten trials per method (the median is shown), after one untimed
             round that takes the one-time costs (imports, first collectives) out.
+        door_model: the ``flatzero bench doors`` model the doors are compared on.
+        door_trials: launches per door (0: skip the door comparison).
         bucket_numel: flatten and reduce bucket size (elements).
         out: directory for the checkpoint, the plot and ``demo.json``.
     """
@@ -70,6 +78,8 @@ class DemoSpec:
     seq_len: int = 32
     trials: int = 5
     bucket_numel: int = 2**22
+    door_model: str = "qwen3-moe-narrow-unfused"
+    door_trials: int = 1
     out: str = "flatzero-demo"
 
     def model_config(self) -> Any:
@@ -272,20 +282,19 @@ def run_demo(spec: DemoSpec) -> dict[str, Any]:
     print()
     print(ranks[0]["report"])
     print()
-    print(f"init of the same model on {spec.world_size} ranks (median of {spec.trials}):")
+    print(
+        f"flattening alone, in process, same model on {spec.world_size} ranks (median of "
+        f"{spec.trials}; flatten_parameters against DeepSpeed's flatten):"
+    )
     base = times[TORCH_CAT]
     for m in methods:
         if m == "flatzero.initialize":
-            print(
-                f"  {m:<26} {times[m] * 1e3:8.1f} ms  {times[m] / base:5.2f}x torch.cat  "
-                "(flatten + optimizer + scheduler, one run)"
-            )
-            continue
+            continue  # the whole door: compared door to door below
         print(f"  {m:<26} {times[m] * 1e3:8.1f} ms  {times[m] / base:5.2f}x torch.cat")
     print(
-        "  (without a GPU every method is a host memory copy; flatzero's gains, flattening on\n"
-        "  the device with one bucket of extra memory and 1/N of the upload per rank, show on\n"
-        "  GPUs: flatzero bench init --device cuda)"
+        "  (without a GPU every method is a host memory copy; flattening on the device with\n"
+        "  one bucket of extra memory and 1/N of the upload per rank needs a GPU:\n"
+        "  flatzero bench init --device cuda)"
     )
     print(
         f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {spec.steps} steps "
@@ -300,6 +309,7 @@ def run_demo(spec: DemoSpec) -> dict[str, Any]:
         f"size 1 into a model built with another seed: {reload['params']} params, weights "
         f"{verdict}, global step {reload['global_steps']}"
     )
+    doors = _compare_doors(spec) if spec.door_trials > 0 else None
     png = out / "demo.png"
     title = f"flatzero demo: {params / 1e6:.1f}M-param Qwen3-MoE shape, {spec.world_size} ranks"
     plotted = _plot(png, times, losses, title)
@@ -310,6 +320,7 @@ def run_demo(spec: DemoSpec) -> dict[str, Any]:
         "init_seconds": times,
         "losses": losses,
         "reload_ok": ok,
+        "doors": doors,
         "plot": str(png) if plotted else None,
         "seconds": time.perf_counter() - t_start,
     }
@@ -317,6 +328,34 @@ def run_demo(spec: DemoSpec) -> dict[str, Any]:
         json.dump(result, f, indent=1)
     print(f"done in {result['seconds']:.1f} s")
     return result
+
+
+def _compare_doors(spec: DemoSpec) -> dict[str, Any]:
+    """``flatzero.initialize`` against ``deepspeed.initialize``, fresh launches; printed."""
+    from .bench.doors import compare_back_to_back
+
+    print(
+        f"\nflatzero.initialize against deepspeed.initialize on {spec.door_model} "
+        f"({spec.world_size} ranks; every launch a fresh torchrun job, slowest rank):"
+    )
+    figures, skipped = compare_back_to_back(
+        spec.door_model, spec.world_size, trials=spec.door_trials
+    )
+    print(f"  {'door':<22} {'init s':>8} {'first step s':>13} {'init + step s':>14}")
+    for door, fig in figures["doors"].items():
+        print(
+            f"  {door + '.initialize':<22} {fig['init_s']:8.2f} {fig['first_step_s']:13.2f} "
+            f"{fig['ttfs_s']:14.2f}"
+        )
+    ratio = figures["ratio"]
+    if ratio is not None:
+        print(
+            f"  {'flatzero / deepspeed':<22} {ratio['init_s']:7.2f}x "
+            f"{ratio['first_step_s']:12.2f}x {ratio['ttfs_s']:13.2f}x"
+        )
+    for door, why in skipped.items():
+        print(f"  {door}: skipped ({why})")
+    return figures
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -330,6 +369,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=d.vocab)
     parser.add_argument("--trials", type=int, default=d.trials, help="timed inits per method")
     parser.add_argument("--bucket-numel", type=int, default=d.bucket_numel, help="elements")
+    parser.add_argument(
+        "--door-trials", type=int, default=d.door_trials, help="launches per door (0: skip)"
+    )
     parser.add_argument("--out", default=d.out, help="directory for checkpoint, plot, JSON")
 
 
@@ -344,6 +386,7 @@ def run(args: argparse.Namespace) -> int:
         vocab=args.vocab,
         trials=args.trials,
         bucket_numel=args.bucket_numel,
+        door_trials=args.door_trials,
         out=os.fspath(args.out),
     )
     result = run_demo(spec)

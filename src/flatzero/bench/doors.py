@@ -285,6 +285,27 @@ def _run_all(
     return launches, runs
 
 
+def compare_back_to_back(
+    model: str, world_size: int, *, trials: int = 1, warmup: int = 0
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """One back-to-back run of the doors (``summarize_run``'s figures, the first-touch
+    limit included), as ``flatzero demo`` shows it; and the doors skipped, with why."""
+    from .deepspeed_runner import deepspeed_available
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["--model", model, "--world-sizes", str(world_size), "--settle-s", "0",
+         "--runs", "1", "--trials", str(trials), "--warmup", str(warmup)]
+    )  # fmt: skip
+    doors, skipped = DOORS, {}
+    ok, why = deepspeed_available()
+    if not ok:
+        doors, skipped = tuple(d for d in DOORS if d != "deepspeed"), {"deepspeed": why}
+    _, runs = _run_all(args, doors, [0.0], [world_size])
+    return runs[(0.0, world_size)][0], skipped
+
+
 # ------------------------------------------------------------------------ output
 def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
