@@ -286,3 +286,28 @@ def test_allocate_only_rejects_what_it_cannot_honour():
             meta, config=FlattenConfig(tier="sharded", progress=False), allocate_only=True
         )
     assert meta.weight.device.type == "meta"
+
+
+def test_the_cyclic_gc_is_paused_inside_init_and_restored_after():
+    import gc
+
+    from flatzero.gcpause import paused_gc
+
+    seen = []
+    model = nn.Linear(4, 4)
+    assert gc.isenabled()
+    with paused_gc():
+        seen.append(gc.isenabled())
+        with pytest.raises(RuntimeError), paused_gc():
+            raise RuntimeError("an error inside")
+        seen.append(gc.isenabled())  # an inner pause does not re-enable it
+    seen.append(gc.isenabled())
+    assert seen == [False, False, True]
+    flatten_parameters(model, config=FlattenConfig(progress=False))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        flatten_parameters(nn.Linear(4, 4), config=FlattenConfig(progress=False))
+        assert not gc.isenabled()  # a collector the user disabled stays disabled
+    finally:
+        gc.enable()

@@ -35,12 +35,16 @@ from torch import nn
 from ..comm import all_gather_into, rank_of, world_size_of
 from ..devices import activate, collective_device, local_cuda_index, resolve_device
 from ..flatten import FlatParams, flatten_parameters
+from ..gcpause import paused_gc
 from ..launch import free_port
 from ..loading import allocate_rest, materialize_rest
 from ..optim import ZeroOptimizer
+from ..optim.inner import check_optimizer_class
 from ..safetensors_index import SafetensorsCheckpoint
+from .client import link_client_optimizer
 from .config import EngineConfig, parse_config
 from .engine import Engine, EngineInitReport
+from .errors import UnsupportedFeatureError
 
 __all__ = ["initialize"]
 
@@ -383,6 +387,7 @@ def _dataloader(
 
 
 # ------------------------------------------------------------------------ initialize
+@paused_gc()
 def initialize(
     args: Any = None,
     model: nn.Module | None = None,
@@ -443,8 +448,13 @@ def initialize(
         scheduler (or None).
 
     Raises:
-        ValueError / TypeError: a bad or unsupported config key, argument or model (the
-            message names it and the fix); nothing has been flattened.
+        UnsupportedFeatureError: the config or the arguments ask for a DeepSpeed feature
+            flatzero does not implement (stage 3, offload, ``mpu``, no optimizer, an optimizer
+            that is not elementwise, ...); a ``ValueError``. ``flatzero.patch_deepspeed()``
+            hands these to DeepSpeed.
+        ValueError / TypeError: a bad config key, argument or model (the message names it
+            and the fix).
+        Nothing has been flattened when any of these is raised.
     """
     t_start = time.perf_counter()
     phases: dict[str, float] = {}
@@ -453,9 +463,11 @@ def initialize(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if mpu is not None or mesh_param is not None:
-        raise ValueError(
+        raise UnsupportedFeatureError(
             "mpu/mesh_param ask for model parallelism, which flatzero does not implement: "
-            "flatzero is data parallel (ZeRO 0-2) only; drop them"
+            "flatzero is data parallel (ZeRO 0-2) only; drop them",
+            key="mpu" if mpu is not None else "mesh_param",
+            feature="model parallelism",
         )
     if config is None:
         config = config_params
@@ -491,6 +503,14 @@ def initialize(
                 "'optimizer' section; give one of them"
             )
         optimizer_cls, groups, client = _client_optimizer(optimizer, model, model_parameters)
+        try:
+            check_optimizer_class(
+                optimizer_cls, elementwise=cfg.flatzero.elementwise_optimizer or None
+            )
+        except TypeError as error:
+            raise UnsupportedFeatureError(
+                f"optimizer: {error}", key="optimizer", feature=f"the {optimizer_cls.__name__}"
+            ) from None
         defaults: dict[str, Any] = {}
         optimizer_name = f"{optimizer_cls.__name__} (client)"
     elif cfg.optimizer is not None:
@@ -499,9 +519,11 @@ def initialize(
         defaults = cfg.optimizer.kwargs()
         optimizer_name = f"{optimizer_cls.__name__} (config {cfg.optimizer.type})"
     else:
-        raise ValueError(
+        raise UnsupportedFeatureError(
             "flatzero.initialize needs an optimizer: add an 'optimizer' section to the config "
-            "(e.g. {'type': 'AdamW', 'params': {'lr': 1e-4}}) or pass optimizer="
+            "(e.g. {'type': 'AdamW', 'params': {'lr': 1e-4}}) or pass optimizer=",
+            key="optimizer",
+            feature="an engine without an optimizer",
         )
     lrs = [float(g.get("lr", defaults.get("lr", 1e-3))) for g in groups]
     _probe_scheduler(cfg, lrs)
@@ -589,6 +611,8 @@ def initialize(
         **defaults,
     )
     phases["optimizer"] = time.perf_counter() - t0
+    if client is not None:
+        link_client_optimizer(client, zero_opt)  # schedulers over the client drive flatzero's
     try:
         t0 = time.perf_counter()
         scheduler = _build_scheduler(lr_scheduler, cfg, zero_opt, client, len(groups))
@@ -622,6 +646,7 @@ def initialize(
         report,
         process_group=group,
         training_dataloader=dataloader,
+        client_optimizer=client,
     )
     if ckpt_dir is not None:
         engine.load_checkpoint(ckpt_dir, checkpoint_tag, load_module_only=True)

@@ -22,6 +22,7 @@ from ..comm import (
 from ..config import FlattenConfig
 from ..control import control_group
 from ..devices import resolve_device
+from ..gcpause import paused_gc
 from ..hostmem import empty_host
 from ..layout import GroupLayout, Layout, plan_layout
 from ..memory import choose_tier, is_oom, next_tier_down
@@ -340,6 +341,7 @@ def _copy_master(group: FlatGroup, report: ReportBuilder) -> None:
     report.moved(kind, sum(s.nbytes for s in srcs))
 
 
+@paused_gc()
 def flatten_parameters(
     params: Any,
     *,

@@ -33,6 +33,7 @@ from ..control import control_group
 from ..devices import backend_of, buckets_may_use_cuda, collectives_run_on_cpu
 from ..flatten import FlatParams, flatten_parameters
 from ..flatten.api import allocate_or_oom
+from ..gcpause import paused_gc
 from ..layout import GroupLayout
 from .buckets import empty_buffer
 from .config import LossScaleConfig, ZeroConfig
@@ -226,6 +227,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         inner: the wrapped optimizer; ``param_groups`` and ``state`` are its own.
     """
 
+    @paused_gc()
     def __init__(
         self,
         params: Any,
