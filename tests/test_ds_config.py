@@ -209,13 +209,6 @@ ERRORS = [  # (config, world size, exception, exact message)
         id="both_precisions",
     ),
     pytest.param(
-        {"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True, "auto_cast": True}},
-        1,
-        ValueError,
-        "config key 'fp16.auto_cast' is True: it asks to cast the inputs, which flatzero does not implement; remove it and cast the inputs yourself",
-        id="auto_cast",
-    ),
-    pytest.param(
         {
             "train_micro_batch_size_per_gpu": 2,
             "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},

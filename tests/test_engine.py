@@ -440,8 +440,9 @@ def rank_main_1(rank: int, ws: int, root: str) -> dict[str, Any]:
 EXPECTED_INIT_ERRORS = {
     "both_optimizers": "ValueError: an optimizer was passed to flatzero.initialize and the config "
     "has an 'optimizer' section; give one of them",
-    "no_optimizer": "ValueError: flatzero.initialize needs an optimizer: add an 'optimizer' "
-    "section to the config (e.g. {'type': 'AdamW', 'params': {'lr': 1e-4}}) or pass optimizer=",
+    "no_optimizer": "UnsupportedFeatureError: flatzero.initialize needs an optimizer: add an "
+    "'optimizer' section to the config (e.g. {'type': 'AdamW', 'params': {'lr': 1e-4}}) or pass "
+    "optimizer=",
     "stepped_optimizer": "ValueError: the AdamW passed as optimizer already has state (it has "
     "stepped); flatzero builds its own optimizer over the flat shards and cannot carry that "
     "state over: pass a fresh optimizer, and restore state with engine.load_checkpoint",
@@ -453,8 +454,8 @@ EXPECTED_INIT_ERRORS = {
     "param groups; give one value, or one per param group",
     "no_config": "ValueError: flatzero.initialize needs a DeepSpeed config: pass config=dict(...) "
     "or the path of a JSON file (or args with a deepspeed_config attribute)",
-    "mpu": "ValueError: mpu/mesh_param ask for model parallelism, which flatzero does not "
-    "implement: flatzero is data parallel (ZeRO 0-2) only; drop them",
+    "mpu": "UnsupportedFeatureError: mpu/mesh_param ask for model parallelism, which flatzero "
+    "does not implement: flatzero is data parallel (ZeRO 0-2) only; drop them",
     "foreign_param": "ValueError: model_parameters item 0 (shape (2,)) is not a parameter of "
     "model; pass the model's own parameters",
     "checkpoint_for_real_model": "ValueError: checkpoint= is for models on the meta device; this "

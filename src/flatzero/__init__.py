@@ -2,16 +2,18 @@
 
 from .checkpoint import export_checkpoint, load_checkpoint, save_checkpoint
 from .config import TIERS, FlattenConfig
-from .engine import initialize
+from .engine import UnsupportedFeatureError, initialize
 from .flatten import FlatGroup, FlatParams, flatten_parameters, inject_oom
 from .layout import Layout, ParamSpec, plan_layout
 from .loading import load_flat
 from .optim import LossScaleConfig, ZeroConfig, ZeroOptimizer
+from .patch import DeepSpeedPatch, patch_deepspeed
 from .report import InitReport
 from .safetensors_index import SafetensorsCheckpoint
 
 __all__ = [
     "TIERS",
+    "DeepSpeedPatch",
     "FlatGroup",
     "FlatParams",
     "FlattenConfig",
@@ -20,6 +22,7 @@ __all__ = [
     "LossScaleConfig",
     "ParamSpec",
     "SafetensorsCheckpoint",
+    "UnsupportedFeatureError",
     "ZeroConfig",
     "ZeroOptimizer",
     "export_checkpoint",
@@ -28,6 +31,7 @@ __all__ = [
     "inject_oom",
     "load_checkpoint",
     "load_flat",
+    "patch_deepspeed",
     "plan_layout",
     "save_checkpoint",
 ]

@@ -5,6 +5,7 @@ See docs/deepspeed-door.md.
 
 from .config import EngineConfig, load_config_dict, parse_config
 from .engine import Engine, EngineInitReport
+from .errors import UnsupportedFeatureError
 from .initialize import initialize
 from .schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
@@ -12,6 +13,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "EngineInitReport",
+    "UnsupportedFeatureError",
     "WarmupCosineLR",
     "WarmupDecayLR",
     "WarmupLR",

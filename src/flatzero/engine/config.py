@@ -11,12 +11,17 @@ key falls in one of three kinds:
 - without effect here: accepted and listed in ``EngineConfig.ignored`` (monitors,
   profilers, stage-3 tuning keys under stage 1/2, switches flatzero always has on, ...);
   ``initialize`` logs them once in one warning;
-- asking for something flatzero does not implement (stage 3, offload, quantized or
-  hierarchical ZeRO, autocast, pipeline or tensor parallelism, ...): a ``ValueError``
-  naming the key, its value and the fix. So is an unknown key inside a section flatzero
-  parses (as DeepSpeed's own validation does) and any ``"auto"`` value where a value has an
-  effect (``"auto"`` is the Hugging Face Trainer's placeholder; the Trainer replaces it
-  before it calls ``deepspeed.initialize``).
+- asking for something DeepSpeed has and flatzero does not implement (stage 3, offload,
+  quantized or hierarchical ZeRO, torch autocast, pipeline or tensor parallelism, optimizer
+  types other than Adam/AdamW/SGD, ...): an ``UnsupportedFeatureError`` (a ``ValueError``)
+  naming the key, its value and the fix; ``flatzero.patch_deepspeed()`` hands such configs
+  to the real DeepSpeed.
+
+Everything else that is wrong is a user error (``ValueError``/``TypeError``): an unknown key
+inside a section flatzero parses (as DeepSpeed's own validation does), a bad type or value,
+inconsistent batch sizes, and any ``"auto"`` value where a value has an effect (``"auto"``
+is the Hugging Face Trainer's placeholder; the Trainer replaces it before it calls
+``deepspeed.initialize``). ``steps_per_print`` may be ``inf`` (Accelerate's "never").
 
 The batch sizes follow DeepSpeed's rule: ``train_batch_size = train_micro_batch_size_per_gpu
 * gradient_accumulation_steps * world_size``; any two determine the third (with DeepSpeed's
@@ -39,6 +44,7 @@ import torch
 
 from ..config import DEFAULT_BUCKET_NUMEL, TIERS, FlattenConfig
 from ..optim import LossScaleConfig, ZeroConfig
+from .errors import UnsupportedFeatureError
 from .schedulers import SCHEDULERS
 
 __all__ = [
@@ -108,6 +114,16 @@ class _Section:
     def fail(self, name: str, value: Any, rule: str, fix: str) -> ValueError:
         return ValueError(f"config key {self.key(name)!r} is {_fmt(value)}: {rule}; {fix}")
 
+    def unsupported(
+        self, name: str, value: Any, rule: str, fix: str, feature: str
+    ) -> UnsupportedFeatureError:
+        """The error for a value asking for a DeepSpeed feature flatzero lacks."""
+        return UnsupportedFeatureError(
+            f"config key {self.key(name)!r} is {_fmt(value)}: {rule}; {fix}",
+            key=self.key(name),
+            feature=feature,
+        )
+
     def int(self, name: str, default: Any, *, minimum: int = 1, unit: str = "") -> Any:
         value = self.raw(name, default)
         if value is None or value is default:
@@ -175,14 +191,21 @@ class _Section:
             self.ignored.append((self.key(name), reason))
 
     def refuse(self, name: str, active: Callable[[Any], bool], what: str, fix: str) -> None:
-        """``name`` is an error when present with a value ``active`` says asks for ``what``;
-        otherwise (off, default, ``"none"``) it is accepted as without effect."""
+        """``name`` is an ``UnsupportedFeatureError`` when present with a value ``active``
+        says asks for ``what`` (``"it asks for X"``); otherwise (off, default, ``"none"``) it
+        is accepted as without effect."""
         self.used.add(name)
         if name not in self.data:
             return
         value = self.data[name]
         if active(value):
-            raise self.fail(name, value, f"{what}, which flatzero does not implement", fix)
+            raise self.unsupported(
+                name,
+                value,
+                f"{what}, which flatzero does not implement",
+                fix,
+                what.removeprefix("it asks ").removeprefix("for ").removeprefix("to "),
+            )
         self.ignored.append((self.key(name), "off; no effect"))
 
     def finish(self, *, unknown: str, main: tuple[str, ...] | None = None) -> None:
@@ -290,14 +313,19 @@ class PrecisionSection:
         loss_scale: the loss scaler (fp16; or a fixed scale of 1 for bf16 with
             ``check_grad_overflow``, which skips steps whose gradients hold inf/nan, as
             DeepSpeed does), or None.
+        auto_cast: ``fp16.auto_cast``: the engine's forward casts floating-point
+            positional inputs to fp16, as DeepSpeed's does (fp16 only).
     """
 
     dtype: str = "fp32"
     loss_scale: LossScaleConfig | None = None
+    auto_cast: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPE_NAMES:
             raise ValueError(f"PrecisionSection.dtype must be fp32, bf16 or fp16: {self.dtype!r}")
+        if self.auto_cast and self.dtype != "fp16":
+            raise ValueError(f"PrecisionSection.auto_cast needs dtype fp16, got {self.dtype!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
@@ -417,7 +445,8 @@ class EngineConfig:
         optimizer: the ``optimizer`` section, or None (a client optimizer must be passed).
         scheduler: the ``scheduler`` section, or None.
         gradient_clipping: max global L2 norm of the gradient, or None (0 in the config).
-        steps_per_print: log progress every this many optimizer steps (None: never).
+        steps_per_print: log progress every this many optimizer steps (None: never; the
+            config's ``null`` or ``inf``).
         reduce_dtype: dtype gradients are summed over ranks in (``communication_data_type``;
             default float32).
         dataloader_drop_last: ``drop_last`` of the data loader built from ``training_data``.
@@ -611,12 +640,13 @@ def _parse_zero(top: _Section) -> ZeroSection:
     zero = top.section("zero_optimization")
     stage = zero.int("stage", 0, minimum=0)
     if stage == 3:
-        raise zero.fail(
+        raise zero.unsupported(
             "stage",
             stage,
             "flatzero implements ZeRO stages 0, 1 and 2; stage 3 (partitioned parameters) is "
             "not implemented",
             "use stage 1 or 2, or DeepSpeed itself for stage 3",
+            "ZeRO stage 3",
         )
     if stage > 3:
         raise zero.fail("stage", stage, "ZeRO stages are 0, 1, 2 (and 3)", "use 0, 1 or 2")
@@ -708,9 +738,9 @@ def _parse_precision(top: _Section) -> PrecisionSection:
 
     fp16 = top.section("fp16")
     fp16_on = fp16.bool("enabled", False)
-    fp16.refuse(
-        "auto_cast", bool, "it asks to cast the inputs", "remove it and cast the inputs yourself"
-    )
+    auto_cast = fp16.bool("auto_cast", False)
+    if auto_cast and not fp16_on:
+        top.ignored.append(("fp16.auto_cast", "fp16 is off"))
     fp16.refuse(
         "fp16_master_weights_and_grads", bool, "it asks for fp16 master weights", "remove it"
     )
@@ -759,7 +789,7 @@ def _parse_precision(top: _Section) -> PrecisionSection:
                 min_scale=min_scale,
                 max_scale=max(init, 2.0**64),
             )
-        return PrecisionSection("fp16", scale)
+        return PrecisionSection("fp16", scale, auto_cast=auto_cast)
     if bf16_on:
         scale = LossScaleConfig(init_scale=1.0, dynamic=False) if check else None
         return PrecisionSection("bf16", scale)
@@ -784,13 +814,14 @@ def _parse_optimizer(top: _Section) -> OptimizerSection | None:
     opt.finish(unknown="error")
     lower = kind.lower()
     if lower not in ("adam", "adamw", "sgd"):
-        raise opt.fail(
+        raise opt.unsupported(
             "type",
             kind,
             "flatzero's config optimizers are Adam, AdamW and SGD",
             "use one of them, or build the optimizer yourself and pass it as "
             "flatzero.initialize(optimizer=torch.optim.X(...)) with an elementwise torch.optim "
             "class (Adagrad, RMSprop, ...)",
+            f"the {kind} optimizer",
         )
     p = params_section
     if "max_grad_norm" in p:
@@ -808,11 +839,12 @@ def _parse_optimizer(top: _Section) -> OptimizerSection | None:
         p.no_effect("fp32_optimizer_states", "optimizer states are always fp32")
         p.no_effect("foreach", "the optimizer runs on one flat tensor per group")
         if not p.bool("bias_correction", True):
-            raise p.fail(
+            raise p.unsupported(
                 "bias_correction",
                 False,
                 "Adam without bias correction is not available in torch.optim",
                 "remove it",
+                "Adam without bias correction",
             )
         for name in _ADAM_KEYS:
             if name == "betas":
@@ -865,12 +897,13 @@ def _parse_scheduler(top: _Section) -> SchedulerSection | None:
     if kind in SCHEDULERS:
         cls: Any = SCHEDULERS[kind]
     elif kind in ("OneCycle", "LRRangeTest"):
-        raise sched.fail(
+        raise sched.unsupported(
             "type",
             kind,
             f"DeepSpeed's {kind} schedule is not implemented in flatzero (its schedules are "
             f"{', '.join(SCHEDULERS)}, plus any torch.optim.lr_scheduler class)",
             "use one of those, or pass lr_scheduler= to flatzero.initialize",
+            f"the {kind} schedule",
         )
     else:
         cls = getattr(torch.optim.lr_scheduler, kind, None)
@@ -985,9 +1018,12 @@ def parse_config(config: Any, *, world_size: int) -> EngineConfig:
         The ``EngineConfig``.
 
     Raises:
-        ValueError / TypeError: a key asks for something flatzero does not implement, has
-            a bad value or type, is ``"auto"``, is unknown inside a parsed section, or the
-            batch sizes disagree; the message names the key, the value, the rule and the fix.
+        UnsupportedFeatureError: a key asks for a DeepSpeed feature flatzero does not
+            implement (a ``ValueError``; ``flatzero.patch_deepspeed()`` routes such configs to
+            DeepSpeed).
+        ValueError / TypeError: a key has a bad value or type, is ``"auto"``, is unknown
+            inside a parsed section, or the batch sizes disagree.
+        Every message names the key, the value, the rule and the fix.
     """
     data = load_config_dict(config)
     if not isinstance(world_size, int) or world_size < 1:
@@ -1002,7 +1038,9 @@ def parse_config(config: Any, *, world_size: int) -> EngineConfig:
     scheduler = _parse_scheduler(top)
     clip = top.number("gradient_clipping", 0.0, minimum=0.0)
     spp = top.raw("steps_per_print", 10)
-    if spp is not None:
+    if isinstance(spp, float) and spp == math.inf:
+        spp = None  # Accelerate's "never": it always sets inf
+    elif spp is not None:
         spp = top.int("steps_per_print", 10)
     comm = top.raw("communication_data_type", None)
     if comm is not None:

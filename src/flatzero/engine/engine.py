@@ -16,6 +16,15 @@ Stage 0 (plain data parallel) runs a ``ZeroOptimizer`` over a one-rank process g
 rank, so every rank holds the whole fp32 master and optimizer state; at the boundary the
 engine all-reduces the fp32 gradient (sum, then divided by the world size) before the step,
 and every rank then applies the same update.
+
+What Hugging Face Accelerate and Trainer use of a DeepSpeed engine behaves as DeepSpeed's:
+``set_gradient_accumulation_boundary`` (the caller decides where the boundary is and calls
+``step()`` only there), ``get_global_grad_norm()`` after every optimizer step,
+``optimizer.overflow``, ``engine.config`` as the raw config dict, attribute pass-through to
+the module, DeepSpeed's checkpoint tags and return values. When ``deepspeed`` is imported
+in the process, ``Engine(...)`` builds an instance of a subclass that also derives from
+``deepspeed.DeepSpeedEngine`` (without running its ``__init__``; see
+``deepspeed_compat.py``), so ``isinstance(engine, deepspeed.DeepSpeedEngine)`` holds.
 """
 
 from __future__ import annotations
@@ -117,9 +126,15 @@ class Engine(nn.Module):
 
     Attributes:
         module: the user's model (its trainable params are views of the flat buckets).
-        optimizer: the ``ZeroOptimizer``.
+            Attributes the engine does not have are looked up on it (as DeepSpeed's engine
+            does: ``engine.generate``, ``engine.config`` excepted).
+        optimizer: the ``ZeroOptimizer``; its ``overflow`` says whether the last optimizer
+            step was skipped for inf/nan gradients (DeepSpeed's attribute).
         lr_scheduler: the LR scheduler, or None.
-        config: the parsed config.
+        config: the DeepSpeed config as a dict (what DeepSpeed's ``engine.config`` is).
+        parsed_config: the parsed config (``EngineConfig``).
+        client_optimizer: the optimizer passed to ``initialize``, or None; its
+            ``param_groups`` show (and set) the hyperparameters of flatzero's optimizer.
         init_report: what ``initialize`` did (``EngineInitReport``).
         training_dataloader: the data loader built from ``training_data``, or None.
         global_steps: optimizer steps taken (skipped fp16 overflow steps included).
@@ -127,6 +142,13 @@ class Engine(nn.Module):
         micro_steps: ``step()`` calls (micro-batches).
         skipped_steps: optimizer steps skipped for inf/nan gradients.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Engine:
+        if cls is Engine:
+            from .deepspeed_compat import deepspeed_engine_class
+
+            cls = deepspeed_engine_class() or Engine
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -138,12 +160,15 @@ class Engine(nn.Module):
         *,
         process_group: dist.ProcessGroup | None,
         training_dataloader: Any = None,
+        client_optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # never DeepSpeedEngine.__init__ (see deepspeed_compat.py)
         self.module = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
-        self.config = config
+        self.config = dict(config.source)
+        self.parsed_config = config
+        self.client_optimizer = client_optimizer
         self.init_report = init_report
         self.training_dataloader = training_dataloader
         self._pg = process_group
@@ -155,7 +180,26 @@ class Engine(nn.Module):
         self._backwards_in_window = 0
         self._warned_zero_grad = False
         self._step_applied = False
+        self._boundary: bool | None = None
+        self._global_grad_norm: float | None = None
+        self._destroyed = False
         self._last_loss_time = time.perf_counter()
+        optimizer.overflow = False  # DeepSpeed's ZeRO optimizers carry it
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes the engine does not have come from the module, as with DeepSpeed."""
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None:
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute '{name}' (nor has its module)"
+            ) from None
 
     # --------------------------------------------------------------- DeepSpeed getters
     @property
@@ -175,27 +219,117 @@ class Engine(nn.Module):
 
     def train_batch_size(self) -> int:
         """Samples per optimizer step over all ranks."""
-        return self.config.batch.train_batch_size
+        return self.parsed_config.batch.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
         """Samples per micro-batch on one rank."""
-        return self.config.batch.micro_batch_per_gpu
+        return self.parsed_config.batch.micro_batch_per_gpu
 
     def gradient_accumulation_steps(self) -> int:
         """Micro-batches per optimizer step."""
-        return self.config.batch.gradient_accumulation_steps
+        return self.parsed_config.batch.gradient_accumulation_steps
 
     def zero_optimization_stage(self) -> int:
         """ZeRO stage (0, 1 or 2)."""
-        return self.config.zero.stage
+        return self.parsed_config.zero.stage
 
     def gradient_clipping(self) -> float:
         """Max gradient norm (0.0: no clipping), as DeepSpeed reports it."""
-        return self.config.gradient_clipping or 0.0
+        return self.parsed_config.gradient_clipping or 0.0
+
+    def fp16_enabled(self) -> bool:
+        """Whether training runs in fp16."""
+        return self.parsed_config.precision.dtype == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        """Whether training runs in bf16."""
+        return self.parsed_config.precision.dtype == "bf16"
+
+    def fp16_auto_cast(self) -> bool:
+        """``fp16.auto_cast``: forward casts floating-point positional inputs to fp16."""
+        return self.parsed_config.precision.auto_cast
+
+    def dynamic_loss_scale(self) -> bool:
+        """Whether the fp16 loss scale is dynamic."""
+        scale = self.parsed_config.precision.loss_scale
+        return self.fp16_enabled() and scale is not None and scale.dynamic
+
+    def steps_per_print(self) -> int | None:
+        """Optimizer steps between progress lines (None: never)."""
+        return self.parsed_config.steps_per_print
+
+    def zero_optimization(self) -> bool:
+        """Whether a ZeRO stage above 0 is on."""
+        return self.zero_optimization_stage() > 0
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        """Whether gradients are partitioned (stage 2)."""
+        return self.zero_optimization_stage() >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        """Always False: params are never partitioned (no stage 3)."""
+        return False
+
+    def zero_offload_optimizer(self) -> bool:
+        """Always False: no offload."""
+        return False
+
+    def zero_offload_param(self) -> bool:
+        """Always False: no offload."""
+        return False
+
+    def zero_cpu_offload(self) -> bool:
+        """Always False: no offload."""
+        return False
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Always False: stage 3 only (the module holds whole weights)."""
+        return False
+
+    def zero_reduce_bucket_size(self) -> int:
+        """Bucket size in elements."""
+        return self.parsed_config.bucket_numel
+
+    def zero_allgather_bucket_size(self) -> int:
+        """Bucket size in elements (one size for both collectives)."""
+        return self.parsed_config.bucket_numel
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        """The dtype gradients are summed over ranks in."""
+        return self.parsed_config.reduce_dtype
+
+    def get_data_parallel_rank(self) -> int:
+        """This rank in the data-parallel group."""
+        return self.global_rank
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
+        return (
+            self.train_batch_size(),
+            self.train_micro_batch_size_per_gpu(),
+            self.gradient_accumulation_steps(),
+        )
+
+    def dataloader_drop_last(self) -> bool:
+        """``drop_last`` of the loader built from ``training_data``."""
+        return self.parsed_config.dataloader_drop_last
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the next ``step()`` call steps the optimizer."""
+        """Whether the next ``step()`` call steps the optimizer: the value given to
+        ``set_gradient_accumulation_boundary`` if any, else every
+        ``gradient_accumulation_steps``-th ``step()`` call."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Decide the boundary yourself (what Hugging Face Accelerate does): with
+        ``is_boundary`` True the next ``step()`` steps the optimizer, with False it only
+        counts a micro-batch, whatever ``gradient_accumulation_steps`` says. Gradients
+        accumulate over every ``backward`` until the step, and each ``backward`` still divides
+        its loss by ``gradient_accumulation_steps`` (as DeepSpeed does)."""
+        self._boundary = bool(is_boundary)
 
     def was_step_applied(self) -> bool:
         """Whether the last boundary ``step()`` changed the weights (no overflow)."""
@@ -206,9 +340,10 @@ class Engine(nn.Module):
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        """The global gradient norm of the last step, when it was computed (clipping or
-        loss scaling on)."""
-        return self.optimizer.last_grad_norm
+        """The global L2 norm of the averaged, unscaled gradient at the last optimizer step
+        (before clipping; inf/nan for an fp16 overflow), as DeepSpeed computes it at every
+        step; None before the first step."""
+        return self._global_grad_norm
 
     @property
     def loss_scale(self) -> float:
@@ -217,7 +352,10 @@ class Engine(nn.Module):
 
     # -------------------------------------------------------------------- training
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's forward."""
+        """The module's forward (with ``fp16.auto_cast``, floating-point tensors among the
+        positional arguments are cast to fp16 first, as DeepSpeed does)."""
+        if self.parsed_config.precision.auto_cast:
+            args = _cast_half(args)
         return self.module(*args, **kwargs)
 
     def backward(
@@ -254,7 +392,12 @@ class Engine(nn.Module):
         if self.is_gradient_accumulation_boundary():
             if self._replicated:
                 self._all_reduce_gradients()
+            self._global_grad_norm = self._grad_norm_before_step()
             self.optimizer.step()
+            norm = self.optimizer.last_grad_norm
+            if norm is not None:
+                self._global_grad_norm = norm
+            self.optimizer.overflow = self.optimizer.last_step_skipped
             if self.optimizer.last_step_skipped:
                 self.skipped_steps += 1
                 if self.global_rank == 0:
@@ -265,6 +408,9 @@ class Engine(nn.Module):
                     )
             else:
                 self._step_applied = True
+                if self.client_optimizer is not None:
+                    # torch's LR schedulers check that their optimizer stepped before them.
+                    self.client_optimizer._opt_called = True  # type: ignore[attr-defined]
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1
@@ -272,6 +418,15 @@ class Engine(nn.Module):
             self._backwards_in_window = 0
             self._report_progress()
         self.micro_steps += 1
+
+    def _grad_norm_before_step(self) -> float | None:
+        """The gradient norm when the optimizer's step will not compute it (no clipping, no
+        loss scaling): one more scalar all-reduce per step, as DeepSpeed pays."""
+        opt = self.optimizer
+        if opt.config.max_grad_norm is not None or opt._scaler is not None:
+            return None
+        opt.reduce_gradients()
+        return float(opt._norm())
 
     def _all_reduce_gradients(self) -> None:
         """Stage 0: average the fp32 gradients of the window over all ranks."""
@@ -283,7 +438,7 @@ class Engine(nn.Module):
         torch._foreach_mul_(grads, 1.0 / self.world_size)
 
     def _report_progress(self) -> None:
-        every = self.config.steps_per_print
+        every = self.parsed_config.steps_per_print
         if every is None or self.global_steps % every or self.global_rank != 0:
             return
         now = time.perf_counter()
@@ -324,8 +479,49 @@ class Engine(nn.Module):
         return self.train(False)
 
     def destroy(self) -> None:
-        """Remove the gradient hooks from the params (the engine is unusable after)."""
-        self.optimizer.close()
+        """Remove the gradient hooks from the params (the engine cannot train after; the
+        module stays usable). Calling it again does nothing."""
+        if not self._destroyed:
+            self._destroyed = True
+            self.optimizer.close()
+
+    def module_state_dict(
+        self,
+        destination: Any = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        exclude_frozen_parameters: bool = False,
+    ) -> dict[str, Any]:
+        """The module's ``state_dict`` (without frozen params if asked), as DeepSpeed's."""
+        sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters():
+                if not p.requires_grad:
+                    sd.pop(prefix + name, None)
+        return sd
+
+    def save_16bit_model(
+        self,
+        save_dir: str | Path,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Rank 0 writes the module's weights (in the training dtype) with ``torch.save``,
+        as DeepSpeed does for stages 0-2; returns True. Call it on every rank."""
+        if self.global_rank == 0:
+            state = {
+                k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                for k, v in self.module_state_dict(
+                    exclude_frozen_parameters=exclude_frozen_parameters
+                ).items()
+            }
+            Path(save_dir).mkdir(parents=True, exist_ok=True)
+            torch.save(state, Path(save_dir) / save_filename)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier(group=self._pg)
+        return True
+
+    save_fp16_model = save_16bit_model
 
     # ------------------------------------------------------------------ checkpoints
     def _engine_state(self) -> dict[str, int]:
@@ -356,7 +552,8 @@ class Engine(nn.Module):
             exclude_frozen_parameters: do not save frozen params and buffers.
 
         Returns:
-            True, as DeepSpeed does.
+            True, as DeepSpeed does. An existing checkpoint of the same tag is replaced (as
+            DeepSpeed overwrites it) once the new one is complete.
         """
         from ..checkpoint import SaveConfig, save_checkpoint
         from ..checkpoint.save import save_nbytes
@@ -369,7 +566,9 @@ class Engine(nn.Module):
             "scheduler": self.lr_scheduler,
             "model": model,
             "extra": extra,
-            "config": SaveConfig(update_latest=save_latest),
+            # DeepSpeed writes over an existing tag (Trainer re-saves checkpoint-N when a run
+            # resumes into the directory it came from); flatzero replaces it atomically.
+            "config": SaveConfig(update_latest=save_latest, overwrite=True),
         }
         if self._replicated:
             # Stage 0: every rank holds the same state; rank 0 writes a one-rank checkpoint
@@ -398,6 +597,7 @@ class Engine(nn.Module):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        custom_load_fn: Any = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """Load a checkpoint saved at any world size.
 
@@ -412,6 +612,7 @@ class Engine(nn.Module):
             load_lr_scheduler_states: restore the LR scheduler.
             load_module_only: restore the weights only (no optimizer, scheduler or step
                 counters).
+            custom_load_fn: must be None (DeepSpeed's hook for a custom module loader).
 
         Returns:
             ``(path, client_state)``; ``(None, None)`` when ``tag`` is None and
@@ -419,6 +620,11 @@ class Engine(nn.Module):
         """
         from ..checkpoint import LoadConfig, load_checkpoint
 
+        if custom_load_fn is not None:
+            raise NotImplementedError(
+                "engine.load_checkpoint(custom_load_fn=...) is not implemented by flatzero: it "
+                "loads the module's weights itself; drop custom_load_fn"
+            )
         if tag is None and not (Path(load_dir) / "latest").is_file():
             if self.global_rank == 0:
                 logger.warning(
@@ -427,6 +633,7 @@ class Engine(nn.Module):
                     Path(load_dir) / "latest",
                 )
             return None, None
+        _refuse_deepspeed_checkpoint(Path(load_dir), tag)
         config = LoadConfig(
             strict=load_module_strict,
             load_optimizer_states=load_optimizer_states and not load_module_only,
@@ -448,11 +655,49 @@ class Engine(nn.Module):
             self.micro_steps = int(state.get("micro_steps", 0))
             self.skipped_steps = int(state.get("skipped_steps", 0))
         self._backwards_in_window = 0
+        if self.client_optimizer is not None:
+            from .client import link_client_optimizer
+
+            # Loading replaced the optimizer's param groups: show the new ones.
+            link_client_optimizer(self.client_optimizer, self.optimizer)
         return str(result.path), extra.get("client_state", {})
 
     def __repr__(self) -> str:
+        cfg = self.parsed_config
         return (
-            f"Engine(stage={self.config.zero.stage}, dtype={self.config.precision.dtype}, "
+            f"Engine(stage={cfg.zero.stage}, dtype={cfg.precision.dtype}, "
             f"world_size={self.world_size}, global_steps={self.global_steps}, "
             f"module={type(self.module).__name__})"
         )
+
+
+def _refuse_deepspeed_checkpoint(load_dir: Path, tag: str | None) -> None:
+    """A checkpoint DeepSpeed wrote (``*_model_states.pt``, no ``meta.json``) gets an error
+    that says how to convert it, not "incomplete checkpoint"."""
+    if tag is None:
+        try:
+            tag = (load_dir / "latest").read_text().strip()
+        except OSError:
+            return
+    directory = load_dir / tag
+    if (directory / "meta.json").is_file() or not directory.is_dir():
+        return
+    if any(directory.glob("*_model_states.pt")) or any(directory.glob("*optim_states.pt")):
+        raise ValueError(
+            f"{directory} is a DeepSpeed checkpoint; flatzero's engine loads flatzero "
+            f"checkpoints: convert it with `python -m flatzero import-deepspeed {load_dir} OUT "
+            "--tag " + tag + "` (docs/huggingface.md shows how for a Trainer checkpoint), or "
+            "resume it without flatzero.patch_deepspeed() / flatzero.run"
+        )
+
+
+def _cast_half(inputs: Any) -> Any:
+    """DeepSpeed's ``_cast_inputs_half``: floating-point tensors in nested lists, tuples and
+    dicts to fp16."""
+    if isinstance(inputs, (list, tuple)):
+        return inputs.__class__(_cast_half(v) for v in inputs)
+    if isinstance(inputs, dict):
+        return {k: _cast_half(v) for k, v in inputs.items()}
+    if isinstance(inputs, torch.Tensor) and inputs.is_floating_point():
+        return inputs.half()
+    return inputs
