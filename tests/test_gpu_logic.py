@@ -591,3 +591,63 @@ def _slow_rank0_worker(rank: int, world_size: int, backend: str) -> float:
 def test_ranks_wait_for_a_slow_writer_beyond_the_groups_timeout(backend):
     waited = run_ranks(_slow_rank0_worker, 3, backend, timeout_s=60)
     assert all(w >= 2.9 for w in waited), waited
+
+
+def _uneven_groups_world_worker(rank: int, world_size: int) -> int:
+    control._separate_control_needed = lambda group: True
+    dist.new_group([0])  # every rank calls it; only rank 0 registers it: uneven counts
+    flat = flatten_parameters(_net(), config=FlattenConfig(progress=False))
+    return len(flat.groups)
+
+
+def test_a_control_group_over_all_ranks_is_found_whatever_groups_ranks_registered():
+    assert run_ranks(_uneven_groups_world_worker, 2, timeout_s=60) == [1, 1]
+
+
+def _uneven_groups_subgroup_worker(rank: int, world_size: int) -> str:
+    control._separate_control_needed = lambda group: True
+    mine, _ = dist.new_subgroups(group_size=2)
+    dist.new_group([0])  # rank 0 now has one more group than rank 1
+    try:
+        flatten_parameters(_net(), process_group=mine, config=FlattenConfig(progress=False))
+        first = "ok"
+    except RuntimeError as error:
+        first = str(error)
+    dist.barrier()
+    control.prepare_control_groups([[0, 1], [2, 3]])  # every rank, the same order
+    flatten_parameters(_net(), process_group=mine, config=FlattenConfig(progress=False))
+    return first
+
+
+def test_uneven_group_counts_in_a_subgroup_are_an_error_then_prepared_groups_work():
+    t0 = time.monotonic()
+    results = run_ranks(_uneven_groups_subgroup_worker, 4, timeout_s=90)
+    assert time.monotonic() - t0 < 80  # an error, never a wait for a rendezvous timeout
+    for message in results[:2]:
+        assert "registered different numbers of process groups" in message
+        assert "prepare_control_groups" in message
+    assert results[2:] == ["ok", "ok"]
+
+
+def _stage1_buffer_oom_worker(rank: int, world_size: int) -> str:
+    import flatzero.optim.reducers as reducers
+
+    if rank == 1:
+
+        def failing(numel, dtype, device):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+        reducers.empty_buffer = failing
+    try:
+        ZeroOptimizer(
+            _net().parameters(), stage=1, flatten_config=FlattenConfig(progress=False), lr=1e-2
+        )
+    except MemoryError as error:
+        return str(error)
+    raise AssertionError("no MemoryError")
+
+
+def test_stage1_gradient_buffer_out_of_memory_is_a_memory_error_on_every_rank():
+    errors = run_ranks(_stage1_buffer_oom_worker, 2, timeout_s=60)
+    assert "on rank 1 allocating the stage 1 gradient buffers" in errors[1]
+    assert "on another rank allocating the stage 1 gradient buffers" in errors[0]

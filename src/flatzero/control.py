@@ -6,28 +6,37 @@ and, while one rank spends minutes writing a checkpoint, trip the NCCL watchdog.
 run on a gloo group over the same ranks: the process group itself when its backend runs
 on the host, else one created for it.
 
-A control group is created once per process group and reused by every flatten call,
-optimizer and checkpoint over it; only the group's own ranks take part in creating it
-(``use_local_synchronization``), so data-parallel subgroups inside tensor parallelism
-create theirs independently. It lives as long as its process group: it is destroyed with
-them by ``torch.distributed.destroy_process_group()``. (Destroying it earlier and
-creating it again would reuse its rendezvous prefix in the store, which torch derives
-from the ranks and the number of groups, and meet the previous group's stale keys.)
+A control group is created once per set of ranks and reused by every flatten call,
+optimizer and checkpoint over them. Over all ranks of the job every rank creates it;
+over a data-parallel subgroup inside tensor parallelism only the subgroup's ranks do
+(``use_local_synchronization``), after checking that torch will name it the same on each
+of them (``prepare_control_groups`` creates them all at once when it would not). It lives
+as long as its process group: it is destroyed with them by
+``torch.distributed.destroy_process_group()``. (Destroying it earlier and creating it
+again would reuse its rendezvous prefix in the store, which torch derives from the ranks
+and the number of groups, and meet the previous group's stale keys.)
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .comm import all_reduce_max, world_size_of
+from .comm import all_reduce_max, all_reduce_max_each, world_size_of
 from .devices import collectives_run_on_cpu
 
-__all__ = ["agree_on_error", "control_group", "host_work_timeout", "wait_for_host_work"]
+__all__ = [
+    "agree_on_error",
+    "control_group",
+    "host_work_timeout",
+    "prepare_control_groups",
+    "wait_for_host_work",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +49,9 @@ _SLOWEST_DISK_BYTES_PER_S = 20e6
 """The slowest write rate a checkpoint's timeout allows for (20 MB/s: a busy network
 file system), so that only a hung rank, never a slow disk, times out."""
 
-_controls: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
-"""``id(process group) -> (process group, its control group)``; the process group is held
-so that its id is not reused while the entry lives."""
+_controls: dict[tuple[int, ...], dist.ProcessGroup] = {}
+"""Control groups by the global ranks they span (any process group over those ranks
+shares one)."""
 
 
 def _separate_control_needed(group: dist.ProcessGroup | None) -> bool:
@@ -58,33 +67,82 @@ def _alive(group: dist.ProcessGroup) -> bool:
     return True
 
 
-def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """The group for host-side agreement among ``group``'s ranks (``None``: the default
-    group, or no group at all).
-
-    Collective the first time it is called for a ``group`` with an NCCL-only backend:
-    every rank of ``group`` (and only those) must call it.
-    """
-    if world_size_of(group) == 1 or not _separate_control_needed(group):
-        return group
-    parent = group if group is not None else dist.group.WORLD
-    for key, (pg, control) in list(_controls.items()):
-        if not (_alive(pg) and _alive(control)):
-            del _controls[key]
-    entry = _controls.get(id(parent))
-    if entry is not None:
-        return entry[1]
-    ranks = dist.get_process_group_ranks(parent)
+def _new_control(ranks: list[int], *, everyone_calls: bool) -> dist.ProcessGroup:
     control = dist.new_group(
         ranks=ranks,
         backend="gloo",
         timeout=CONTROL_TIMEOUT,
-        use_local_synchronization=True,
+        use_local_synchronization=not everyone_calls,
         group_desc="flatzero control",
     )
-    _controls[id(parent)] = (parent, control)
+    _controls[tuple(ranks)] = control
     logger.debug("created a gloo control group over ranks %s", ranks)
     return control
+
+
+def prepare_control_groups(rank_lists: Sequence[Sequence[int]]) -> None:
+    """Create the control groups of several process groups at once, on every rank of the
+    job, in the same order everywhere (what ``torch.distributed.new_group`` asks).
+
+    Call it right after creating data-parallel subgroups (e.g. with the same rank lists
+    as ``dist.new_subgroups_by_enumeration``) when ranks of the job have created
+    different sets of other process groups; ``control_group`` then finds them instead of
+    creating them over the subgroup's ranks alone. Collective over the whole job.
+    """
+    for ranks in rank_lists:
+        key = tuple(sorted(int(r) for r in ranks))
+        existing = _controls.get(key)
+        if existing is not None and _alive(existing):
+            continue
+        control = _new_control(list(key), everyone_calls=True)
+        if dist.get_rank() not in key:
+            del _controls[key]  # torch's placeholder for a group this rank is not in
+        del control
+
+
+def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The group for host-side agreement among ``group``'s ranks (``None``: the default
+    group, or no group at all).
+
+    Collective the first time it is called for a ``group`` with an NCCL-only backend.
+    Over all ranks of the job, every rank creates it (torch names it by the job's group
+    count, the same everywhere). Over a subgroup, only its ranks take part
+    (``use_local_synchronization``); torch then names it by its ranks and by how many
+    groups each rank has registered, so the subgroup's ranks first check that those
+    counts agree, and raise ``RuntimeError`` naming the fix (``prepare_control_groups``)
+    when they do not, rather than wait in different rendezvous until a timeout.
+    """
+    if world_size_of(group) == 1 or not _separate_control_needed(group):
+        return group
+    parent = group if group is not None else dist.group.WORLD
+    ranks = sorted(dist.get_process_group_ranks(parent))
+    key = tuple(ranks)
+    control = _controls.get(key)
+    if control is not None and _alive(control):
+        return control
+    if len(ranks) == dist.get_world_size():
+        return _new_control(ranks, everyone_calls=True)
+    _check_group_counts_agree(parent, ranks)
+    return _new_control(ranks, everyone_calls=False)
+
+
+def _registered_groups() -> int:
+    """How many process groups this rank has registered (torch's naming input)."""
+    return len(dist.distributed_c10d._world.pg_names)
+
+
+def _check_group_counts_agree(parent: dist.ProcessGroup, ranks: list[int]) -> None:
+    count = _registered_groups()
+    high, neg_low = all_reduce_max_each([count, -count], parent)
+    if high != -neg_low:
+        raise RuntimeError(
+            f"cannot create flatzero's control group over ranks {ranks}: those ranks have "
+            f"registered different numbers of process groups ({-neg_low} to {high}), so "
+            "torch would give the group a different rendezvous name on each of them and "
+            "they would wait for each other until a timeout. Call "
+            "flatzero.control.prepare_control_groups(<the rank lists of every "
+            "data-parallel group>) on every rank right after creating those groups"
+        )
 
 
 def host_work_timeout(nbytes: int) -> timedelta:

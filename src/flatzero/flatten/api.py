@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from typing import Any
 
@@ -290,38 +290,58 @@ def allocate_or_oom(
     raise AssertionError("unreachable")
 
 
-def _allocate_masters(
-    layout: Layout,
+def allocate_agreed(
+    makers: Sequence[Callable[[], torch.Tensor]],
     device: torch.device,
     control: dist.ProcessGroup | None,
-    rank: int,
+    *,
+    what: str,
+    nbytes: int,
+    after: str,
 ) -> list[torch.Tensor]:
-    """This rank's empty fp32 master shard of every group, on ``device``.
+    """``[make() for make in makers]`` on every rank, or a ``MemoryError`` on every rank.
 
-    Allocated before any bucket, so that running out of memory here changes nothing.
+    Every rank tries its allocations, then all agree on the control group: one rank out of
+    memory must not leave the others waiting in their next collective.
 
-    Raises:
-        MemoryError: on every rank, when some rank could not allocate its shards.
+    Args:
+        makers: allocations on ``device``, in order.
+        device: where they go (for the message, and the cache retry on a GPU).
+        control: the group that agrees.
+        what: what is allocated, for the message ("the fp32 master shards").
+        nbytes: bytes per rank of all of it, for the message.
+        after: what holds when it fails, for the message ("nothing was changed").
     """
-    masters: list[torch.Tensor] = []
+    made: list[torch.Tensor] = []
     error: BaseException | None = None
-    for g in layout.groups:
-        master, error = allocate_or_oom(
-            lambda g=g: _empty(g.shard_numel, torch.float32, device), device
-        )
-        if master is None:
+    for make in makers:
+        tensor, error = allocate_or_oom(make, device)
+        if tensor is None:
             break
-        masters.append(master)
+        made.append(tensor)
     if all_reduce_max(int(error is not None), control) == 0:
-        return masters
-    masters.clear()
-    where = f"on rank {rank}" if error is not None else "on another rank"
-    shard_gib = sum(g.shard_numel for g in layout.groups) * 4 / 2**30
+        return made
+    made.clear()
+    where = f"on rank {rank_of(control)}" if error is not None else "on another rank"
     raise MemoryError(
-        f"out of memory {where} allocating the fp32 master shards ({shard_gib:.2f} GiB per "
-        f"rank on {device.type}); nothing was changed. Use more ranks (the shards shrink with "
-        "them) or free memory"
+        f"out of memory {where} allocating {what} ({nbytes / 2**30:.2f} GiB per rank on "
+        f"{device.type}); {after}. Use more ranks (shards shrink with them) or free memory"
     ) from error
+
+
+def _allocate_masters(
+    layout: Layout, device: torch.device, control: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
+    """This rank's empty fp32 master shard of every group, on ``device``, allocated
+    before any bucket so that running out of memory here changes nothing."""
+    return allocate_agreed(
+        [lambda g=g: _empty(g.shard_numel, torch.float32, device) for g in layout.groups],
+        device,
+        control,
+        what="the fp32 master shards",
+        nbytes=sum(g.shard_numel for g in layout.groups) * 4,
+        after="nothing was changed",
+    )
 
 
 def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -475,9 +495,7 @@ def flatten_parameters(
             group=control,
         )
         master_device = torch.device("cpu") if decision.tier == "cpu" else device
-        masters = (
-            _allocate_masters(layout, master_device, control, rank) if config.build_master else []
-        )
+        masters = _allocate_masters(layout, master_device, control) if config.build_master else []
 
     ctx = TierContext(
         device=device,

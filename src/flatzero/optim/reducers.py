@@ -24,7 +24,9 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from ..comm import rank_of, reduce_scatter_into, world_size_of
+from ..control import control_group
 from ..devices import collective_device
+from ..flatten.api import allocate_agreed
 from ..flatten.buffers import FlatParams
 from .buckets import BucketState, InFlight, StagingPool, bucket_states, empty_buffer
 from .config import ZeroConfig
@@ -361,14 +363,40 @@ class Stage1Reducer(GradReducer):
         self.flat_grads: list[torch.Tensor] = []
         self.bucket_grads: dict[int, torch.Tensor] = {}
         self.views: list[list[torch.Tensor]] = []
+        own = [
+            gi
+            for gi, g in enumerate(flat.groups)
+            if not (self.world_size == 1 and g.dtype == torch.float32)
+        ]
+        # Full-size gradient buffers: one rank out of memory must not leave the others
+        # waiting in the first reduce-scatter.
+        buffers = dict(
+            zip(
+                own,
+                allocate_agreed(
+                    [
+                        lambda g=flat.groups[gi]: empty_buffer(g.layout.numel, g.dtype, g.device)
+                        for gi in own
+                    ],
+                    flat.groups[0].device,
+                    control_group(flat.deciders),
+                    what="the stage 1 gradient buffers",
+                    nbytes=sum(
+                        flat.groups[gi].layout.numel * flat.groups[gi].dtype.itemsize for gi in own
+                    ),
+                    after="the params keep their values",
+                ),
+                strict=True,
+            )
+        )
         for gi, group in enumerate(flat.groups):
             layout = group.layout
-            if self.world_size == 1 and group.dtype == torch.float32:
+            if gi not in buffers:
                 # The shard has the buckets' layout: use it in place (autograd adds into it).
                 buffer = grads[gi].zero_()
                 self._aliased.add(gi)
             else:
-                buffer = empty_buffer(layout.numel, group.dtype, group.device).zero_()
+                buffer = buffers[gi].zero_()
             starts, cursor = [], 0
             for bucket in layout.buckets:
                 starts.append(cursor)

@@ -32,7 +32,7 @@ from ..config import FlattenConfig
 from ..control import control_group
 from ..devices import backend_of, buckets_may_use_cuda, collectives_run_on_cpu
 from ..flatten import FlatParams, flatten_parameters
-from ..flatten.api import allocate_or_oom
+from ..flatten.api import allocate_agreed
 from ..gcpause import paused_gc
 from ..layout import GroupLayout
 from .buckets import empty_buffer
@@ -133,31 +133,27 @@ def check_buckets_usable(flat: FlatParams) -> None:
 
 
 def _allocate_grad_shards(flat: FlatParams) -> list[torch.Tensor]:
-    """This rank's fp32 gradient shard of every group, beside its master shard.
+    """This rank's fp32 gradient shard of every group, beside its master shard (padding
+    zeroed; see ``_zero_padding``).
 
     Raises:
         MemoryError: on every rank, when some rank could not allocate its shards (the
             params keep their values in the buckets).
     """
-    grads: list[torch.Tensor] = []
-    error: BaseException | None = None
-    for g in flat.groups:
-        grad, error = allocate_or_oom(
-            lambda g=g: empty_buffer(g.layout.shard_numel, torch.float32, g.device), g.device
-        )
-        if grad is None:
-            break
+    grads = allocate_agreed(
+        [
+            lambda g=g: empty_buffer(g.layout.shard_numel, torch.float32, g.device)
+            for g in flat.groups
+        ],
+        flat.groups[0].device,
+        control_group(flat.deciders),
+        what="the fp32 gradient shards",
+        nbytes=sum(g.layout.shard_numel for g in flat.groups) * 4,
+        after="the params keep their values",
+    )
+    for grad, g in zip(grads, flat.groups, strict=True):
         _zero_padding(grad, g.layout, flat.rank)
-        grads.append(grad)
-    if all_reduce_max(int(error is not None), control_group(flat.deciders)) == 0:
-        return grads
-    grads.clear()
-    where = f"on rank {flat.rank}" if error is not None else "on another rank"
-    raise MemoryError(
-        f"out of memory {where} allocating the fp32 gradient shards "
-        f"({sum(g.layout.shard_numel for g in flat.groups) * 4 / 2**30:.2f} GiB per rank); "
-        "the params keep their values. Use more ranks or free memory"
-    ) from error
+    return grads
 
 
 def _zero_padding(shard: torch.Tensor, layout: GroupLayout, rank: int) -> None:
