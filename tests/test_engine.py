@@ -250,10 +250,12 @@ def _bf16_and_fp16(rank: int, ws: int) -> None:
 def _boundary_and_sync(rank: int, ws: int) -> dict[str, str]:
     import flatzero
 
-    # Ranks built with different seeds: 'gather' makes them equal (each rank's slice).
+    # Ranks built with different seeds: 'gather' makes them equal (each rank's slice); on
+    # host buffers at 2 ranks the sharded tier's own all-gather does it, in one pass.
     model = make_model(seed=rank)
     engine, *_ = flatzero.initialize(model=model, config=ds_config(1, ws))
-    assert engine.init_report.param_sync.startswith("gather")
+    assert engine.init_report.param_sync == "the sharded tier's all-gather"
+    assert engine.init_report.flatten.tiers == ("sharded",)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(ws)]
     dist.all_gather(gathered, flat)

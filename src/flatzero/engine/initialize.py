@@ -18,6 +18,7 @@ Steps, in order (every user error is raised before anything is flattened):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import all_gather_into, rank_of, world_size_of
+from ..config import FlattenConfig
 from ..devices import activate, collective_device, local_cuda_index, resolve_device
 from ..flatten import FlatParams, flatten_parameters
 from ..gcpause import paused_gc
@@ -272,6 +274,24 @@ def _is_flatzero_checkpoint(path: Path) -> bool:
 def _trainable_dtypes(groups: list[dict[str, Any]]) -> str:
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for g in groups for _, p in g["params"]})
     return "/".join(dtypes)
+
+
+def _gathering_tier(
+    config: FlattenConfig, target: torch.device, param_sync: str, stage0: bool, world_size: int
+) -> FlattenConfig:
+    """The ``sharded`` tier for host buffers at several ranks when the weights are to be
+    gathered anyway (``param_sync="gather"``): each rank then copies only its own slice of
+    every bucket and the all-gather fills the rest, instead of copying the whole model
+    and all-gathering it afterwards (a second pass over every byte). ``auto`` picks
+    ``sharded`` on its own when the buffers go to a GPU."""
+    sharded = (
+        config.tier == "auto"
+        and target.type == "cpu"
+        and param_sync == "gather"
+        and not stage0
+        and world_size > 1
+    )
+    return dataclasses.replace(config, tier="sharded") if sharded else config
 
 
 _CHECKSUM_CHUNK = 2**24
@@ -539,6 +559,7 @@ def initialize(
     # becomes the current device, whoever created the process group.
     target = resolve_device(flatten_cfg.device, group)
     activate(target)
+    flatten_cfg = _gathering_tier(flatten_cfg, target, cfg.flatzero.param_sync, stage0, world_size)
     flatten = functools.partial(
         flatten_parameters,
         process_group=opt_group,
