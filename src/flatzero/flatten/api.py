@@ -179,9 +179,9 @@ class _GroupFlattener:
             raise self._last_tier_error("on another rank", bucket, "the last tier")
         followed = [b for b, (m, a) in enumerate(zip(mine, agreed, strict=True)) if a > m]
         for bucket in followed:
+            # Only the label changes: a GPU's chain ends at offload (on the device, like
+            # device), and host buffers are in host memory whatever their tier.
             lower = "cpu" if agreed[bucket] == _TIER_LEVEL["cpu"] else "offload"
-            if lower == "cpu":
-                self._move_to_host(bucket)
             self.bucket_tiers[bucket] = lower
         if followed:
             self._warn(
@@ -189,17 +189,6 @@ class _GroupFlattener:
                 f"({self.layout.dtype}) follow another rank, which ran out of memory, into "
                 f"tier(s) {sorted({self.bucket_tiers[b] for b in followed})}"
             )
-
-    def _move_to_host(self, bucket: int) -> None:
-        """Move a complete bucket into host memory (a no-op when it is there already)."""
-        buf = self.buffers[bucket]
-        assert buf is not None
-        if buf.device.type == "cpu":
-            return
-        host = empty_host(buf.numel(), buf.dtype)
-        host.copy_(buf)
-        self.ctx.report.moved("d2h", buf.nbytes)
-        self._rebind(bucket, host)
 
     def _allocate(
         self, tier: Tier, bucket: int
