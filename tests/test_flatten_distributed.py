@@ -129,14 +129,15 @@ def test_out_of_memory_on_one_rank_moves_every_rank_down_without_a_hang():
 def _local_fallback_worker(rank: int, world_size: int) -> dict:
     """``device`` tier (on the CPU): rank 1 runs out of memory at bucket 1 (-> offload)
     and again at bucket 2 (-> cpu); the other ranks never do."""
-    import flatzero.flatten.api as api
+    import flatzero.flatten.alloc as alloc
+    import flatzero.flatten.driver as driver
 
     reference = _reference()
     torch.manual_seed(1234)
     model = Net()
     config = FlattenConfig(tier="device", device="cpu", bucket_numel=300, progress=False)
     calls = {"per_bucket": 0, "per_group": 0}
-    per_bucket, per_group = api.all_reduce_max, api.all_reduce_max_each
+    per_bucket, per_group = driver.all_reduce_max, driver.all_reduce_max_each
 
     def count_per_bucket(*args):
         calls["per_bucket"] += 1
@@ -146,7 +147,8 @@ def _local_fallback_worker(rank: int, world_size: int) -> dict:
         calls["per_group"] += 1
         return per_group(*args)
 
-    api.all_reduce_max, api.all_reduce_max_each = count_per_bucket, count_per_group
+    driver.all_reduce_max, driver.all_reduce_max_each = count_per_bucket, count_per_group
+    alloc.all_reduce_max = count_per_bucket
     try:
         if rank == 1:
             with (
@@ -161,7 +163,8 @@ def _local_fallback_worker(rank: int, world_size: int) -> dict:
         else:
             flat = flatten_parameters(model, config=config)
     finally:
-        api.all_reduce_max, api.all_reduce_max_each = per_bucket, per_group
+        driver.all_reduce_max, driver.all_reduce_max_each = per_bucket, per_group
+        alloc.all_reduce_max = per_bucket
     _check(model, flat, reference)
     return {
         "tiers": flat.report.groups[0].bucket_tiers,

@@ -20,14 +20,15 @@ from torch import nn
 
 import flatzero.control as control
 import flatzero.devices as devices
-import flatzero.flatten.api as flatten_api
+import flatzero.flatten.alloc as flatten_alloc
 import flatzero.flatten.tiers as tiers
 import flatzero.optim.zero as zero
 from flatzero import FlattenConfig, ZeroOptimizer, flatten_parameters, inject_oom
 from flatzero.engine.initialize import bitwise_sum
 from flatzero.hostmem import staging_buffer
 from flatzero.launch import run_ranks
-from flatzero.memory import choose_tier, next_tier_down
+from flatzero.flatten.registry import next_tier_down
+from flatzero.memory import choose_tier
 
 MiB = 2**20
 
@@ -183,14 +184,14 @@ def _master_oom_worker(rank: int, world_size: int) -> str:
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     storages = {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()}
     if rank == 1:
-        original = flatten_api._empty
+        original = flatten_alloc.empty
 
         def failing(numel, dtype, device):
             if dtype == torch.float32:
                 raise torch.OutOfMemoryError("CUDA out of memory (injected)")
             return original(numel, dtype, device)
 
-        flatten_api._empty = failing
+        flatten_alloc.empty = failing
     try:
         flatten_parameters(model, config=FlattenConfig(bucket_numel=64, progress=False))
     except MemoryError as error:

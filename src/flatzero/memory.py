@@ -9,16 +9,7 @@ import torch.distributed as dist
 
 from .comm import all_reduce_min
 
-__all__ = ["TierDecision", "choose_tier", "free_bytes", "is_oom", "next_tier_down"]
-
-_FALLBACK_ON_HOST = {"device": "offload", "offload": "cpu", "host": "cpu", "sharded": "cpu"}
-"""Flat buffers in host memory: every tier may end in the ``cpu`` tier."""
-
-_FALLBACK_ON_CUDA = {"device": "offload"}
-"""Flat buffers on a GPU: only ``device`` has somewhere to go (``offload`` moves the
-params out of the way). A bucket in host memory beside buckets on the GPU would leave the
-optimizer a mix it cannot use, so the other tiers end the chain: out of memory there is a
-``MemoryError`` on every rank, with every parameter intact."""
+__all__ = ["TierDecision", "choose_tier", "free_bytes", "is_oom"]
 
 
 def free_bytes(device: torch.device) -> int:
@@ -49,13 +40,6 @@ def is_oom(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and (
         "out of memory" in text or "can't allocate memory" in text
     )
-
-
-def next_tier_down(tier: str, device: torch.device) -> str | None:
-    """The tier that takes over the remaining buckets after ``tier`` ran out of memory
-    while building buffers for ``device`` (None: nothing below)."""
-    chain = _FALLBACK_ON_CUDA if device.type == "cuda" else _FALLBACK_ON_HOST
-    return chain.get(tier)
 
 
 @dataclass(frozen=True)
@@ -102,31 +86,37 @@ def choose_tier(
             and shards on the GPU of the rank with the least free memory (nothing has been
             touched yet).
     """
+    # Imported here: the flatten package, which holds the registry, imports this module.
+    from .flatten.registry import spec
+
     min_free = all_reduce_min(free_bytes(device), group)
     if requested != "auto":
         return TierDecision(requested, f"tier {requested!r} was requested", min_free)
     if device.type == "cpu":
         return TierDecision("cpu", "no accelerator: flat buffers in host memory", min_free)
+
+    def need(tier: str) -> int:
+        return spec(tier).peak_device_bytes(largest_bucket_bytes, total_bytes, shard_bytes)
+
     if params_on == "device":
-        # The params already occupy the device: the buckets replace them one at a time.
-        if min_free >= largest_bucket_bytes + shard_bytes:
+        if min_free >= need("device"):
             return TierDecision(
                 "device",
                 f"params on {device.type}; {_gib(min_free)} free >= one bucket and the fp32 "
-                f"shards ({_gib(largest_bucket_bytes + shard_bytes)})",
+                f"shards ({_gib(need('device'))})",
                 min_free,
             )
-        if min_free >= shard_bytes:
+        if min_free >= need("offload"):
             return TierDecision(
                 "offload",
                 f"params on {device.type} but only {_gib(min_free)} free, less than one bucket "
-                f"and the fp32 shards ({_gib(largest_bucket_bytes + shard_bytes)})",
+                f"and the fp32 shards ({_gib(need('device'))})",
                 min_free,
             )
-        raise _too_small(device, min_free, shard_bytes, "the fp32 master and gradient shards")
-    need = total_bytes + shard_bytes
-    if min_free < need:
-        raise _too_small(device, min_free, need, "the flat buffers and fp32 shards")
+        raise _too_small(device, min_free, need("offload"), "the fp32 master and gradient shards")
+    upload = "host" if world_size == 1 else "sharded"
+    if min_free < need(upload):
+        raise _too_small(device, min_free, need(upload), "the flat buffers and fp32 shards")
     if world_size == 1:
         return TierDecision("host", "params in host memory, one rank", min_free)
     return TierDecision(

@@ -1,43 +1,92 @@
-"""``flatten_parameters``: build the flat, sharded buffers bucket by bucket."""
+"""``flatten_parameters``: build the flat, sharded buffers bucket by bucket.
+
+The steps, in order: collect the param groups and plan the layout (``_plan``); agree on
+the setup and choose the tier, every rank together (``_decide``); allocate the fp32
+master shards; flatten each group bucket by bucket (``GroupFlattener``) and copy this
+rank's slices into its master shard.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import closing
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..comm import (
-    all_reduce_max,
-    all_reduce_max_each,
-    check_same_everywhere,
-    rank_of,
-    world_size_of,
-)
+from ..comm import check_same_everywhere, rank_of, world_size_of
 from ..config import FlattenConfig
 from ..control import control_group
 from ..devices import resolve_device
 from ..gcpause import paused_gc
-from ..hostmem import empty_host
 from ..layout import GroupLayout, Layout, plan_layout
-from ..memory import choose_tier, is_oom, next_tier_down
+from ..memory import TierDecision, choose_tier
 from ..params import ParamGroup, collect_param_groups
 from ..report import GroupReport, ReportBuilder
 from ..safetensors_index import SafetensorsCheckpoint
+from .alloc import allocate_masters
 from .buffers import FlatGroup, FlatParams
-from .faults import allocate_bucket
+from .driver import GroupFlattener
+from .registry import chain, spec, tiers_reading
 from .source import CheckpointSource, NoValues, ParamSource, TensorSource
-from .threads import capped_threads, host_threads
-from .tiers import Fill, Tier, TierContext, make_tier
+from .threads import capped_threads
+from .tiers import TierContext
 
 __all__ = ["flatten_parameters"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What ``_plan`` found: the user's groups, the layout, and where values come from.
+
+    Attributes:
+        groups: the param groups as collected.
+        layout: the layout of every (group, dtype).
+        params_on: ``"device"``, ``"host"`` (also a checkpoint) or ``"meta"``.
+        keys: checkpoint key of every trainable param (None without a checkpoint).
+    """
+
+    groups: list[ParamGroup]
+    layout: Layout
+    params_on: str
+    keys: dict[str, str] | None
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """Bytes of the layout's buffers, for the tier decision and the staging rings.
+
+    Attributes:
+        largest_bucket: the largest bucket of any group (bytes).
+        total: all buckets of all groups (bytes).
+        largest_slice: the largest rank slice of any bucket (bytes).
+        shards: one fp32 shard of every group on this rank (bytes).
+        buckets: number of buckets over all groups.
+    """
+
+    largest_bucket: int
+    total: int
+    largest_slice: int
+    shards: int
+    buckets: int
+
+    @classmethod
+    def of(cls, layout: Layout) -> _Sizes:
+        buckets = [(b, getattr(torch, g.dtype).itemsize) for g in layout.groups for b in g.buckets]
+        return cls(
+            largest_bucket=max(b.numel * size for b, size in buckets),
+            total=sum(b.numel * size for b, size in buckets),
+            largest_slice=max(b.slice_numel * size for b, size in buckets),
+            shards=sum(g.shard_numel for g in layout.groups) * 4,
+            buckets=len(buckets),
+        )
 
 
 def _where_params_are(groups: list[ParamGroup]) -> tuple[str, torch.device]:
@@ -84,259 +133,97 @@ def _checkpoint_keys(
     return keys
 
 
-# How far down its fallback chain (device/host/sharded -> offload -> cpu) a bucket went;
-# every chain starts at the tier all ranks agreed on, so the maximum over ranks is the
-# lowest tier any rank reached.
-_TIER_LEVEL = {"device": 0, "host": 0, "sharded": 0, "offload": 1, "cpu": 2}
-_UNFILLED = 3  # a bucket that no tier could allocate
+def _readable_by(config: FlattenConfig, source: str, what: str) -> None:
+    """Raise unless ``config.tier`` can take bucket values from ``source``."""
+    accepted = tiers_reading(source)
+    if config.tier not in accepted:
+        names = ", ".join(repr(t) for t in accepted[:-1]) + f" or {accepted[-1]!r}"
+        raise ValueError(f"FlattenConfig.tier={config.tier!r} {what}; use {names}")
 
 
-class _GroupFlattener:
-    """Flattens the buckets of one group, falling back a tier when memory runs out.
-
-    Every rank must end with each bucket in the same tier (the optimizer's collectives
-    run bucket by bucket, on the bucket's device). A tier whose fill is a collective
-    (``sharded``: the all-gather) agrees with the other ranks on every allocation before
-    filling. The other tiers fill locally, so a rank falls back on its own and the ranks
-    agree once, after the last bucket: a bucket that went lower on any rank goes to that
-    tier everywhere. That saves a round trip per bucket (hundreds on a large model), and
-    out-of-memory stays an exception rather than the rule.
-    """
-
-    def __init__(
-        self,
-        layout: GroupLayout,
-        source: ParamSource,
-        ctx: TierContext,
-        control: dist.ProcessGroup | None,
-        first_ordinal: int,
-        progress: tqdm,
-    ) -> None:
-        self.layout = layout
-        self.source = source
-        self.ctx = ctx
-        self.control = control
-        self.first_ordinal = first_ordinal
-        self.progress = progress
-        self.buffers: list[torch.Tensor | None] = [None] * len(layout.buckets)
-        self.bucket_tiers: list[str] = [""] * len(layout.buckets)
-        self._pending: list[tuple[int, Fill]] = []
-
-    def run(self, tier_name: str) -> None:
-        """Flatten every bucket of the group, starting in tier ``tier_name``.
-
-        Raises:
-            MemoryError: on every rank, when a bucket fits in no tier on some rank.
-        """
-        tier = make_tier(tier_name, self.ctx)
-        tier.begin(self.layout, self.source, range(len(self.layout.buckets)))
-        out_of_memory: MemoryError | None = None
-        for bucket in range(len(self.layout.buckets)):
-            try:
-                tier, buf = self._allocate_agreed(tier, bucket)
-            except MemoryError as error:  # the last tier, on this rank alone
-                out_of_memory = error
-                break
-            self.bucket_tiers[bucket] = tier.name
-            self._pending.append((bucket, tier.fill(self.layout, self.source, bucket, buf)))
-            self._complete(block=False)
-            self.progress.update(1)
-        self._complete(block=True)
-        self._agree_on_tiers(out_of_memory)
-
-    def _allocate_agreed(self, tier: Tier, bucket: int) -> tuple[Tier, torch.Tensor]:
-        """The bucket's buffer, in ``tier`` or, after running out of memory, a lower one.
-
-        A collective tier checks with every rank first: a rank that could not allocate
-        must not leave the others waiting in the fill's all-gather.
-        """
-        tier.prepare(self.layout, self.source, bucket)
-        while True:
-            buf, error = self._allocate(tier, bucket)
-            while buf is None and tier.make_room(self.layout, self.source):
-                buf, error = self._allocate(tier, bucket)
-            if tier.collective:
-                if all_reduce_max(int(error is not None), self.control) == 0:
-                    assert buf is not None
-                    return tier, buf
-            elif buf is not None:
-                return tier, buf
-            tier = self._fall_back(tier, bucket, error)
-
-    def _agree_on_tiers(self, out_of_memory: MemoryError | None) -> None:
-        """Make every rank hold each bucket in the lowest tier any rank used for it.
-
-        Raises:
-            MemoryError: on every rank, when some rank could not allocate a bucket even in
-                the last tier (every parameter still holds its data).
-        """
-        mine = [_TIER_LEVEL.get(t, _UNFILLED) for t in self.bucket_tiers]
-        agreed = all_reduce_max_each(mine, self.control)
-        if out_of_memory is not None:
-            raise out_of_memory
-        if max(agreed) == _UNFILLED:
-            bucket = agreed.index(_UNFILLED)
-            raise self._last_tier_error("on another rank", bucket, "the last tier")
-        followed = [b for b, (m, a) in enumerate(zip(mine, agreed, strict=True)) if a > m]
-        for bucket in followed:
-            # Only the label changes: a GPU's chain ends at offload (on the device, like
-            # device), and host buffers are in host memory whatever their tier.
-            lower = "cpu" if agreed[bucket] == _TIER_LEVEL["cpu"] else "offload"
-            self.bucket_tiers[bucket] = lower
-        if followed:
-            self._warn(
-                f"buckets {followed[0]}..{followed[-1]} of group {self.layout.group_index} "
-                f"({self.layout.dtype}) follow another rank, which ran out of memory, into "
-                f"tier(s) {sorted({self.bucket_tiers[b] for b in followed})}"
+def _plan(
+    params: Any,
+    config: FlattenConfig,
+    world_size: int,
+    checkpoint: SafetensorsCheckpoint | None,
+    key_map: Callable[[str], str] | None,
+    allocate_only: bool,
+) -> _Plan:
+    """Collect the param groups, check where their values come from, plan the layout."""
+    groups = collect_param_groups(params)
+    keys = None
+    if allocate_only:
+        if checkpoint is not None:
+            raise ValueError(
+                "allocate_only=True reads no values but a checkpoint was given; pass one of them"
             )
-
-    def _allocate(
-        self, tier: Tier, bucket: int
-    ) -> tuple[torch.Tensor | None, BaseException | None]:
-        """The bucket's buffer on the tier's device, or the out-of-memory error (on a GPU,
-        after emptying the allocator's cache and trying once more)."""
-        numel = self.layout.buckets[bucket].numel
-        dtype = getattr(torch, self.layout.dtype)
-        ordinal = self.first_ordinal + bucket
-        return allocate_or_oom(
-            lambda: allocate_bucket(
-                numel, dtype, tier.bucket_device, ordinal=ordinal, tier=tier.name
-            ),
-            tier.bucket_device,
-        )
-
-    def _fall_back(self, tier: Tier, bucket: int, error: BaseException | None) -> Tier:
-        """Switch this rank's remaining buckets to the next tier down.
-
-        Raises:
-            MemoryError: ``tier`` is the last one.
-        """
-        self._complete(block=True)
-        lower = next_tier_down(tier.name, self.ctx.device)
-        where = f"on rank {rank_of(self.control)}" if error is not None else "on another rank"
-        if lower is None:
-            last = f"tier {tier.name!r}, the last tier"
-            raise self._last_tier_error(where, bucket, last) from error
-        self._warn(
-            f"out of memory {where} at bucket {bucket} of group {self.layout.group_index} "
-            f"({self.layout.dtype}) in tier {tier.name!r}; buckets {bucket}.. continue in "
-            f"tier {lower!r}"
-        )
-        new_tier = make_tier(lower, self.ctx)
-        new_tier.begin(self.layout, self.source, range(bucket, len(self.layout.buckets)))
-        new_tier.prepare(self.layout, self.source, bucket)
-        return new_tier
-
-    def _last_tier_error(self, where: str, bucket: int, tier_text: str) -> MemoryError:
-        """The error of a bucket that not even the last tier could allocate."""
-        return MemoryError(
-            f"out of memory {where} at bucket {bucket} of group {self.layout.group_index} "
-            f"({self.layout.dtype}) in {tier_text}; every parameter still holds its data. "
-            "Free memory, use more ranks, or a smaller bucket_numel"
-            + (
-                ""
-                if self.ctx.device.type == "cpu"
-                else " (on a GPU the buffers never fall back to host memory: the optimizer needs "
-                "every bucket on the device)"
-            )
-        )
-
-    def _warn(self, message: str) -> None:
-        """Log a fallback and record it in the init report."""
-        logger.warning("%s", message)
-        self.ctx.report.events.append(message)
-
-    def _complete(self, *, block: bool) -> None:
-        """Rebind the params of every bucket whose copy has finished."""
-        still = []
-        for bucket, fill in self._pending:
-            if block or fill.ready():
-                fill.wait()
-                self._rebind(bucket, fill.buffer)
-            else:
-                still.append((bucket, fill))
-        self._pending = still
-
-    def _rebind(self, bucket: int, buf: torch.Tensor) -> None:
-        self.source.rebind_bucket(bucket, buf)
-        self.buffers[bucket] = buf
+        _readable_by(config, "nothing", "has nothing to stage with allocate_only=True")
+        params_on = "device"  # nothing is read: buckets go straight to the target
+    elif checkpoint is None:
+        params_on, _ = _where_params_are(groups)
+    else:
+        _readable_by(config, "checkpoint", "cannot read from a checkpoint")
+        keys = _checkpoint_keys(groups, checkpoint, key_map)
+        params_on = "host"
+    specs = [g.specs() for g in groups]
+    if config.dtype is not None:  # cast while copying into the buckets
+        specs = [[dataclasses.replace(s, dtype=config.dtype) for s in g] for g in specs]
+    layout = plan_layout(
+        specs, world_size=world_size, bucket_numel=config.bucket_numel, alignment=config.alignment
+    )
+    return _Plan(groups, layout, params_on, keys)
 
 
-def allocate_or_oom(
-    allocate: Callable[[], torch.Tensor], device: torch.device
-) -> tuple[torch.Tensor | None, BaseException | None]:
-    """``allocate()``, or ``(None, error)`` when memory runs out; on a GPU the caching
-    allocator's unused blocks are released and the allocation tried once more first."""
-    for attempt in (0, 1):
-        try:
-            return allocate(), None
-        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as error:
-            if not is_oom(error):
-                raise
-            if attempt or device.type != "cuda":
-                return None, error
-            torch.cuda.empty_cache()
-    raise AssertionError("unreachable")
-
-
-def allocate_agreed(
-    makers: Sequence[Callable[[], torch.Tensor]],
+def _decide(
+    plan: _Plan,
+    config: FlattenConfig,
     device: torch.device,
     control: dist.ProcessGroup | None,
     *,
-    what: str,
-    nbytes: int,
-    after: str,
-) -> list[torch.Tensor]:
-    """``[make() for make in makers]`` on every rank, or a ``MemoryError`` on every rank.
-
-    Every rank tries its allocations, then all agree on the control group: one rank out of
-    memory must not leave the others waiting in their next collective.
-
-    Args:
-        makers: allocations on ``device``, in order.
-        device: where they go (for the message, and the cache retry on a GPU).
-        control: the group that agrees.
-        what: what is allocated, for the message ("the fp32 master shards").
-        nbytes: bytes per rank of all of it, for the message.
-        after: what holds when it fails, for the message ("nothing was changed").
-    """
-    made: list[torch.Tensor] = []
-    error: BaseException | None = None
-    for make in makers:
-        tensor, error = allocate_or_oom(make, device)
-        if tensor is None:
-            break
-        made.append(tensor)
-    if all_reduce_max(int(error is not None), control) == 0:
-        return made
-    made.clear()
-    where = f"on rank {rank_of(control)}" if error is not None else "on another rank"
-    raise MemoryError(
-        f"out of memory {where} allocating {what} ({nbytes / 2**30:.2f} GiB per rank on "
-        f"{device.type}); {after}. Use more ranks (shards shrink with them) or free memory"
-    ) from error
-
-
-def _allocate_masters(
-    layout: Layout, device: torch.device, control: dist.ProcessGroup | None
-) -> list[torch.Tensor]:
-    """This rank's empty fp32 master shard of every group, on ``device``, allocated
-    before any bucket so that running out of memory here changes nothing."""
-    return allocate_agreed(
-        [lambda g=g: _empty(g.shard_numel, torch.float32, device) for g in layout.groups],
-        device,
-        control,
-        what="the fp32 master shards",
-        nbytes=sum(g.shard_numel for g in layout.groups) * 4,
-        after="nothing was changed",
+    world_size: int,
+    shards_per_group: int,
+) -> TierDecision:
+    """Check every rank has the same setup, then choose the tier together."""
+    layout = plan.layout
+    if world_size_of(control) > 1:  # the digest hashes every param's entry: skip it alone
+        check_same_everywhere(
+            "the flatten setup",
+            {
+                "params": f"{layout.num_params} params, {layout.param_numel} elements",
+                "layout digest": layout.digest(),
+                "FlattenConfig": config.compared_text(),
+                "buffer device type": device.type,
+            },
+            control,
+        )
+    sizes = _Sizes.of(layout)
+    return choose_tier(
+        config.tier,
+        params_on=plan.params_on,
+        device=device,
+        world_size=world_size,
+        largest_bucket_bytes=sizes.largest_bucket,
+        total_bytes=sizes.total,
+        shard_bytes=sizes.shards * shards_per_group,
+        group=control,
     )
 
 
-def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return empty_host(numel, dtype)
-    return torch.empty(numel, dtype=dtype, device=device)
+def _source(
+    gl: GroupLayout,
+    slot_params: tuple[torch.nn.Parameter, ...],
+    plan: _Plan,
+    checkpoint: SafetensorsCheckpoint | None,
+    allocate_only: bool,
+) -> ParamSource:
+    """Where the group's bucket values come from."""
+    if allocate_only:
+        return NoValues(gl, slot_params)
+    if checkpoint is None:
+        return TensorSource(gl, slot_params)
+    assert plan.keys is not None
+    slot_keys = [plan.keys[slot.spec.name] for slot in gl.slots]
+    return CheckpointSource(gl, slot_params, checkpoint, slot_keys)
 
 
 def _copy_master(group: FlatGroup, report: ReportBuilder) -> None:
@@ -348,6 +235,63 @@ def _copy_master(group: FlatGroup, report: ReportBuilder) -> None:
     torch._foreach_copy_(dsts, srcs)
     kind = "host_copy" if master.device.type == "cpu" else "device_copy"
     report.moved(kind, sum(s.nbytes for s in srcs))
+
+
+def _group_report(flat: FlatGroup, tier: str, bucket_tiers: list[str]) -> GroupReport:
+    gl = flat.layout
+    devices = {str(b.device) for b in flat.buckets}
+    return GroupReport(
+        group_index=gl.group_index,
+        dtype=gl.dtype,
+        tier=tier,
+        bucket_tiers=tuple(bucket_tiers),
+        params=len(gl.slots),
+        elements=gl.param_numel,
+        padding=gl.padding_numel,
+        buckets=len(gl.buckets),
+        device=devices.pop() if len(devices) == 1 else "mixed",
+    )
+
+
+def _flatten_groups(
+    plan: _Plan,
+    decision: TierDecision,
+    masters: list[torch.Tensor | None],
+    ctx: TierContext,
+    control: dist.ProcessGroup | None,
+    progress: tqdm,
+    *,
+    checkpoint: SafetensorsCheckpoint | None,
+    allocate_only: bool,
+) -> tuple[list[FlatGroup], list[GroupReport]]:
+    """Flatten every group bucket by bucket; copy this rank's slices into its masters."""
+    flat_groups: list[FlatGroup] = []
+    reports: list[GroupReport] = []
+    ordinal = 0
+    for gl, master in zip(plan.layout.groups, masters, strict=True):
+        user_group = plan.groups[gl.group_index]
+        by_name = dict(zip(user_group.names, user_group.params, strict=True))
+        slot_params = tuple(by_name[s.spec.name] for s in gl.slots)
+        source = _source(gl, slot_params, plan, checkpoint, allocate_only)
+        flattener = GroupFlattener(gl, source, ctx, control, ordinal, progress)
+        with ctx.report.phase("flatten"):
+            flattener.run(decision.tier)
+        ordinal += len(gl.buckets)
+        flat = FlatGroup(
+            layout=gl,
+            names=tuple(s.spec.name for s in gl.slots),
+            params=slot_params,
+            buckets=flattener.buffers,  # type: ignore[arg-type]
+            options=dict(user_group.options),
+            master=master,
+            rank=ctx.rank,
+        )
+        if master is not None and not allocate_only:
+            with ctx.report.phase("master"):
+                _copy_master(flat, ctx.report)
+        flat_groups.append(flat)
+        reports.append(_group_report(flat, decision.tier, flattener.bucket_tiers))
+    return flat_groups, reports
 
 
 @paused_gc()
@@ -404,88 +348,36 @@ def flatten_parameters(
     """
     config = config or FlattenConfig()
     rank, ws = rank_of(process_group), world_size_of(process_group)
-    deciders = process_group if agreement_group is None else agreement_group
-    if reserve_grad_shards is None:
-        reserve_grad_shards = config.build_master
     if world_size is not None and world_size != ws:
         raise ValueError(
             f"world_size={world_size} was given but the process group has {ws} ranks; "
             "launch with the matching number of processes or drop the world_size argument"
         )
+    if reserve_grad_shards is None:
+        reserve_grad_shards = config.build_master
     device = resolve_device(config.device, process_group)
     report = ReportBuilder(rank, ws, device)
-
     with report.phase("plan"):
-        groups = collect_param_groups(params)
-        if allocate_only:
-            params_on = "device"  # nothing is read: buckets go straight to the target
-            if checkpoint is not None:
-                raise ValueError(
-                    "allocate_only=True reads no values but a checkpoint was given; "
-                    "pass one of them"
-                )
-            if config.tier not in ("auto", "device", "cpu"):
-                raise ValueError(
-                    f"FlattenConfig.tier={config.tier!r} has nothing to stage with "
-                    "allocate_only=True; use 'auto', 'device' or 'cpu'"
-                )
-        elif checkpoint is None:
-            params_on, _ = _where_params_are(groups)
-        else:
-            keys = _checkpoint_keys(groups, checkpoint, key_map)
-            params_on = "host"
-            if config.tier in ("device", "offload"):
-                raise ValueError(
-                    f"FlattenConfig.tier={config.tier!r} cannot read from a checkpoint; "
-                    "use 'auto', 'sharded', 'host' or 'cpu'"
-                )
-        specs = [g.specs() for g in groups]
-        if config.dtype is not None:  # cast while copying into the buckets
-            specs = [[dataclasses.replace(s, dtype=config.dtype) for s in g] for g in specs]
-        layout = plan_layout(
-            specs,
-            world_size=ws,
-            bucket_numel=config.bucket_numel,
-            alignment=config.alignment,
-        )
+        plan = _plan(params, config, ws, checkpoint, key_map, allocate_only)
 
     with report.phase("sync"):
         # Every agreement runs on the gloo control group: no control tensor on a GPU.
-        control = control_group(deciders)
-        if world_size_of(deciders) > 1:  # the digest hashes every param's entry: skip it alone
-            check_same_everywhere(
-                "the flatten setup",
-                {
-                    "params": f"{layout.num_params} params, {layout.param_numel} elements",
-                    "layout digest": layout.digest(),
-                    "FlattenConfig": config.compared_text(),
-                    "buffer device type": device.type,
-                },
-                control,
-            )
-        bucket_bytes = [
-            b.numel * getattr(torch, g.dtype).itemsize for g in layout.groups for b in g.buckets
-        ]
-        slice_bytes = [
-            b.slice_numel * getattr(torch, g.dtype).itemsize
-            for g in layout.groups
-            for b in g.buckets
-        ]
-        shard_bytes = sum(g.shard_numel for g in layout.groups) * 4
-        shards_per_group = int(config.build_master) + int(reserve_grad_shards)
-        decision = choose_tier(
-            config.tier,
-            params_on=params_on,
-            device=device,
+        control = control_group(process_group if agreement_group is None else agreement_group)
+        decision = _decide(
+            plan,
+            config,
+            device,
+            control,
             world_size=ws,
-            largest_bucket_bytes=max(bucket_bytes),
-            total_bytes=sum(bucket_bytes),
-            shard_bytes=shard_bytes * shards_per_group,
-            group=control,
+            shards_per_group=int(config.build_master) + int(reserve_grad_shards),
         )
-        master_device = torch.device("cpu") if decision.tier == "cpu" else device
-        masters = _allocate_masters(layout, master_device, control) if config.build_master else []
+        # Before the first bucket, so that running out of memory here changes nothing.
+        master_device = torch.device("cpu") if spec(decision.tier).buffers_on_host else device
+        masters: list[torch.Tensor | None] = [None] * len(plan.layout.groups)
+        if config.build_master:
+            masters = list(allocate_masters(plan.layout, master_device, control))
 
+    sizes = _Sizes.of(plan.layout)
     ctx = TierContext(
         device=device,
         rank=rank,
@@ -493,76 +385,39 @@ def flatten_parameters(
         group=process_group,
         report=report,
         staging_slots=config.staging_buffers,
-        largest_bucket_bytes=max(bucket_bytes),
-        largest_slice_bytes=max(slice_bytes),
+        largest_bucket_bytes=sizes.largest_bucket,
+        largest_slice_bytes=sizes.largest_slice,
     )
-    flat_groups: list[FlatGroup] = []
-    group_reports: list[GroupReport] = []
     progress = tqdm(
-        total=len(bucket_bytes),
+        total=sizes.buckets,
         desc="flatzero init",
         unit="bucket",
         disable=not config.progress or rank != 0,
         delay=2.0,
     )
-    with capped_threads(host_threads(config)), progress, closing(ctx):
-        ordinal = 0
-        for gl in layout.groups:
-            user_group = groups[gl.group_index]
-            by_name = dict(zip(user_group.names, user_group.params, strict=True))
-            slot_params = tuple(by_name[s.spec.name] for s in gl.slots)
-            source: ParamSource
-            if allocate_only:
-                source = NoValues(gl, slot_params)
-            elif checkpoint is None:
-                source = TensorSource(gl, slot_params)
-            else:
-                slot_keys = [keys[slot.spec.name] for slot in gl.slots]
-                source = CheckpointSource(gl, slot_params, checkpoint, slot_keys)
-            flattener = _GroupFlattener(gl, source, ctx, control, ordinal, progress)
-            with report.phase("flatten"):
-                flattener.run(decision.tier)
-            ordinal += len(gl.buckets)
-            flat = FlatGroup(
-                layout=gl,
-                names=tuple(s.spec.name for s in gl.slots),
-                params=slot_params,
-                buckets=flattener.buffers,  # type: ignore[arg-type]
-                options=dict(user_group.options),
-                master=None,
-                rank=rank,
-            )
-            if config.build_master:
-                flat.master = masters[len(flat_groups)]
-                if not allocate_only:
-                    with report.phase("master"):
-                        _copy_master(flat, report)
-            devices = {str(b.device) for b in flat.buckets}
-            flat_groups.append(flat)
-            group_reports.append(
-                GroupReport(
-                    group_index=gl.group_index,
-                    dtype=gl.dtype,
-                    tier=decision.tier,
-                    bucket_tiers=tuple(flattener.bucket_tiers),
-                    params=len(gl.slots),
-                    elements=gl.param_numel,
-                    padding=gl.padding_numel,
-                    buckets=len(gl.buckets),
-                    device=devices.pop() if len(devices) == 1 else "mixed",
-                )
-            )
+    threads = max(spec(t).threads(config) for t in chain(decision.tier, device))
+    with capped_threads(threads), progress, closing(ctx):
+        flat_groups, group_reports = _flatten_groups(
+            plan,
+            decision,
+            masters,
+            ctx,
+            control,
+            progress,
+            checkpoint=checkpoint,
+            allocate_only=allocate_only,
+        )
 
     init_report = report.build(decision.reason, group_reports)
     if rank == 0:
         logger.info("%s", init_report.summary())
     return FlatParams(
-        layout=layout,
+        layout=plan.layout,
         groups=flat_groups,
         report=init_report,
         process_group=process_group,
         rank=rank,
         world_size=ws,
-        frozen=[p for g in groups for p in g.frozen],
+        frozen=[p for g in plan.groups for p in g.frozen],
         agreement_group=agreement_group,
     )

@@ -41,7 +41,6 @@ __all__ = [
     "TierContext",
     "chunks",
     "copy_kind",
-    "make_tier",
     "staging_slot_bytes",
 ]
 
@@ -217,15 +216,18 @@ def _zero_gaps(layout: GroupLayout, bucket: int, dest: torch.Tensor, lo: int, hi
 
 
 class DirectTier:
-    """``device`` and ``cpu``: copy every param of the bucket straight into it."""
+    """``device`` and ``cpu``: copy every param of the bucket straight into it.
 
-    collective = False
-    """Whether ``fill`` runs a collective (every rank must fill the same bucket)."""
+    Args:
+        name: the tier's name.
+        ctx: the flatten call's shared state.
+        on_host: the buckets go to host memory whatever the target device (``cpu``).
+    """
 
-    def __init__(self, name: str, ctx: TierContext) -> None:
+    def __init__(self, name: str, ctx: TierContext, *, on_host: bool) -> None:
         self.name = name
         self.ctx = ctx
-        self.bucket_device = ctx.device if name == "device" else torch.device("cpu")
+        self.bucket_device = torch.device("cpu") if on_host else ctx.device
 
     def begin(self, layout: GroupLayout, source: ParamSource, buckets: range) -> None:
         """Nothing to prepare."""
@@ -252,16 +254,18 @@ class UploadTier:
     ``sharded`` uploads only this rank's slice of each bucket and all-gathers the rest,
     so each rank moves 1/N of the model over PCIe; ``host`` uploads whole buckets. A range
     larger than a staging slot is streamed through the ring chunk by chunk.
+
+    Args:
+        name: the tier's name.
+        ctx: the flatten call's shared state.
+        own_slice: upload only this rank's slice and all-gather the rest (``sharded``).
     """
 
-    collective = False
-
-    def __init__(self, name: str, ctx: TierContext) -> None:
+    def __init__(self, name: str, ctx: TierContext, *, own_slice: bool) -> None:
         self.name = name
         self.ctx = ctx
         self.bucket_device = ctx.device
-        self.own_slice = name == "sharded" and ctx.world_size > 1
-        self.collective = self.own_slice  # the all-gather of the other ranks' slices
+        self.own_slice = own_slice
 
     def begin(self, layout: GroupLayout, source: ParamSource, buckets: range) -> None:
         """Nothing to prepare."""
@@ -327,8 +331,7 @@ class OffloadTier(UploadTier):
     """
 
     def __init__(self, name: str, ctx: TierContext) -> None:
-        super().__init__("host", ctx)
-        self.name = name
+        super().__init__(name, ctx, own_slice=False)
         self._moved: set[int] = set()
         self._ahead: list[int] = []
 
@@ -365,14 +368,3 @@ class OffloadTier(UploadTier):
 
 Tier = DirectTier | UploadTier | OffloadTier
 """Any tier object."""
-
-
-def make_tier(name: str, ctx: TierContext) -> Tier:
-    """The tier object for ``name``."""
-    if name in ("device", "cpu"):
-        return DirectTier(name, ctx)
-    if name in ("host", "sharded"):
-        return UploadTier(name, ctx)
-    if name == "offload":
-        return OffloadTier(name, ctx)
-    raise ValueError(f"unknown tier {name!r}")

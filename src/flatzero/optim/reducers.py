@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from ..comm import rank_of, reduce_scatter_into, world_size_of
 from ..control import control_group
 from ..devices import collective_device
-from ..flatten.api import allocate_agreed
+from ..flatten.alloc import allocate_agreed
 from ..flatten.buffers import FlatParams
 from .buckets import BucketState, InFlight, StagingPool, bucket_states, empty_buffer
 from .config import ZeroConfig

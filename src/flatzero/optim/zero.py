@@ -32,7 +32,7 @@ from ..config import FlattenConfig
 from ..control import control_group
 from ..devices import backend_of, buckets_may_use_cuda, collectives_run_on_cpu
 from ..flatten import FlatParams, flatten_parameters
-from ..flatten.api import allocate_agreed
+from ..flatten.alloc import allocate_agreed
 from ..gcpause import paused_gc
 from ..layout import GroupLayout
 from .buckets import empty_buffer

@@ -1,0 +1,93 @@
+"""Allocations every rank makes or fails together: out of memory is agreed, never a hang."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..comm import all_reduce_max, rank_of
+from ..hostmem import empty_host
+from ..layout import Layout
+from ..memory import is_oom
+
+__all__ = ["allocate_agreed", "allocate_masters", "allocate_or_oom", "empty"]
+
+
+def allocate_or_oom(
+    allocate: Callable[[], torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor | None, BaseException | None]:
+    """``allocate()``, or ``(None, error)`` when memory runs out; on a GPU the caching
+    allocator's unused blocks are released and the allocation tried once more first."""
+    for attempt in (0, 1):
+        try:
+            return allocate(), None
+        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as error:
+            if not is_oom(error):
+                raise
+            if attempt or device.type != "cuda":
+                return None, error
+            torch.cuda.empty_cache()
+    raise AssertionError("unreachable")
+
+
+def allocate_agreed(
+    makers: Sequence[Callable[[], torch.Tensor]],
+    device: torch.device,
+    control: dist.ProcessGroup | None,
+    *,
+    what: str,
+    nbytes: int,
+    after: str,
+) -> list[torch.Tensor]:
+    """``[make() for make in makers]`` on every rank, or a ``MemoryError`` on every rank.
+
+    Every rank tries its allocations, then all agree on the control group: one rank out of
+    memory must not leave the others waiting in their next collective.
+
+    Args:
+        makers: allocations on ``device``, in order.
+        device: where they go (for the message, and the cache retry on a GPU).
+        control: the group that agrees.
+        what: what is allocated, for the message ("the fp32 master shards").
+        nbytes: bytes per rank of all of it, for the message.
+        after: what holds when it fails, for the message ("nothing was changed").
+    """
+    made: list[torch.Tensor] = []
+    error: BaseException | None = None
+    for make in makers:
+        tensor, error = allocate_or_oom(make, device)
+        if tensor is None:
+            break
+        made.append(tensor)
+    if all_reduce_max(int(error is not None), control) == 0:
+        return made
+    made.clear()
+    where = f"on rank {rank_of(control)}" if error is not None else "on another rank"
+    raise MemoryError(
+        f"out of memory {where} allocating {what} ({nbytes / 2**30:.2f} GiB per rank on "
+        f"{device.type}); {after}. Use more ranks (shards shrink with them) or free memory"
+    ) from error
+
+
+def allocate_masters(
+    layout: Layout, device: torch.device, control: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
+    """This rank's empty fp32 master shard of every group, on ``device``, allocated
+    before any bucket so that running out of memory here changes nothing."""
+    return allocate_agreed(
+        [lambda g=g: empty(g.shard_numel, torch.float32, device) for g in layout.groups],
+        device,
+        control,
+        what="the fp32 master shards",
+        nbytes=sum(g.shard_numel for g in layout.groups) * 4,
+        after="nothing was changed",
+    )
+
+
+def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized 1-D tensor on ``device`` (host memory via ``empty_host``)."""
+    if device.type == "cpu":
+        return empty_host(numel, dtype)
+    return torch.empty(numel, dtype=dtype, device=device)

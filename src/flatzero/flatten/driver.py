@@ -1,0 +1,202 @@
+"""The bucket loop of one param group: allocate, agree, fill, rebind, fall back."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from ..comm import all_reduce_max, all_reduce_max_each, rank_of
+from ..layout import GroupLayout
+from .alloc import allocate_or_oom
+from .faults import allocate_bucket
+from .registry import REGISTRY, chain, make_tier, next_tier_down, spec
+from .source import ParamSource
+from .tiers import Fill, Tier, TierContext
+
+__all__ = ["GroupFlattener"]
+
+logger = logging.getLogger(__name__)
+
+
+_UNFILLED = 1 + max(s.level for s in REGISTRY.values())
+"""The level of a bucket that no tier could allocate, below every tier."""
+
+
+class GroupFlattener:
+    """Flattens the buckets of one group, falling back a tier when memory runs out.
+
+    Every rank must end with each bucket in the same tier (the optimizer's collectives
+    run bucket by bucket, on the bucket's device). A tier whose fill is a collective
+    (``sharded``: the all-gather) agrees with the other ranks on every allocation before
+    filling. The other tiers fill locally, so a rank falls back on its own and the ranks
+    agree once, after the last bucket: a bucket that went lower on any rank goes to that
+    tier everywhere. That saves a round trip per bucket (hundreds on a large model), and
+    out-of-memory stays an exception rather than the rule.
+
+    A bucket's tier is compared across ranks by its registry ``level``: every chain starts
+    at the tier all ranks agreed on, so the highest level over ranks is the lowest tier
+    any rank reached.
+    """
+
+    def __init__(
+        self,
+        layout: GroupLayout,
+        source: ParamSource,
+        ctx: TierContext,
+        control: dist.ProcessGroup | None,
+        first_ordinal: int,
+        progress: tqdm,
+    ) -> None:
+        self.layout = layout
+        self.source = source
+        self.ctx = ctx
+        self.control = control
+        self.first_ordinal = first_ordinal
+        self.progress = progress
+        self.buffers: list[torch.Tensor | None] = [None] * len(layout.buckets)
+        self.bucket_tiers: list[str] = [""] * len(layout.buckets)
+        self._pending: list[tuple[int, Fill]] = []
+        self._chain: tuple[str, ...] = ()
+
+    def run(self, tier_name: str) -> None:
+        """Flatten every bucket of the group, starting in tier ``tier_name``.
+
+        Raises:
+            MemoryError: on every rank, when a bucket fits in no tier on some rank.
+        """
+        self._chain = chain(tier_name, self.ctx.device)
+        tier = make_tier(tier_name, self.ctx)
+        tier.begin(self.layout, self.source, range(len(self.layout.buckets)))
+        out_of_memory: MemoryError | None = None
+        for bucket in range(len(self.layout.buckets)):
+            try:
+                tier, buf = self._allocate_agreed(tier, bucket)
+            except MemoryError as error:  # the last tier, on this rank alone
+                out_of_memory = error
+                break
+            self.bucket_tiers[bucket] = tier.name
+            self._pending.append((bucket, tier.fill(self.layout, self.source, bucket, buf)))
+            self._complete(block=False)
+            self.progress.update(1)
+        self._complete(block=True)
+        self._agree_on_tiers(out_of_memory)
+
+    def _allocate_agreed(self, tier: Tier, bucket: int) -> tuple[Tier, torch.Tensor]:
+        """The bucket's buffer, in ``tier`` or, after running out of memory, a lower one.
+
+        A collective tier checks with every rank first: a rank that could not allocate
+        must not leave the others waiting in the fill's all-gather.
+        """
+        tier.prepare(self.layout, self.source, bucket)
+        while True:
+            buf, error = self._allocate(tier, bucket)
+            while buf is None and tier.make_room(self.layout, self.source):
+                buf, error = self._allocate(tier, bucket)
+            if spec(tier.name).fill_is_collective(self.ctx.world_size):
+                if all_reduce_max(int(error is not None), self.control) == 0:
+                    assert buf is not None
+                    return tier, buf
+            elif buf is not None:
+                return tier, buf
+            tier = self._fall_back(tier, bucket, error)
+
+    def _agree_on_tiers(self, out_of_memory: MemoryError | None) -> None:
+        """Make every rank hold each bucket in the lowest tier any rank used for it.
+
+        Raises:
+            MemoryError: on every rank, when some rank could not allocate a bucket even in
+                the last tier (every parameter still holds its data).
+        """
+        mine = [spec(t).level if t else _UNFILLED for t in self.bucket_tiers]
+        agreed = all_reduce_max_each(mine, self.control)
+        if out_of_memory is not None:
+            raise out_of_memory
+        if max(agreed) == _UNFILLED:
+            bucket = agreed.index(_UNFILLED)
+            raise self._last_tier_error("on another rank", bucket, "the last tier")
+        followed = [b for b, (m, a) in enumerate(zip(mine, agreed, strict=True)) if a > m]
+        by_level = {spec(t).level: t for t in self._chain}
+        for bucket in followed:
+            # Only the label changes: a GPU's chain ends at offload (on the device, like
+            # device), and host buffers are in host memory whatever their tier.
+            self.bucket_tiers[bucket] = by_level[agreed[bucket]]
+        if followed:
+            self._warn(
+                f"buckets {followed[0]}..{followed[-1]} of group {self.layout.group_index} "
+                f"({self.layout.dtype}) follow another rank, which ran out of memory, into "
+                f"tier(s) {sorted({self.bucket_tiers[b] for b in followed})}"
+            )
+
+    def _allocate(
+        self, tier: Tier, bucket: int
+    ) -> tuple[torch.Tensor | None, BaseException | None]:
+        """The bucket's buffer on the tier's device, or the out-of-memory error (on a GPU,
+        after emptying the allocator's cache and trying once more)."""
+        numel = self.layout.buckets[bucket].numel
+        dtype = getattr(torch, self.layout.dtype)
+        ordinal = self.first_ordinal + bucket
+        return allocate_or_oom(
+            lambda: allocate_bucket(
+                numel, dtype, tier.bucket_device, ordinal=ordinal, tier=tier.name
+            ),
+            tier.bucket_device,
+        )
+
+    def _fall_back(self, tier: Tier, bucket: int, error: BaseException | None) -> Tier:
+        """Switch this rank's remaining buckets to the next tier down.
+
+        Raises:
+            MemoryError: ``tier`` is the last one.
+        """
+        self._complete(block=True)
+        lower = next_tier_down(tier.name, self.ctx.device)
+        where = f"on rank {rank_of(self.control)}" if error is not None else "on another rank"
+        if lower is None:
+            last = f"tier {tier.name!r}, the last tier"
+            raise self._last_tier_error(where, bucket, last) from error
+        self._warn(
+            f"out of memory {where} at bucket {bucket} of group {self.layout.group_index} "
+            f"({self.layout.dtype}) in tier {tier.name!r}; buckets {bucket}.. continue in "
+            f"tier {lower!r}"
+        )
+        new_tier = make_tier(lower, self.ctx)
+        new_tier.begin(self.layout, self.source, range(bucket, len(self.layout.buckets)))
+        new_tier.prepare(self.layout, self.source, bucket)
+        return new_tier
+
+    def _last_tier_error(self, where: str, bucket: int, tier_text: str) -> MemoryError:
+        """The error of a bucket that not even the last tier could allocate."""
+        return MemoryError(
+            f"out of memory {where} at bucket {bucket} of group {self.layout.group_index} "
+            f"({self.layout.dtype}) in {tier_text}; every parameter still holds its data. "
+            "Free memory, use more ranks, or a smaller bucket_numel"
+            + (
+                ""
+                if self.ctx.device.type == "cpu"
+                else " (on a GPU the buffers never fall back to host memory: the optimizer needs "
+                "every bucket on the device)"
+            )
+        )
+
+    def _warn(self, message: str) -> None:
+        """Log a fallback and record it in the init report."""
+        logger.warning("%s", message)
+        self.ctx.report.events.append(message)
+
+    def _complete(self, *, block: bool) -> None:
+        """Rebind the params of every bucket whose copy has finished."""
+        still = []
+        for bucket, fill in self._pending:
+            if block or fill.ready():
+                fill.wait()
+                self._rebind(bucket, fill.buffer)
+            else:
+                still.append((bucket, fill))
+        self._pending = still
+
+    def _rebind(self, bucket: int, buf: torch.Tensor) -> None:
+        self.source.rebind_bucket(bucket, buf)
+        self.buffers[bucket] = buf

@@ -1,0 +1,217 @@
+"""The flatten tiers, declared once.
+
+Each tier is one ``TierSpec``: how it is built, what it can read, where its buffers
+live, how much accelerator memory it needs, whether its fill is a collective, where it
+goes when memory runs out, and how many host threads it may use. Everything that asks a
+question about tiers (``FlattenConfig`` validation, ``memory.choose_tier``, the
+fallback driver in ``flatten.api``, the DeepSpeed door, the planner) reads it here.
+Adding a tier is one entry in ``REGISTRY`` plus its class in ``flatten.tiers``.
+
+Fallback chains (out of memory moves the remaining buckets one step down)::
+
+    buffers in host memory:  device -> offload -> cpu;  host -> cpu;  sharded -> cpu
+    buffers on a GPU:        device -> offload  (then MemoryError on every rank)
+
+On a GPU the chain never ends in host memory: the optimizer needs every bucket on the
+device, so the other tiers end their chain there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .threads import host_threads
+from .tiers import DirectTier, OffloadTier, Tier, TierContext, UploadTier
+
+if TYPE_CHECKING:
+    from ..config import FlattenConfig
+
+__all__ = [
+    "REGISTRY",
+    "SOURCES",
+    "TIERS",
+    "TierSpec",
+    "chain",
+    "make_tier",
+    "next_tier_down",
+    "spec",
+    "tiers_reading",
+]
+
+SOURCES = ("params", "checkpoint", "nothing")
+"""Where a tier may take bucket values from: the params themselves, a safetensors
+checkpoint, or nothing at all (``allocate_only``: buffers are allocated, not filled)."""
+
+
+def _peak_one_bucket(largest_bucket: int, total: int, shards: int) -> int:
+    """The params already occupy the device: buckets replace them one at a time."""
+    return largest_bucket + shards
+
+
+def _peak_shards_only(largest_bucket: int, total: int, shards: int) -> int:
+    """Each bucket's params leave the device before the bucket is allocated."""
+    return shards
+
+
+def _peak_all_buckets(largest_bucket: int, total: int, shards: int) -> int:
+    """The params are elsewhere: every bucket is new memory on the device."""
+    return total + shards
+
+
+def _peak_nothing(largest_bucket: int, total: int, shards: int) -> int:
+    """Buffers and shards live in host memory."""
+    return 0
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One flatten tier.
+
+    Attributes:
+        name: the tier's name (``FlattenConfig.tier``).
+        level: how far down a fallback chain the tier sits (0: a starting tier); a
+            tier's fallback has a higher level. Ranks agree on a bucket's tier by taking
+            the highest level any rank reached.
+        fallback_on_host: the next tier down when buffers are in host memory (None: last).
+        fallback_on_cuda: the next tier down when buffers are on a GPU (None: last).
+        collective_fill: the fill all-gathers across the ranks at world size > 1, so
+            every rank must allocate each bucket before any rank fills it.
+        sources: what the tier may read bucket values from (see ``SOURCES``).
+        buffers_on_host: the buckets live in host memory whatever the target device.
+        threads: intra-op host threads the tier may use per rank, from the config.
+        peak_device_bytes: ``(largest_bucket, total_buckets, shards) -> bytes`` of free
+            accelerator memory the tier needs on each rank (all arguments in bytes).
+        build: ``TierContext -> Tier``: the tier object of one flatten call.
+    """
+
+    name: str
+    level: int
+    fallback_on_host: str | None
+    fallback_on_cuda: str | None
+    collective_fill: bool
+    sources: frozenset[str]
+    buffers_on_host: bool
+    threads: Callable[[FlattenConfig], int]
+    peak_device_bytes: Callable[[int, int, int], int]
+    build: Callable[[TierContext], Tier]
+
+    def fallback(self, device: torch.device) -> str | None:
+        """The next tier down for buffers on ``device``."""
+        return self.fallback_on_cuda if device.type == "cuda" else self.fallback_on_host
+
+    def fill_is_collective(self, world_size: int) -> bool:
+        """Whether every rank takes part in each bucket's fill."""
+        return self.collective_fill and world_size > 1
+
+
+REGISTRY: dict[str, TierSpec] = {
+    spec.name: spec
+    for spec in (
+        TierSpec(
+            name="device",
+            level=0,
+            fallback_on_host="offload",
+            fallback_on_cuda="offload",
+            collective_fill=False,
+            sources=frozenset({"params", "nothing"}),
+            buffers_on_host=False,
+            threads=host_threads,
+            peak_device_bytes=_peak_one_bucket,
+            build=lambda ctx: DirectTier("device", ctx, on_host=False),
+        ),
+        TierSpec(
+            name="host",
+            level=0,
+            fallback_on_host="cpu",
+            fallback_on_cuda=None,
+            collective_fill=False,
+            sources=frozenset({"params", "checkpoint"}),
+            buffers_on_host=False,
+            threads=host_threads,
+            peak_device_bytes=_peak_all_buckets,
+            build=lambda ctx: UploadTier("host", ctx, own_slice=False),
+        ),
+        TierSpec(
+            name="sharded",
+            level=0,
+            fallback_on_host="cpu",
+            fallback_on_cuda=None,
+            collective_fill=True,
+            sources=frozenset({"params", "checkpoint"}),
+            buffers_on_host=False,
+            threads=host_threads,
+            peak_device_bytes=_peak_all_buckets,
+            build=lambda ctx: UploadTier("sharded", ctx, own_slice=ctx.world_size > 1),
+        ),
+        TierSpec(
+            name="offload",
+            level=1,
+            fallback_on_host="cpu",
+            fallback_on_cuda=None,
+            collective_fill=False,
+            sources=frozenset({"params"}),
+            buffers_on_host=False,
+            threads=host_threads,
+            peak_device_bytes=_peak_shards_only,
+            build=lambda ctx: OffloadTier("offload", ctx),
+        ),
+        TierSpec(
+            name="cpu",
+            level=2,
+            fallback_on_host=None,
+            fallback_on_cuda=None,
+            collective_fill=False,
+            sources=frozenset(SOURCES),
+            buffers_on_host=True,
+            threads=host_threads,
+            peak_device_bytes=_peak_nothing,
+            build=lambda ctx: DirectTier("cpu", ctx, on_host=True),
+        ),
+    )
+}
+"""Every flatten tier, by name, in the order the docs list them."""
+
+TIERS = ("auto", *REGISTRY)
+"""What ``FlattenConfig.tier`` accepts: ``auto`` or a registered tier."""
+
+
+def spec(name: str) -> TierSpec:
+    """The spec of tier ``name``.
+
+    Raises:
+        ValueError: ``name`` is not a registered tier.
+    """
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown tier {name!r}; registered tiers: {', '.join(REGISTRY)}"
+        ) from None
+
+
+def make_tier(name: str, ctx: TierContext) -> Tier:
+    """The tier object for ``name`` in one flatten call."""
+    return spec(name).build(ctx)
+
+
+def next_tier_down(tier: str, device: torch.device) -> str | None:
+    """The tier that takes over the remaining buckets after ``tier`` ran out of memory
+    while building buffers for ``device`` (None: nothing below)."""
+    return spec(tier).fallback(device)
+
+
+def tiers_reading(source: str) -> tuple[str, ...]:
+    """``auto`` and the tiers that can take bucket values from ``source``."""
+    return ("auto", *(s.name for s in REGISTRY.values() if source in s.sources))
+
+
+def chain(name: str, device: torch.device) -> tuple[str, ...]:
+    """``name`` and every tier below it for buffers on ``device``, in fallback order."""
+    names = [name]
+    while (lower := spec(names[-1]).fallback(device)) is not None:
+        names.append(lower)
+    return tuple(names)
