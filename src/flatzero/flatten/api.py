@@ -237,6 +237,27 @@ def _copy_master(group: FlatGroup, report: ReportBuilder) -> None:
     report.moved(kind, sum(s.nbytes for s in srcs))
 
 
+def _tier_context(
+    plan: _Plan,
+    config: FlattenConfig,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+    report: ReportBuilder,
+) -> TierContext:
+    """What every tier of this call shares (staging rings sized from the layout)."""
+    sizes = _Sizes.of(plan.layout)
+    return TierContext(
+        device=device,
+        rank=rank_of(group),
+        world_size=world_size_of(group),
+        group=group,
+        report=report,
+        staging_slots=config.staging_buffers,
+        largest_bucket_bytes=sizes.largest_bucket,
+        largest_slice_bytes=sizes.largest_slice,
+    )
+
+
 def _group_report(flat: FlatGroup, tier: str, bucket_tiers: list[str]) -> GroupReport:
     gl = flat.layout
     devices = {str(b.device) for b in flat.buckets}
@@ -377,19 +398,9 @@ def flatten_parameters(
         if config.build_master:
             masters = list(allocate_masters(plan.layout, master_device, control))
 
-    sizes = _Sizes.of(plan.layout)
-    ctx = TierContext(
-        device=device,
-        rank=rank,
-        world_size=ws,
-        group=process_group,
-        report=report,
-        staging_slots=config.staging_buffers,
-        largest_bucket_bytes=sizes.largest_bucket,
-        largest_slice_bytes=sizes.largest_slice,
-    )
+    ctx = _tier_context(plan, config, device, process_group, report)
     progress = tqdm(
-        total=sizes.buckets,
+        total=_Sizes.of(plan.layout).buckets,
         desc="flatzero init",
         unit="bucket",
         disable=not config.progress or rank != 0,
@@ -398,15 +409,9 @@ def flatten_parameters(
     threads = max(spec(t).threads(config) for t in chain(decision.tier, device))
     with capped_threads(threads), progress, closing(ctx):
         flat_groups, group_reports = _flatten_groups(
-            plan,
-            decision,
-            masters,
-            ctx,
-            control,
-            progress,
-            checkpoint=checkpoint,
-            allocate_only=allocate_only,
-        )
+            plan, decision, masters, ctx, control, progress,
+            checkpoint=checkpoint, allocate_only=allocate_only,
+        )  # fmt: skip
 
     init_report = report.build(decision.reason, group_reports)
     if rank == 0:
