@@ -10,3 +10,11 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install --quiet "torch==2.13.0"
 fi
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev,bench,hf]"
+# tests/test_two_hosts.py makes two hosts out of network namespaces with `ip` (iproute2):
+# install it when it is missing, as root with apt-get only; quietly, and never fail here
+# (the test skips without it).
+if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2; }
+    { apt_install || { apt-get update -qq && apt_install; }; } >/dev/null 2>&1 \
+        || echo "setup.sh: could not install iproute2; tests/test_two_hosts.py will skip" >&2
+fi

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from flatzero.bench.deepspeed_runner import deepspeed_available
-from flatzero.bench.doors import slowest_rank, spread, summarize_run, summarize_runs
+from flatzero.bench.doors_stats import slowest_rank, spread, summarize_run, summarize_runs
 from flatzero.cli import main
 
 

@@ -114,13 +114,13 @@ def _collectives_of_save_and_load(rank: int, ws: int, root: str) -> dict[str, An
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    inner_load = opt.load_state_dict
+    inner_load = opt.load_sharded_state
 
-    def load_state_dict(state_dict: Any) -> None:  # the optimizer's own check is not ours
+    def load_sharded_state(state: Any) -> None:  # the optimizer's own check is not ours
         recorder.on = False
-        inner_load(state_dict)
+        inner_load(state)
 
-    opt.load_state_dict = load_state_dict
+    opt.load_sharded_state = load_sharded_state
     recorder.on = True
     load_checkpoint(root, opt, "t1", model=model)
     recorder.on = False

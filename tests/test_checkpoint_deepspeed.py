@@ -24,7 +24,8 @@ from torch import nn
 from flatzero import FlattenConfig
 from flatzero.bench.deepspeed_runner import deepspeed_available
 from flatzero.checkpoint import CheckpointReader, export_checkpoint, load_checkpoint
-from flatzero.checkpoint.deepspeed_import import import_deepspeed, read_deepspeed
+from flatzero.checkpoint.deepspeed_import import import_deepspeed
+from flatzero.checkpoint.deepspeed_reader import read_deepspeed
 from flatzero.launch import run_ranks
 from flatzero.optim import ZeroConfig, ZeroOptimizer
 

@@ -697,3 +697,51 @@ def test_engine_config_is_frozen():
         cfg.gradient_clipping = 1.0  # type: ignore[misc]
     with pytest.raises(TypeError):
         cfg.source["x"] = 1  # type: ignore[index]
+
+
+def test_flatzero_section_is_derived_from_the_dataclasses():
+    import dataclasses
+    from pathlib import Path
+
+    from flatzero import FlattenConfig, ZeroConfig
+    from flatzero.engine.config import FLATZERO_KEYS, FlatzeroSection
+    from flatzero.engine.config.flatzero_section import SET_ELSEWHERE
+
+    # Every field of the three dataclasses is a key of the section or set by another key.
+    for owner in (FlattenConfig, ZeroConfig, FlatzeroSection):
+        keyed = {k.field for k in FLATZERO_KEYS if k.owner is owner}
+        elsewhere = {name for cls, name in SET_ELSEWHERE if cls is owner}
+        assert keyed | elsewhere == {f.name for f in dataclasses.fields(owner)}, owner
+        assert not keyed & elsewhere
+    # Defaults are the dataclasses' own, and every key is documented here and in the docs.
+    cfg = parse_config(B, world_size=1)
+    built = {FlattenConfig: cfg.flatten, ZeroConfig: cfg.zero_optimizer}
+    built[FlatzeroSection] = cfg.flatzero
+    door = (Path(__file__).parents[1] / "docs" / "deepspeed-door.md").read_text()
+    for key in FLATZERO_KEYS:
+        assert getattr(built[key.owner], key.field) == key.default, key.key
+        assert key.doc, key.key
+        assert f"`{key.key}`" in door, key.key
+    # Each key lands in its dataclass.
+    given = {
+        "tier": "cpu",
+        "bucket_numel": 4096,
+        "device": "cpu",
+        "host_threads": 1,
+        "staging_buffers": 3,
+        "progress": False,
+        "reduce_staging_buffers": 4,
+        "learn_bucket_order": False,
+        "param_sync": "none",
+        "elementwise_optimizer": True,
+    }
+    assert {k.key for k in FLATZERO_KEYS} == set(given)
+    cfg = parse_config({**B, "flatzero": given}, world_size=1)
+    built = {FlattenConfig: cfg.flatten, ZeroConfig: cfg.zero_optimizer}
+    built[FlatzeroSection] = cfg.flatzero
+    for key in FLATZERO_KEYS:
+        assert getattr(built[key.owner], key.field) == given[key.key], key.key
+    with pytest.raises(TypeError, match=r"'flatzero\.host_threads' must be an integer, got str"):
+        parse_config({**B, "flatzero": {"host_threads": "2"}}, world_size=1)
+    with pytest.raises(TypeError, match=r"'flatzero\.device' must be a string, got 0"):
+        parse_config({**B, "flatzero": {"device": 0}}, world_size=1)

@@ -137,7 +137,7 @@ def _local_fallback_worker(rank: int, world_size: int) -> dict:
     model = Net()
     config = FlattenConfig(tier="device", device="cpu", bucket_numel=300, progress=False)
     calls = {"per_bucket": 0, "per_group": 0}
-    per_bucket, per_group = driver.all_reduce_max, driver.all_reduce_max_each
+    per_bucket, per_group = driver.any_rank_failed, driver.all_reduce_max_each
 
     def count_per_bucket(*args):
         calls["per_bucket"] += 1
@@ -147,8 +147,8 @@ def _local_fallback_worker(rank: int, world_size: int) -> dict:
         calls["per_group"] += 1
         return per_group(*args)
 
-    driver.all_reduce_max, driver.all_reduce_max_each = count_per_bucket, count_per_group
-    alloc.all_reduce_max = count_per_bucket
+    driver.any_rank_failed, driver.all_reduce_max_each = count_per_bucket, count_per_group
+    alloc.any_rank_failed = count_per_bucket
     try:
         if rank == 1:
             with (
@@ -163,8 +163,8 @@ def _local_fallback_worker(rank: int, world_size: int) -> dict:
         else:
             flat = flatten_parameters(model, config=config)
     finally:
-        driver.all_reduce_max, driver.all_reduce_max_each = per_bucket, per_group
-        alloc.all_reduce_max = per_bucket
+        driver.any_rank_failed, driver.all_reduce_max_each = per_bucket, per_group
+        alloc.any_rank_failed = per_bucket
     _check(model, flat, reference)
     return {
         "tiers": flat.report.groups[0].bucket_tiers,

@@ -22,12 +22,12 @@ import flatzero.control as control
 import flatzero.devices as devices
 import flatzero.flatten.alloc as flatten_alloc
 import flatzero.flatten.tiers as tiers
-import flatzero.optim.zero as zero
+import flatzero.optim.prepare as prepare
 from flatzero import FlattenConfig, ZeroOptimizer, flatten_parameters, inject_oom
-from flatzero.engine.initialize import bitwise_sum
+from flatzero.engine.param_sync import bitwise_sum
+from flatzero.flatten.registry import next_tier_down
 from flatzero.hostmem import staging_buffer
 from flatzero.launch import run_ranks
-from flatzero.flatten.registry import next_tier_down
 from flatzero.memory import choose_tier
 
 MiB = 2**20
@@ -212,19 +212,19 @@ def test_master_shard_out_of_memory_is_a_memory_error_on_every_rank():
 def _grad_oom_worker(rank: int, world_size: int) -> str:
     model = _net()
     if rank == 0:
-        original = zero.empty_buffer
+        original = prepare.empty_buffer
 
         def failing(numel, dtype, device):
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-        zero.empty_buffer = failing
+        prepare.empty_buffer = failing
     try:
         ZeroOptimizer(model.parameters(), flatten_config=FlattenConfig(progress=False), lr=1e-2)
     except MemoryError as error:
         return str(error)
     finally:
         if rank == 0:
-            zero.empty_buffer = original
+            prepare.empty_buffer = original
     raise AssertionError("no MemoryError")
 
 
@@ -243,7 +243,7 @@ def test_buckets_on_several_devices_are_refused():
     flat = _flat(_net())
     flat.groups[0].buckets[-1] = torch.empty(0, device="meta")  # a bucket elsewhere
     with pytest.raises(ValueError, match="on several devices"):
-        zero.check_buckets_usable(flat)
+        prepare.check_buckets_usable(flat)
 
 
 def _backend_mismatch_worker(rank: int, world_size: int) -> str:
@@ -254,7 +254,7 @@ def _backend_mismatch_worker(rank: int, world_size: int) -> str:
         g.buckets = [fake] * len(g.buckets)
         g.master = None
     try:
-        zero.check_buckets_usable(flat)
+        prepare.check_buckets_usable(flat)
     except ValueError as error:
         return str(error)
     return "accepted"

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-import flatzero.optim.zero as zero
+import flatzero.optim.prepare as prepare
 from flatzero import FlattenConfig, ZeroConfig, ZeroOptimizer
 from flatzero.launch import run_ranks
 
@@ -43,7 +43,7 @@ def _worker(rank: int, world_size: int, stage: int) -> None:
     def poisoned(numel, dtype, device):
         return torch.full((numel,), float("nan"), dtype=dtype, device=device)
 
-    zero.empty_buffer = poisoned  # what uninitialized memory may hold
+    prepare.empty_buffer = poisoned  # what uninitialized memory may hold
     model = _net()
     opt = ZeroOptimizer(
         model.parameters(),

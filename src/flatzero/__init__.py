@@ -1,9 +1,11 @@
 """flatzero: ZeRO stage 1 and 2 for PyTorch, with initialization as fast as the hardware allows."""
 
+from ._version import __version__ as __version__
 from .checkpoint import export_checkpoint, load_checkpoint, save_checkpoint
-from .config import TIERS, FlattenConfig
+from .config import FlattenConfig
 from .engine import UnsupportedFeatureError, initialize
 from .flatten import FlatGroup, FlatParams, flatten_parameters, inject_oom
+from .flatten.registry import TIERS
 from .layout import Layout, ParamSpec, plan_layout
 from .loading import load_flat
 from .optim import LossScaleConfig, ZeroConfig, ZeroOptimizer
@@ -35,5 +37,3 @@ __all__ = [
     "plan_layout",
     "save_checkpoint",
 ]
-
-__version__ = "0.1.0"

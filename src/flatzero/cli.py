@@ -31,6 +31,10 @@ def _info(_args: argparse.Namespace) -> int:
     else:
         print("no CUDA device: flat buffers go to host memory (tier 'cpu')")
     print(f"tiers: {', '.join(flatzero.TIERS)}")
+    if getattr(_args, "measure", False):
+        from .plan.cli import run_measure
+
+        run_measure(_args)
     return 0
 
 
@@ -41,10 +45,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions, devices and tiers").set_defaults(run=_info)
+    info = sub.add_parser("info", help="versions, devices and tiers")
+    info.set_defaults(run=_info)
 
     from . import demo
-    from .bench import doors, init_bench, load_bench, step
+    from .plan import cli as plan_cli
+
+    plan_cli.add_info_arguments(info)
+    from .bench import doors, init_bench, load_bench, plan_bench, step
     from .checkpoint import deepspeed_import, export
 
     def command(subparsers, name: str, help_text: str, add_arguments, run) -> None:
@@ -59,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     command(sub, "import-deepspeed", "a DeepSpeed ZeRO-1/2 checkpoint as a flatzero checkpoint",
             deepspeed_import.add_import_deepspeed_arguments,
             deepspeed_import.import_deepspeed_main)  # fmt: skip
+    command(sub, "plan", "predict memory, tier, bytes per link and init time of a job",
+            plan_cli.add_arguments, plan_cli.run)  # fmt: skip
     bench = sub.add_parser("bench", help="benchmarks against baselines and hardware limits")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
     for name, module in (
@@ -66,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
         ("step", step),
         ("load", load_bench),
         ("doors", doors),
+        ("plan", plan_bench),
     ):
         command(bench_sub, name, module.__doc__.splitlines()[0], module.add_arguments, module.run)
     return parser

@@ -14,13 +14,16 @@ import torch.distributed as dist
 from .devices import collective_device
 
 __all__ = [
+    "all_gather_buckets_from_own_slices",
     "all_gather_into",
     "all_reduce_max",
     "all_reduce_max_each",
     "all_reduce_min",
+    "any_rank_failed",
     "check_same_everywhere",
     "describe_differences",
     "local_world_size",
+    "raise_if_any_failed",
     "rank_of",
     "reduce_scatter_into",
     "world_size_of",
@@ -79,6 +82,42 @@ def all_reduce_max_each(values: list[int], group: dist.ProcessGroup | None) -> l
     """Element-wise maximum of a list of integers (the same length everywhere) over all
     ranks, in one collective."""
     return _all_reduce_ints(values, dist.ReduceOp.MAX, group)
+
+
+def any_rank_failed(error: BaseException | None, group: dist.ProcessGroup | None) -> bool:
+    """Whether any rank of ``group`` passed an ``error`` (the same answer on every rank).
+
+    Collective: one all-reduce on ``group``'s control group (``flatzero.control``: gloo,
+    never queued behind GPU work), so a failure on one rank never leaves the others
+    waiting in their next collective.
+    """
+    from .control import control_group  # here, not at the top: control builds on comm
+
+    return all_reduce_max(int(error is not None), control_group(group)) > 0
+
+
+def raise_if_any_failed(
+    error: BaseException | None,
+    group: dist.ProcessGroup | None,
+    elsewhere: str,
+    *,
+    error_type: type[Exception] = RuntimeError,
+) -> None:
+    """Raise on every rank of ``group`` when any rank failed: a rank's own ``error``, or
+    ``error_type(elsewhere)`` on the ranks that had none. Collective (``any_rank_failed``).
+
+    Args:
+        error: this rank's error, or None.
+        group: the ranks that agree (their control group takes the all-reduce).
+        elsewhere: the message on ranks without an error of their own ("saving the
+            checkpoint failed on another rank (see its error)").
+        error_type: the exception those ranks raise.
+    """
+    if not any_rank_failed(error, group):
+        return
+    if error is not None:
+        raise error
+    raise error_type(elsewhere)
 
 
 def check_same_everywhere(
@@ -154,3 +193,30 @@ def reduce_scatter_into(
         output.copy_(full)
         return None
     return _reduce_scatter_single(output, full, group=group, async_op=async_op)
+
+
+def all_gather_buckets_from_own_slices(
+    buckets: Sequence[torch.Tensor],
+    own_slices: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    *,
+    sources: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """Fill every bucket from every rank's slice of it: the all-gather that ends init, a
+    step and a load.
+
+    ``own_slices[i]`` is this rank's slice of ``buckets[i]`` (a view of it). With
+    ``sources``, each rank first copies ``sources[i]`` into its slice (cast to the
+    bucket's dtype); then every bucket is all-gathered, asynchronously, bucket ``i``
+    launched right after its copy, and all are waited for at the end. Collective: every
+    rank passes the same buckets in the same order.
+    """
+    copies = sources if sources is not None else [None] * len(own_slices)
+    works = []
+    for bucket, own, source in zip(buckets, own_slices, copies, strict=True):
+        if source is not None:
+            own.copy_(source)
+        works.append(all_gather_into(bucket, own, group, async_op=True))
+    for work in works:
+        if work is not None:
+            work.wait()

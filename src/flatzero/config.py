@@ -84,12 +84,3 @@ class FlattenConfig:
         0 shows a bar)."""
         device = None if self.device is None else torch.device(self.device).type
         return repr(dataclasses.replace(self, device=device, progress=True))
-
-
-def __getattr__(name: str) -> object:
-    # TODO(lead): drop once engine/config imports TIERS from flatten.registry.
-    if name == "TIERS":
-        from .flatten.registry import TIERS
-
-        return TIERS
-    raise AttributeError(name)

@@ -27,11 +27,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .comm import all_reduce_max, all_reduce_max_each, world_size_of
+from .comm import all_reduce_max_each, world_size_of
 from .devices import collectives_run_on_cpu
 
 __all__ = [
-    "agree_on_error",
     "control_group",
     "host_work_timeout",
     "prepare_control_groups",
@@ -181,16 +180,3 @@ def wait_for_host_work(group: dist.ProcessGroup | None, nbytes: int) -> None:
         token = torch.zeros(1, dtype=torch.uint8)
         dist.isend(token, dst=peers[0], group=control).wait(timeout)
         dist.irecv(token, src=peers[0], group=control).wait(timeout)
-
-
-def agree_on_error(
-    error: BaseException | None, group: dist.ProcessGroup | None, elsewhere: str
-) -> None:
-    """Raise on every rank of ``group`` when any rank had ``error``: the rank's own error,
-    or ``RuntimeError(elsewhere)`` on the ranks that had none. Collective (on the control
-    group)."""
-    failed = all_reduce_max(int(error is not None), control_group(group))
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(elsewhere)

@@ -138,12 +138,12 @@ def _time_inits(spec: DemoSpec, rank: int, ws: int) -> dict[str, list[float]]:
     starting from the same allocator state, the order rotating between trials."""
     from .bench.baselines import flatten_legacy_cpu, flatten_torch_cat
     from .bench.procmem import trim_host_memory
+    from .bench.trials import rotated
 
     methods = [f"flatzero {t}" for t in TIERS_ON_CPU] + [TORCH_CAT, LEGACY]
     times: dict[str, list[float]] = {m: [] for m in methods}
     for trial in range(1 + spec.trials):  # trial 0 warms up
-        shift = trial % len(methods)  # no method is always the first after a build
-        for method in methods[shift:] + methods[:shift]:
+        for method in rotated(methods, trial):
             model = build_model(spec.model_config(), device="cpu", dtype=torch.float32, seed=0)
             trim_host_memory()  # every method starts from the same allocator state
             dist.barrier()
@@ -256,12 +256,8 @@ def _plot(path: Path, times: dict[str, float], losses: list[float], title: str) 
     return True
 
 
-def run_demo(spec: DemoSpec) -> dict[str, Any]:
-    """Run the demo, print as it goes; returns the results (also in ``out/demo.json``)."""
-    t_start = time.perf_counter()
-    out = Path(spec.out)
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out / "checkpoint", ignore_errors=True)  # a fresh one per run
+def _describe_model(spec: DemoSpec) -> tuple[int, int, int]:
+    """Print what is trained; returns its params, tensors and fp32 bytes."""
     meta = build_model(spec.model_config(), device="meta", dtype=torch.float32)
     params, tensors, nbytes = count_params(meta), count_tensors(meta), count_bytes(meta)
     print(
@@ -269,25 +265,27 @@ def run_demo(spec: DemoSpec) -> dict[str, Any]:
         f"{spec.experts} unfused experts, vocab {spec.vocab}): {params / 1e6:.1f}M params in "
         f"{tensors} tensors, {nbytes / 2**20:.0f} MiB fp32; {spec.world_size} ranks (gloo, CPU)"
     )
-    print(f"training {spec.steps} steps through flatzero.initialize (ZeRO-2):")
-    ranks = run_ranks(_train_rank, spec.world_size, spec)
-    # The slowest rank per trial, median over trials.
+    return params, tensors, nbytes
+
+
+def _slowest_median(ranks: list[dict[str, Any]]) -> dict[str, float]:
+    """Per init method, seconds: the slowest rank per trial, the median over trials."""
+    from .bench.trials import slowest_per_trial
+
     methods = list(ranks[0]["times"])
-    trials = {m: range(len(ranks[0]["times"][m])) for m in methods}
-    times = {
-        m: statistics.median(max(r["times"][m][i] for r in ranks) for i in trials[m])
-        for m in methods
+    return {
+        m: statistics.median(slowest_per_trial([r["times"][m] for r in ranks])) for m in methods
     }
-    losses = ranks[0]["losses"]
-    print()
-    print(ranks[0]["report"])
-    print()
+
+
+def _print_flatten_times(spec: DemoSpec, times: dict[str, float]) -> None:
+    """Flattening alone, per tier and method, against DeepSpeed 0.19's ``torch.cat``."""
     print(
         f"flattening alone, in process, same model on {spec.world_size} ranks (median of "
         f"{spec.trials}; flatten_parameters against DeepSpeed's flatten):"
     )
     base = times[TORCH_CAT]
-    for m in methods:
+    for m in times:
         if m == "flatzero.initialize":
             continue  # the whole door: compared door to door below
         print(f"  {m:<26} {times[m] * 1e3:8.1f} ms  {times[m] / base:5.2f}x torch.cat")
@@ -296,19 +294,40 @@ def run_demo(spec: DemoSpec) -> dict[str, Any]:
         "  one bucket of extra memory and 1/N of the upload per rank needs a GPU:\n"
         "  flatzero bench init --device cuda)"
     )
-    print(
-        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {spec.steps} steps "
-        f"({ranks[0]['train_s']:.1f} s)"
-    )
 
+
+def _check_reload(spec: DemoSpec, global_steps: int) -> bool:
+    """Reload the checkpoint at world size 1 into another model; print whether the weights
+    and the global step (``global_steps`` when saved) match."""
     reload = run_ranks(_reload_rank, 1, spec)[0]
-    ok = not reload["mismatched"] and reload["global_steps"] == ranks[0]["global_steps"]
+    ok = not reload["mismatched"] and reload["global_steps"] == global_steps
     verdict = "match" if ok else f"DIFFER: {reload['mismatched'][:5]}"
     print(
         f"checkpoint {reload['path']} (saved by {spec.world_size} ranks) reloaded at world "
         f"size 1 into a model built with another seed: {reload['params']} params, weights "
         f"{verdict}, global step {reload['global_steps']}"
     )
+    return ok
+
+
+def run_demo(spec: DemoSpec) -> dict[str, Any]:
+    """Run the demo, print as it goes; returns the results (also in ``out/demo.json``)."""
+    t_start = time.perf_counter()
+    out = Path(spec.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "checkpoint", ignore_errors=True)  # a fresh one per run
+    params, tensors, nbytes = _describe_model(spec)
+    print(f"training {spec.steps} steps through flatzero.initialize (ZeRO-2):")
+    ranks = run_ranks(_train_rank, spec.world_size, spec)
+    times = _slowest_median(ranks)
+    losses = ranks[0]["losses"]
+    print(f"\n{ranks[0]['report']}\n")
+    _print_flatten_times(spec, times)
+    print(
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {spec.steps} steps "
+        f"({ranks[0]['train_s']:.1f} s)"
+    )
+    ok = _check_reload(spec, ranks[0]["global_steps"])
     doors = _compare_doors(spec) if spec.door_trials > 0 else None
     png = out / "demo.png"
     title = f"flatzero demo: {params / 1e6:.1f}M-param Qwen3-MoE shape, {spec.world_size} ranks"
@@ -377,17 +396,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``flatzero demo``: exit status 0 when the reloaded weights match."""
-    spec = DemoSpec(
-        world_size=args.world_size,
-        steps=args.steps,
-        layers=args.layers,
-        hidden=args.hidden,
-        experts=args.experts,
-        vocab=args.vocab,
-        trials=args.trials,
-        bucket_numel=args.bucket_numel,
-        door_trials=args.door_trials,
-        out=os.fspath(args.out),
-    )
-    result = run_demo(spec)
+    from .bench.settings import spec_from_args
+
+    result = run_demo(spec_from_args(DemoSpec, args, out=os.fspath(args.out)))
     return 0 if result["reload_ok"] else 1

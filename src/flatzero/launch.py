@@ -9,7 +9,6 @@ order; an exception on any rank is re-raised here with that rank's traceback.
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -20,17 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .ports import free_port
+
 __all__ = ["free_port", "run_ranks"]
 
 _GRACE_S = 15.0
 """Seconds the other ranks get to finish after one rank failed, before they are killed."""
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on localhost."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(
@@ -70,6 +64,32 @@ def _rank_main(
         results.put((rank, True, out))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
+
+
+def _collect(procs: list[Any], results: Any) -> tuple[dict[int, Any], dict[int, str]]:
+    """Every rank's result or failure, by rank; the ranks still running ``_GRACE_S`` after
+    one failed are killed."""
+    outputs: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    first_failure: float | None = None
+    while len(outputs) + len(failures) < len(procs):
+        if failures and first_failure is None:
+            first_failure = time.monotonic()
+        if first_failure is not None and time.monotonic() - first_failure > _GRACE_S:
+            for r, p in enumerate(procs):
+                if r not in outputs and r not in failures:
+                    p.kill()
+                    failures[r] = f"killed {_GRACE_S:.0f} s after another rank failed"
+            break
+        if not results.empty():
+            rank, ok, value = results.get()
+            (outputs if ok else failures)[rank] = value
+            continue
+        for r, p in enumerate(procs):
+            if r not in outputs and r not in failures and p.exitcode not in (None, 0):
+                failures[r] = f"process died with exit code {p.exitcode}"
+        time.sleep(0.01)
+    return outputs, failures
 
 
 def run_ranks(
@@ -113,26 +133,7 @@ def run_ranks(
     ]
     for p in procs:
         p.start()
-    outputs: dict[int, Any] = {}
-    failures: dict[int, str] = {}
-    first_failure: float | None = None
-    while len(outputs) + len(failures) < world_size:
-        if failures and first_failure is None:
-            first_failure = time.monotonic()
-        if first_failure is not None and time.monotonic() - first_failure > _GRACE_S:
-            for r, p in enumerate(procs):
-                if r not in outputs and r not in failures:
-                    p.kill()
-                    failures[r] = f"killed {_GRACE_S:.0f} s after another rank failed"
-            break
-        if not results.empty():
-            rank, ok, value = results.get()
-            (outputs if ok else failures)[rank] = value
-            continue
-        for r, p in enumerate(procs):
-            if r not in outputs and r not in failures and p.exitcode not in (None, 0):
-                failures[r] = f"process died with exit code {p.exitcode}"
-        time.sleep(0.01)
+    outputs, failures = _collect(procs, results)
     for p in procs:
         p.join(timeout=timeout_s)
         if p.is_alive():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -84,6 +85,8 @@ def load_flat(
     init_buffers: Callable[[nn.Module], None] | None = None,
     process_group: dist.ProcessGroup | None = None,
     config: FlattenConfig | None = None,
+    params: Any = None,
+    agreement_group: dist.ProcessGroup | None = None,
 ) -> FlatParams:
     """Build ``model``'s flat buffers straight from a safetensors checkpoint.
 
@@ -97,6 +100,10 @@ def load_flat(
             any such buffer is on the meta device.
         process_group: ranks the buffers are sharded over (default group if initialized).
         config: tier, device, bucket size; tier ``auto`` picks ``sharded`` on GPUs.
+        params: the trainable params and their groups, as ``flatten_parameters`` takes
+            them (e.g. ``collect_param_groups``'s); default: the model's.
+        agreement_group: the ranks that take every flatten decision together
+            (``flatten_parameters``); default ``process_group``.
 
     Returns:
         ``FlatParams``, as ``flatten_parameters`` returns.
@@ -105,12 +112,17 @@ def load_flat(
     ckpt = (
         checkpoint
         if isinstance(checkpoint, SafetensorsCheckpoint)
-        else (SafetensorsCheckpoint(checkpoint))
+        else SafetensorsCheckpoint(checkpoint)
     )
     mapping = key_map or (lambda name: name)
     materialize_rest(
         model, ckpt, mapping, resolve_device(config.device, process_group), init_buffers
     )
     return flatten_parameters(
-        model, process_group=process_group, config=config, checkpoint=ckpt, key_map=key_map
+        model if params is None else params,
+        process_group=process_group,
+        config=config,
+        checkpoint=ckpt,
+        key_map=key_map,
+        agreement_group=agreement_group,
     )

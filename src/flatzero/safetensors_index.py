@@ -20,21 +20,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SAFETENSORS_DTYPES", "SafetensorsCheckpoint", "TensorEntry"]
+from .dtypes import SAFETENSORS_DTYPES
 
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-"""torch dtype of each safetensors dtype name."""
+__all__ = ["SafetensorsCheckpoint", "TensorEntry"]
+
 _MAX_HEADER_BYTES = 100 * 2**20
 
 

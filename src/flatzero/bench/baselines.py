@@ -62,6 +62,8 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .ranks import sync
+
 __all__ = [
     "NCCL_START_ALIGNMENT_FACTOR",
     "BaselineResult",
@@ -187,11 +189,6 @@ def available_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _empty_cache(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -227,7 +224,7 @@ def _place(groups: list[list[nn.Parameter]], device: torch.device) -> float:
             if p.device != device:
                 p.data = p.data.to(device)
                 moved += 1
-    _sync(device)
+    sync(device)
     if moved:
         logger.debug("moved %d params to %s before flattening", moved, device)
     return time.perf_counter() - t0
@@ -300,6 +297,78 @@ def _master_partition(
     return master, moved
 
 
+@dataclass(frozen=True)
+class _GroupFlat:
+    """One group's outcome: its path, buffers, seconds and bytes written per phase."""
+
+    path: str
+    flat: torch.Tensor
+    master: torch.Tensor
+    flatten_s: float
+    master_s: float
+    flatten_bytes: int
+    master_bytes: int
+
+
+def _target_device(
+    groups: list[list[nn.Parameter]], device: torch.device | str | None
+) -> torch.device:
+    """``device``, else the first param's device, else the CPU; CUDA with its index."""
+    first = next((p for g in groups for p in g), None)
+    if device is None:
+        dev = first.device if first is not None else torch.device("cpu")
+    else:
+        dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _on_device(
+    algorithm: str, group: list[nn.Parameter], padded: int, dev: torch.device, memory_check: bool
+) -> bool:
+    """Whether the group takes the device path: ``torch_cat`` with the memory for it."""
+    if algorithm != "torch_cat":
+        return False
+    if not memory_check:
+        return True
+    _empty_cache(dev)
+    if available_bytes(dev) >= padded * group[0].element_size():
+        return True
+    logger.info("not enough free memory on %s: flattening group via host", dev)
+    return False
+
+
+def _flatten_group(
+    algorithm: str,
+    group: list[nn.Parameter],
+    padded: int,
+    rank: int,
+    world_size: int,
+    dev: torch.device,
+    emulate_transfers: bool,
+    memory_check: bool,
+) -> _GroupFlat:
+    """Flatten one group (``padded`` elements) and build its fp32 master partition, timed."""
+    if not group:
+        # DeepSpeed would fail on an empty group; keep the result aligned with the input.
+        empty = torch.empty(0, device=dev)
+        return _GroupFlat("device", empty, torch.empty(0, device=dev), 0.0, 0.0, 0, 0)
+    t0 = time.perf_counter()
+    use_device = _on_device(algorithm, group, padded, dev, memory_check)
+    if use_device:
+        flat, moved = _flatten_on_device(group, padded)
+    else:
+        flat, moved = _flatten_through_host(group, padded, dev, emulate_transfers)
+    sync(dev)
+    t1 = time.perf_counter()
+    master, mmoved = _master_partition(flat, rank, world_size, dev)
+    sync(dev)
+    t2 = time.perf_counter()
+    path = "device" if use_device else "host"
+    return _GroupFlat(path, flat, master, t1 - t0, t2 - t1, moved, mmoved)
+
+
 def _run(
     algorithm: str,
     param_groups: Sequence[Sequence[nn.Parameter]],
@@ -310,71 +379,28 @@ def _run(
     memory_check: bool,
 ) -> BaselineResult:
     groups = _check_args(param_groups, rank, world_size)
-    first = next((p for g in groups for p in g), None)
-    if device is None:
-        dev = first.device if first is not None else torch.device("cpu")
-    else:
-        dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = _target_device(groups, device)
     placement_s = _place(groups, dev)
-
-    paths: list[str] = []
-    flats: list[torch.Tensor] = []
-    masters: list[torch.Tensor] = []
-    group_numel: list[int] = []
-    padded_numel: list[int] = []
-    flatten_s = master_s = 0.0
-    flatten_bytes = master_bytes = 0
-    for group in groups:
-        numel = sum(p.numel() for p in group)
-        padded = deepspeed_padded_numel(numel, world_size)
-        group_numel.append(numel)
-        padded_numel.append(padded)
-        if not group:
-            # DeepSpeed would fail on an empty group; keep the result aligned with the input.
-            paths.append("device")
-            flats.append(torch.empty(0, device=dev))
-            masters.append(torch.empty(0, device=dev))
-            continue
-
-        t0 = time.perf_counter()
-        use_device = algorithm == "torch_cat"
-        if use_device and memory_check:
-            _empty_cache(dev)
-            use_device = available_bytes(dev) >= padded * group[0].element_size()
-            if not use_device:
-                logger.info("not enough free memory on %s: flattening group via host", dev)
-        if use_device:
-            flat, moved = _flatten_on_device(group, padded)
-        else:
-            flat, moved = _flatten_through_host(group, padded, dev, emulate_transfers)
-        _sync(dev)
-        t1 = time.perf_counter()
-        master, mmoved = _master_partition(flat, rank, world_size, dev)
-        _sync(dev)
-        t2 = time.perf_counter()
-
-        paths.append("device" if use_device else "host")
-        flats.append(flat)
-        masters.append(master)
-        flatten_s += t1 - t0
-        master_s += t2 - t1
-        flatten_bytes += moved
-        master_bytes += mmoved
-
+    group_numel = tuple(sum(p.numel() for p in group) for group in groups)
+    padded_numel = tuple(deepspeed_padded_numel(n, world_size) for n in group_numel)
+    done = [
+        _flatten_group(
+            algorithm, group, padded, rank, world_size, dev, emulate_transfers, memory_check
+        )
+        for group, padded in zip(groups, padded_numel, strict=True)
+    ]
     return BaselineResult(
         algorithm=algorithm,
-        paths=tuple(paths),
+        paths=tuple(g.path for g in done),
         placement_s=placement_s,
-        flatten_s=flatten_s,
-        master_s=master_s,
-        flatten_bytes=flatten_bytes,
-        master_bytes=master_bytes,
-        group_numel=tuple(group_numel),
-        padded_numel=tuple(padded_numel),
-        flat_buffers=tuple(flats),
-        master_partitions=tuple(masters),
+        flatten_s=sum((g.flatten_s for g in done), 0.0),
+        master_s=sum((g.master_s for g in done), 0.0),
+        flatten_bytes=sum(g.flatten_bytes for g in done),
+        master_bytes=sum(g.master_bytes for g in done),
+        group_numel=group_numel,
+        padded_numel=padded_numel,
+        flat_buffers=tuple(g.flat for g in done),
+        master_partitions=tuple(g.master for g in done),
         rank=rank,
         world_size=world_size,
     )

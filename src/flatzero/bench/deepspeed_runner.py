@@ -54,22 +54,26 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatzero.bench.baselines import deepspeed_partition_range
-from flatzero.bench.procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
+from .baselines import deepspeed_partition_range
+from .procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
+from .settings import BENCH_DTYPES
 
 __all__ = [
     "DeepSpeedInitResult",
     "deepspeed_available",
     "deepspeed_config",
+    "import_deepspeed",
     "prepare_deepspeed",
     "release_engine",
     "time_deepspeed_initialize",
+    "without_unavailable_deepspeed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -77,7 +81,6 @@ logger = logging.getLogger(__name__)
 EXPECTED_VERSION = "0.19.8"
 """The DeepSpeed release the baselines were read from and the runner was tested with."""
 
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _prepare_seconds: float | None = None
 
 
@@ -155,6 +158,19 @@ def deepspeed_available() -> tuple[bool, str]:
     return True, f"deepspeed {version}"
 
 
+def without_unavailable_deepspeed(
+    names: tuple[str, ...],
+) -> tuple[tuple[str, ...], dict[str, str]]:
+    """``names`` less ``"deepspeed"`` where DeepSpeed cannot be imported, and the skipped:
+    ``{"deepspeed": why}`` then, else ``{}``. Imports DeepSpeed only when ``names`` holds it."""
+    if "deepspeed" not in names:
+        return names, {}
+    ok, why = deepspeed_available()
+    if ok:
+        return names, {}
+    return tuple(n for n in names if n != "deepspeed"), {"deepspeed": why}
+
+
 def _disable_shm_comm_op() -> None:
     import deepspeed.ops as ds_ops
 
@@ -162,6 +178,24 @@ def _disable_shm_comm_op() -> None:
     for name in list(compatible):
         if "shm_comm" in name:
             compatible[name] = False
+
+
+def import_deepspeed(*, shm_comm_op: bool = False) -> ModuleType:
+    """``deepspeed``, imported as a script on this CPU machine does: ``DS_ACCELERATOR=cpu``
+    first, its logger at WARNING, and unless ``shm_comm_op`` its inference-only
+    ``deepspeed_shm_comm`` op marked incompatible (neither built nor loaded).
+
+    Raises:
+        RuntimeError: DeepSpeed is not importable (the reason).
+    """
+    ok, why = deepspeed_available()
+    if not ok:
+        raise RuntimeError(why)
+    import deepspeed
+
+    if not shm_comm_op:
+        _disable_shm_comm_op()
+    return deepspeed
 
 
 def prepare_deepspeed(*, shm_comm_op: bool = False, warmup: bool = True) -> float:
@@ -186,20 +220,15 @@ def prepare_deepspeed(*, shm_comm_op: bool = False, warmup: bool = True) -> floa
     global _prepare_seconds
     if _prepare_seconds is not None:
         return 0.0
-    ok, why = deepspeed_available()
-    if not ok:
-        raise RuntimeError(why)
+    deepspeed = import_deepspeed(shm_comm_op=shm_comm_op)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "no torch.distributed process group is initialized: call "
             "torch.distributed.init_process_group('gloo') (env://) before timing deepspeed"
         )
     t0 = time.perf_counter()
-    import deepspeed
     import deepspeed.comm as ds_comm
 
-    if not shm_comm_op:
-        _disable_shm_comm_op()
     captured = io.StringIO()
     try:
         with contextlib.redirect_stdout(captured):
@@ -241,7 +270,7 @@ def deepspeed_config(
     """
     if stage not in (1, 2):
         raise ValueError(f"stage={stage!r} is not supported: use 1 or 2")
-    if dtype not in _DTYPES:
+    if dtype not in BENCH_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported: use 'bf16' or 'fp32'")
     if bucket_numel <= 0 or bucket_numel % 2:
         raise ValueError(
@@ -328,7 +357,7 @@ def time_deepspeed_initialize(
         ValueError: bad ``stage``/``dtype``/``bucket_numel``, or params not in ``dtype``.
     """
     config = deepspeed_config(stage=stage, dtype=dtype, bucket_numel=bucket_numel)
-    want = _DTYPES[dtype]
+    want = BENCH_DTYPES[dtype]
     wrong = {str(p.dtype) for p in model.parameters() if p.dtype != want}
     if wrong:
         raise ValueError(

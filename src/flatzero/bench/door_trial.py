@@ -33,7 +33,12 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
+
+from .procmem import cpu_seconds, peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
+
+__all__ = ["DOORS", "MARKER", "door_config", "main", "must_write_bytes"]
 
 MARKER = "FLATZERO_DOOR_TRIAL "
 """Prefix of the result line on stdout."""
@@ -60,11 +65,6 @@ def must_write_bytes(model_bytes: int, params: int, world_size: int) -> int:
     return model_bytes + 2 * 4 * shard
 
 
-def _cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m flatzero.bench.door_trial")
     p.add_argument("--door", required=True, choices=[*DOORS, "limit"])
@@ -80,55 +80,36 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _door(args: argparse.Namespace) -> dict[str, Any]:
+def _door_initialize(door: str) -> Callable[..., Any]:
+    """The door's ``initialize``, its library imported as a script does at its top."""
+    if door == "deepspeed":
+        from .deepspeed_runner import import_deepspeed
+
+        return import_deepspeed().initialize
+    import flatzero
+
+    return flatzero.initialize
+
+
+def _timed(
+    door_initialize: Callable[..., Any], model: Any, ds_config: dict[str, Any], ids: Any
+) -> tuple[Any, dict[str, Any]]:
+    """After a barrier: the door's ``initialize`` (its stdout captured), then the first
+    step; returns the engine and the times (s), CPU times (s), RSS (bytes), loss and
+    gradient norm."""
     import torch
     import torch.distributed as dist
 
-    from ..models import build_model, count_bytes, count_params, count_tensors
-    from .init_bench import MODELS
-    from .procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
-
-    if args.door == "deepspeed":
-        from .deepspeed_runner import _disable_shm_comm_op, deepspeed_available
-
-        ok, why = deepspeed_available()
-        if not ok:
-            raise RuntimeError(why)
-        import deepspeed
-
-        _disable_shm_comm_op()
-        door_initialize = deepspeed.initialize
-    else:
-        import flatzero
-
-        door_initialize = flatzero.initialize
-
-    config = MODELS[args.model]()
-    t0 = time.perf_counter()
-    model = build_model(config, device="cpu", dtype=torch.bfloat16, seed=args.seed)
-    build_s = time.perf_counter() - t0
-    info = {
-        "params": count_params(model),
-        "tensors": count_tensors(model),
-        "model_bytes": count_bytes(model),
-    }
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    # The same batch on every rank: per-rank batches route an MoE's tokens to different
-    # experts on different ranks, and DeepSpeed 0.19.8's ZeRO-2 then reduces different
-    # buckets on different ranks (gloo: "Received data size doesn't match expected size").
-    g = torch.Generator().manual_seed(args.seed * 1000 + 7)
-    ids = torch.randint(0, config.vocab_size, (1, args.seq), generator=g)
-    ds_config = door_config(stage=args.stage, bucket_numel=args.bucket_numel)
-
     trim_host_memory()
     dist.barrier()
     reset_peak_rss()
     rss_before = rss_bytes()
-    c0, t0 = _cpu_seconds(), time.perf_counter()
+    c0, t0 = cpu_seconds(), time.perf_counter()
     captured = io.StringIO()
     with contextlib.redirect_stdout(captured):
         engine, *_ = door_initialize(model=model, optimizer=optimizer, config=ds_config)
-    c1, t1 = _cpu_seconds(), time.perf_counter()
+    c1, t1 = cpu_seconds(), time.perf_counter()
     peak_init = peak_rss_bytes()
     del optimizer  # the engine holds what it needs
     loss = engine(ids, labels=ids).loss
@@ -136,11 +117,9 @@ def _door(args: argparse.Namespace) -> dict[str, Any]:
     engine.backward(loss)
     t3 = time.perf_counter()
     engine.step()
-    c4, t4 = _cpu_seconds(), time.perf_counter()
+    c4, t4 = cpu_seconds(), time.perf_counter()
     norm = engine.get_global_grad_norm()
-    out: dict[str, Any] = {
-        **info,
-        "build_s": build_s,
+    return engine, {
         "init_s": t1 - t0,
         "init_cpu_s": c1 - c0,
         "fwd_s": t2 - t1,
@@ -157,6 +136,33 @@ def _door(args: argparse.Namespace) -> dict[str, Any]:
         "grad_norm": None if norm is None else float(norm),
         "door_stdout_lines": len(captured.getvalue().splitlines()),
     }
+
+
+def _door(args: argparse.Namespace) -> dict[str, Any]:
+    """This rank's launch of ``args.door``: the model built, then ``_timed``."""
+    import torch
+
+    from ..models import build_model, count_bytes, count_params, count_tensors
+    from .init_bench import MODELS
+
+    door_initialize = _door_initialize(args.door)
+    config = MODELS[args.model]()
+    t0 = time.perf_counter()
+    model = build_model(config, device="cpu", dtype=torch.bfloat16, seed=args.seed)
+    build_s = time.perf_counter() - t0
+    info = {
+        "params": count_params(model),
+        "tensors": count_tensors(model),
+        "model_bytes": count_bytes(model),
+    }
+    # The same batch on every rank: per-rank batches route an MoE's tokens to different
+    # experts on different ranks, and DeepSpeed 0.19.8's ZeRO-2 then reduces different
+    # buckets on different ranks (gloo: "Received data size doesn't match expected size").
+    g = torch.Generator().manual_seed(args.seed * 1000 + 7)
+    ids = torch.randint(0, config.vocab_size, (1, args.seq), generator=g)
+    ds_config = door_config(stage=args.stage, bucket_numel=args.bucket_numel)
+    engine, timed = _timed(door_initialize, model, ds_config, ids)
+    out: dict[str, Any] = {**info, "build_s": build_s, **timed}
     if args.door == "flatzero":
         report = engine.init_report
         out["phase_seconds"] = dict(report.phase_seconds)
@@ -165,6 +171,7 @@ def _door(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _limit(args: argparse.Namespace) -> dict[str, Any]:
+    """The first touch of the bytes an init must write on this rank, all ranks at once."""
     import torch.distributed as dist
 
     from ..flatten.threads import cores_per_rank

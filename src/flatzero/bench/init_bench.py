@@ -26,7 +26,6 @@ default trials follow each other and may reuse the memory the previous one freed
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -39,7 +38,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import FlattenConfig
-from ..devices import local_cuda_index
 from ..flatten import flatten_parameters
 from ..flatten.threads import cores_per_rank
 from ..launch import run_ranks
@@ -47,12 +45,21 @@ from ..models import build_model, count_bytes, count_params, count_tensors, scal
 from . import limits
 from .baselines import flatten_legacy_cpu, flatten_torch_cat
 from .deepspeed_runner import (
-    deepspeed_available,
     prepare_deepspeed,
     time_deepspeed_initialize,
+    without_unavailable_deepspeed,
 )
-from .procmem import trim_host_memory
-from .provenance import command_line, utc_timestamp
+from .procmem import cpu_seconds, trim_host_memory
+from .ranks import backend_for, rank_device, sync
+from .results import emit, print_skipped, result_head
+from .settings import (
+    BENCH_DTYPES,
+    TrialsSpec,
+    add_settle_argument,
+    parse_methods,
+    spec_from_args,
+)
+from .trials import rotated, slowest_per_trial
 
 __all__ = ["MODELS", "add_arguments", "run"]
 
@@ -101,19 +108,20 @@ MODELS = {
 """Benchmark models by name: functions returning a model config."""
 
 METHODS = ("flatzero", "torch_cat", "legacy_cpu", "deepspeed")
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
-class BenchSpec:
-    """One benchmark run's settings (identical on every rank)."""
+class BenchSpec(TrialsSpec):
+    """One benchmark run's settings (identical on every rank): ``TrialsSpec``'s, and
 
-    model: str
-    dtype: str
-    trials: int
-    warmup: int
-    methods: tuple[str, ...]
-    bucket_numel: int
+    Attributes:
+        tier: flatzero's flatten tier.
+        device: ``"cpu"`` or ``"cuda"``: where the buckets go.
+        params_on: where the params are before init (``"host"``, ``"pinned"``, ``"device"``).
+        with_lm_head: the model with its LM head.
+        settle_s: seconds to sleep before every trial.
+    """
+
     tier: str
     device: str
     params_on: str
@@ -132,17 +140,11 @@ class Trial:
     tier: str
 
 
-def _device(spec: BenchSpec, rank: int) -> torch.device:
-    if spec.device == "cuda":
-        return torch.device("cuda", local_cuda_index())
-    return torch.device("cpu")
-
-
 def _fresh_model(spec: BenchSpec, pristine: dict[str, torch.Tensor], where: torch.device):
     """A new model whose params are fresh tensors holding the pristine values."""
     config = MODELS[spec.model]()
     model = build_model(
-        config, device="meta", dtype=DTYPES[spec.dtype], with_lm_head=spec.with_lm_head
+        config, device="meta", dtype=BENCH_DTYPES[spec.dtype], with_lm_head=spec.with_lm_head
     )
     model.to_empty(device=where)
     with torch.no_grad():
@@ -161,19 +163,14 @@ def _check_values(model: nn.Module, pristine: dict[str, torch.Tensor]) -> None:
             raise AssertionError(f"param {name} changed its values during init")
 
 
-def _cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
 def _time_method(method: str, model: nn.Module, spec: BenchSpec, rank: int, ws: int) -> Trial:
-    device = _device(spec, rank)
+    device = rank_device(spec.device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     dist.barrier()
-    t0, c0 = time.perf_counter(), _cpu_seconds()
+    t0, c0 = time.perf_counter(), cpu_seconds()
     tier = method
     if method == "flatzero":
         config = FlattenConfig(
@@ -191,9 +188,8 @@ def _time_method(method: str, model: nn.Module, spec: BenchSpec, rank: int, ws: 
         flat = time_deepspeed_initialize(
             model, stage=2, dtype=spec.dtype, bucket_numel=spec.bucket_numel
         )
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    wall, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
+    sync(device)
+    wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     if method == "deepspeed":
         wall, cpu = flat.wall_s, flat.cpu_s  # the initialize call alone
     peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
@@ -203,7 +199,7 @@ def _time_method(method: str, model: nn.Module, spec: BenchSpec, rank: int, ws: 
 
 def _limits(spec: BenchSpec, nbytes: int, threads: int, rank: int) -> dict[str, dict[str, Any]]:
     """The copy limit of ``nbytes`` and, on the host, their first touch (all ranks at once)."""
-    device = _device(spec, rank)
+    device = rank_device(spec.device)
     results = []
     dist.barrier()
     if device.type == "cuda" and spec.params_on in ("host", "pinned"):
@@ -236,16 +232,18 @@ def _slowest_limits(ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def _rank_main(rank: int, ws: int, spec: BenchSpec) -> dict[str, Any]:
-    device = _device(spec, rank)
+    """This rank's timed trials of every method (the order rotating), the limits measured
+    before and after them, and the model's sizes."""
+    device = rank_device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     config = MODELS[spec.model]()
     source = build_model(
-        config, device="cpu", dtype=DTYPES[spec.dtype], with_lm_head=spec.with_lm_head
+        config, device="cpu", dtype=BENCH_DTYPES[spec.dtype], with_lm_head=spec.with_lm_head
     )
     pristine = {n: p.detach() for n, p in source.named_parameters()}
     meta = build_model(
-        config, device="meta", dtype=DTYPES[spec.dtype], with_lm_head=spec.with_lm_head
+        config, device="meta", dtype=BENCH_DTYPES[spec.dtype], with_lm_head=spec.with_lm_head
     )
     model_bytes = count_bytes(meta)
     shard_numel = count_params(meta) / ws
@@ -258,8 +256,7 @@ def _rank_main(rank: int, ws: int, spec: BenchSpec) -> dict[str, Any]:
         prepare_deepspeed()  # one-off imports and warm-up, outside the timed trials
     for trial in range(spec.warmup + spec.trials):
         # Rotate the order so no method is always the first to touch fresh memory.
-        shift = trial % len(spec.methods)
-        for method in spec.methods[shift:] + spec.methods[:shift]:
+        for method in rotated(spec.methods, trial):
             model = _fresh_model(spec, pristine, where)
             trim_host_memory()  # every method starts from the same allocator state
             time.sleep(spec.settle_s)
@@ -289,16 +286,15 @@ def _summarize(ws: int, ranks: list[dict[str, Any]], spec: BenchSpec) -> list[di
     rows = []
     for method in spec.methods:
         per_rank = [[t for t in r["trials"] if t["method"] == method] for r in ranks]
-        per_trial = list(zip(*per_rank, strict=True))
-        walls = [max(t["wall_s"] for t in trial) for trial in per_trial]
-        cpus = [max(t["cpu_s"] for t in trial) for trial in per_trial]
-        peaks = [t["peak_device_bytes"] for trial in per_trial for t in trial]
+        walls = slowest_per_trial([[t["wall_s"] for t in mine] for mine in per_rank])
+        cpus = slowest_per_trial([[t["cpu_s"] for t in mine] for mine in per_rank])
+        peaks = [t["peak_device_bytes"] for mine in per_rank for t in mine]
         wall = statistics.median(walls)
         rows.append(
             {
                 "world_size": ws,
                 "method": method,
-                "tier": per_trial[0][0]["tier"],
+                "tier": per_rank[0][0]["tier"],
                 "wall_s": wall,
                 "wall_s_trials": walls,
                 "cpu_s_per_rank": statistics.median(cpus),
@@ -346,7 +342,7 @@ def _table(rows: list[dict[str, Any]], limits_by_ws: dict[int, dict[str, Any]]) 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``flatzero bench init`` options."""
     parser.add_argument("--model", default="llama-0.4b", choices=sorted(MODELS))
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", default="bf16", choices=sorted(BENCH_DTYPES))
     parser.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1,2")
     parser.add_argument("--trials", type=int, default=3, help="timed trials per method")
     parser.add_argument(
@@ -370,11 +366,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the params are before init (device: on the GPU)",
     )
     parser.add_argument("--no-lm-head", action="store_true", help="base model only")
-    parser.add_argument(
-        "--settle-s",
-        type=float,
-        default=0.0,
-        help="seconds to sleep before every trial so each starts from cold memory, as at a "
+    add_settle_argument(
+        parser,
+        "seconds to sleep before every trial so each starts from cold memory, as at a "
         "job's start (3 is enough for a VM's free page reporting); default: back to back",
     )
     parser.add_argument("--json", help="also write the result JSON to this path")
@@ -382,47 +376,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table and one JSON line."""
-    methods = tuple(m for m in args.methods.split(",") if m)
-    unknown = set(methods) - set(METHODS)
-    if unknown:
-        raise SystemExit(f"unknown method(s) {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    methods = parse_methods(args.methods, METHODS)
     if args.settle_s < 0:
         raise SystemExit(f"--settle-s {args.settle_s} must be >= 0")
-    skipped = {}
-    if "deepspeed" in methods:
-        ok, why = deepspeed_available()
-        if not ok:
-            methods = tuple(m for m in methods if m != "deepspeed")
-            skipped["deepspeed"] = why
-    spec = BenchSpec(
-        model=args.model,
-        dtype=args.dtype,
-        trials=args.trials,
-        warmup=args.warmup,
-        methods=methods,
-        bucket_numel=args.bucket_numel,
-        tier=args.tier,
-        device=args.device,
-        params_on=args.params_on,
-        with_lm_head=not args.no_lm_head,
-        settle_s=args.settle_s,
-    )
-    backend = "nccl" if spec.device == "cuda" else "gloo"
+    methods, skipped = without_unavailable_deepspeed(methods)
+    spec = spec_from_args(BenchSpec, args, methods=methods, with_lm_head=not args.no_lm_head)
     rows, limits_by_ws, info = [], {}, {}
     for ws in (int(w) for w in args.world_sizes.split(",")):
-        ranks = run_ranks(_rank_main, ws, spec, backend=backend, timeout_s=1800)
+        ranks = run_ranks(_rank_main, ws, spec, backend=backend_for(spec.device), timeout_s=1800)
         rows.extend(_summarize(ws, ranks, spec))
         limits_by_ws[ws] = _slowest_limits(ranks)
         info = {k: ranks[0][k] for k in ("model_bytes", "params", "tensors")}
     print(f"model {spec.model}: {info['params'] / 1e9:.3f}B params, {info['tensors']} tensors, ")
     print(f"{info['model_bytes'] / 2**30:.2f} GiB in {spec.dtype}; {platform.node()}")
-    for method, why in skipped.items():
-        print(f"skipped {method}: {why}")
+    print_skipped(skipped)
     print(_table(rows, limits_by_ws))
     result = {
-        "benchmark": "init",
-        "command": command_line(args),
-        "date": utc_timestamp(),
+        **result_head("init", args),
         "machine": {
             "cpus": os.cpu_count(),
             "device": torch.cuda.get_device_name() if spec.device == "cuda" else "cpu",
@@ -434,8 +404,5 @@ def run(args: argparse.Namespace) -> int:
         "rows": rows,
         "skipped": skipped,
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    print(json.dumps(result))
+    emit(result, args.json)
     return 0

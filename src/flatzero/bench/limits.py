@@ -213,6 +213,24 @@ def _cuda_pass(chunks: list[int], dst: torch.Tensor, src: torch.Tensor) -> Calla
     return one_pass
 
 
+def _cuda_copy_seconds(
+    kind: str, nbytes: int, dev: torch.device, repeats: int, chunk_bytes: int
+) -> CopyLimit:
+    """Time copies of ``nbytes`` into ``dev`` with CUDA events, from a buffer on ``dev``
+    (``kind`` ``"device_copy"``) or in pinned host memory (``"pinned_h2d"``)."""
+    _validate(nbytes, repeats, chunk_bytes)
+    chunk = min(nbytes, chunk_bytes)
+    with torch.cuda.device(dev):
+        pinned = kind == "pinned_h2d"
+        src = torch.full((chunk,), 0x5A, dtype=torch.uint8, device="cpu" if pinned else dev)
+        if pinned:
+            src = src.pin_memory()
+        dst = torch.empty(chunk, dtype=torch.uint8, device=dev)
+        seconds = _best_of(_cuda_pass(_chunks(nbytes, chunk), dst, src), repeats)
+        del src, dst
+    return CopyLimit(kind, str(dev), nbytes, seconds, None, chunk, repeats)
+
+
 def device_copy_seconds(
     nbytes: int,
     device: torch.device | str,
@@ -238,14 +256,7 @@ def device_copy_seconds(
         return memcpy_seconds(nbytes, threads, repeats=repeats, chunk_bytes=chunk_bytes)
     if dev.type != "cuda":
         raise ValueError(f"device={dev} is not supported: use 'cpu' or a CUDA device")
-    _validate(nbytes, repeats, chunk_bytes)
-    chunk = min(nbytes, chunk_bytes)
-    with torch.cuda.device(dev):
-        src = torch.full((chunk,), 0x5A, dtype=torch.uint8, device=dev)
-        dst = torch.empty(chunk, dtype=torch.uint8, device=dev)
-        seconds = _best_of(_cuda_pass(_chunks(nbytes, chunk), dst, src), repeats)
-        del src, dst
-    return CopyLimit("device_copy", str(dev), nbytes, seconds, None, chunk, repeats)
+    return _cuda_copy_seconds("device_copy", nbytes, dev, repeats, chunk_bytes)
 
 
 def pinned_h2d_seconds(
@@ -270,11 +281,4 @@ def pinned_h2d_seconds(
     dev = torch.device(device)
     if dev.type != "cuda" or not torch.cuda.is_available():
         return None
-    _validate(nbytes, repeats, chunk_bytes)
-    chunk = min(nbytes, chunk_bytes)
-    with torch.cuda.device(dev):
-        src = torch.full((chunk,), 0x5A, dtype=torch.uint8).pin_memory()
-        dst = torch.empty(chunk, dtype=torch.uint8, device=dev)
-        seconds = _best_of(_cuda_pass(_chunks(nbytes, chunk), dst, src), repeats)
-        del src, dst
-    return CopyLimit("pinned_h2d", str(dev), nbytes, seconds, None, chunk, repeats)
+    return _cuda_copy_seconds("pinned_h2d", nbytes, dev, repeats, chunk_bytes)

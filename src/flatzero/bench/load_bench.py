@@ -44,36 +44,27 @@ from ..launch import run_ranks
 from ..models import build_model, count_bytes, count_params, load_model_safetensors
 from ..models import save_model_safetensors as save_model
 from .init_bench import MODELS
-from .procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
-from .provenance import command_line, utc_timestamp
+from .limits import memcpy_seconds
+from .procmem import cpu_seconds, peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
+from .results import result_head
+from .settings import BENCH_DTYPES, TrialsSpec, parse_methods, spec_from_args
+from .trials import rotated, slowest_per_trial
 
 __all__ = ["METHODS", "LoadSpec", "add_arguments", "run"]
 
 METHODS = ("full", "direct", "direct_sharded")
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
-class LoadSpec:
-    """One benchmark run's settings (identical on every rank).
+class LoadSpec(TrialsSpec):
+    """One benchmark run's settings (identical on every rank): ``TrialsSpec``'s (``model``
+    a key of ``init_bench.MODELS``, ``dtype`` the checkpoint's and the params'), and
 
     Attributes:
-        model: a key of ``init_bench.MODELS``.
-        dtype: ``"bf16"`` or ``"fp32"`` (of the checkpoint and the params).
-        trials: timed trials per method.
-        warmup: untimed rounds of every method first.
-        methods: the methods, in first-round order (rotated every round).
-        bucket_numel: flatten bucket size in elements.
         build_master: also build the fp32 master shard (the same work in every method).
         checkpoint: path of the safetensors file.
     """
 
-    model: str
-    dtype: str
-    trials: int
-    warmup: int
-    methods: tuple[str, ...]
-    bucket_numel: int
     build_master: bool
     checkpoint: str
 
@@ -101,13 +92,8 @@ def _read_chars() -> int:
     return 0
 
 
-def _cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
 def _meta_model(spec: LoadSpec):
-    return build_model(MODELS[spec.model](), device="meta", dtype=DTYPES[spec.dtype])
+    return build_model(MODELS[spec.model](), device="meta", dtype=BENCH_DTYPES[spec.dtype])
 
 
 def _load(spec: LoadSpec, method: str):
@@ -137,63 +123,56 @@ def _check(flat, expected: dict[str, float]) -> None:
                 raise AssertionError(f"bucket {b} of group {g.layout.group_index} is wrong")
 
 
+def _timed_load(spec: LoadSpec, method: str, expected: dict[str, float]) -> LoadTrial:
+    """One load by ``method`` after a barrier, from the same allocator state; checked."""
+    trim_host_memory()
+    dist.barrier()
+    reset_peak_rss()
+    before = rss_bytes()
+    read0, cpu0 = _read_chars(), cpu_seconds()
+    t0 = time.perf_counter()
+    model, flat = _load(spec, method)
+    wall = time.perf_counter() - t0
+    cpu = cpu_seconds() - cpu0
+    read = _read_chars() - read0
+    peak = peak_rss_bytes() - before
+    _check(flat, expected)
+    tier = flat.report.groups[0].tier if flat.report.groups else "?"
+    del model, flat
+    return LoadTrial(method, wall, cpu, max(0, peak), read, tier)
+
+
 def _rank_main(rank: int, world_size: int, spec: LoadSpec, expected: dict[str, float]) -> dict:
+    """This rank's trials (the method order rotating every round) and its memcpy limit."""
     torch.manual_seed(0)
-    order = list(spec.methods)
     trials: list[LoadTrial] = []
     for round_index in range(spec.warmup + spec.trials):
-        for method in order:
-            trim_host_memory()
-            dist.barrier()
-            reset_peak_rss()
-            before = rss_bytes()
-            read0, cpu0 = _read_chars(), _cpu_seconds()
-            t0 = time.perf_counter()
-            model, flat = _load(spec, method)
-            wall = time.perf_counter() - t0
-            cpu = _cpu_seconds() - cpu0
-            read = _read_chars() - read0
-            peak = peak_rss_bytes() - before
-            _check(flat, expected)
-            tier = flat.report.groups[0].tier if flat.report.groups else "?"
-            del model, flat
+        for method in rotated(spec.methods, round_index):
+            trial = _timed_load(spec, method, expected)
             if round_index >= spec.warmup:
-                trials.append(LoadTrial(method, wall, cpu, max(0, peak), read, tier))
-        order = order[1:] + order[:1]
-    # the limit: a memcpy of the model's bytes
-    nbytes = os.path.getsize(spec.checkpoint)
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return {"trials": [asdict(t) for t in trials], "memcpy_s": min(times)}
+                trials.append(trial)
+    # the limit: a memcpy of the checkpoint's bytes
+    memcpy = memcpy_seconds(os.path.getsize(spec.checkpoint), repeats=3)
+    return {"trials": [asdict(t) for t in trials], "memcpy_s": memcpy.seconds}
 
 
 def _summary(ranks: list[dict], spec: LoadSpec) -> list[dict[str, Any]]:
+    """One row per method: the slowest rank's wall seconds per trial (median and min), and
+    over every trial and rank the median CPU seconds and bytes read, the largest peak RSS."""
     rows = []
     for method in spec.methods:
         mine = [[t for t in r["trials"] if t["method"] == method] for r in ranks]
-        per_trial = list(zip(*mine, strict=True))
-        walls = [max(t["wall_s"] for t in trial) for trial in per_trial]
+        walls = slowest_per_trial([[t["wall_s"] for t in trials] for trials in mine])
+        every = [t for trials in mine for t in trials]
         rows.append(
             {
                 "method": method,
-                "tier": per_trial[0][0]["tier"],
+                "tier": mine[0][0]["tier"],
                 "wall_s_median": statistics.median(walls),
                 "wall_s_min": min(walls),
-                "cpu_s_median_per_rank": statistics.median(
-                    t["cpu_s"] for trial in per_trial for t in trial
-                ),
-                "peak_rss_delta_bytes_max": max(
-                    t["peak_rss_delta_bytes"] for trial in per_trial for t in trial
-                ),
-                "read_bytes_per_rank": statistics.median(
-                    t["read_bytes"] for trial in per_trial for t in trial
-                ),
+                "cpu_s_median_per_rank": statistics.median(t["cpu_s"] for t in every),
+                "peak_rss_delta_bytes_max": max(t["peak_rss_delta_bytes"] for t in every),
+                "read_bytes_per_rank": statistics.median(t["read_bytes"] for t in every),
             }
         )
     return rows
@@ -202,7 +181,7 @@ def _summary(ranks: list[dict], spec: LoadSpec) -> list[dict[str, Any]]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``flatzero bench load``."""
     parser.add_argument("--model", default="llama-0.4b", choices=sorted(MODELS))
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", default="bf16", choices=sorted(BENCH_DTYPES))
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
@@ -217,36 +196,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="write the JSON result to this file")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the benchmark; print a table and write/print one JSON result."""
-    methods = tuple(m for m in args.methods.split(",") if m)
-    unknown = set(methods) - set(METHODS)
-    if unknown:
-        raise SystemExit(f"unknown method(s) {sorted(unknown)}; choose from {', '.join(METHODS)}")
-    with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
-        path = Path(workdir) / "model.safetensors"
-        config = MODELS[args.model]()
-        model = build_model(config, device="cpu", dtype=DTYPES[args.dtype], seed=0)
-        expected = {n: float(p.detach().double().sum()) for n, p in model.named_parameters()}
-        info = {
-            "params": count_params(model),
-            "model_bytes": count_bytes(model),
-        }
-        save_model(model, path)
-        del model
-        spec = LoadSpec(
-            model=args.model,
-            dtype=args.dtype,
-            trials=args.trials,
-            warmup=args.warmup,
-            methods=methods,
-            bucket_numel=args.bucket_numel,
-            build_master=args.master,
-            checkpoint=str(path),
-        )
-        ranks = run_ranks(_rank_main, args.world_size, spec, expected, timeout_s=1800)
-    rows = _summary(ranks, spec)
-    memcpy = min(r["memcpy_s"] for r in ranks)
+def _write_checkpoint(
+    args: argparse.Namespace, path: Path
+) -> tuple[dict[str, float], dict[str, int]]:
+    """Build the model (seed 0) and save it to ``path``; returns each param's float64 sum
+    and the model's ``params`` and ``model_bytes``."""
+    model = build_model(MODELS[args.model](), device="cpu", dtype=BENCH_DTYPES[args.dtype], seed=0)
+    expected = {n: float(p.detach().double().sum()) for n, p in model.named_parameters()}
+    info = {"params": count_params(model), "model_bytes": count_bytes(model)}
+    save_model(model, path)
+    return expected, info
+
+
+def _print_table(
+    args: argparse.Namespace, info: dict[str, Any], rows: list[dict[str, Any]], memcpy: float
+) -> None:
+    """The model and the limit (``memcpy`` seconds), then a line per method."""
     base = next((r for r in rows if r["method"] == "full"), rows[0])
     print(
         f"model {args.model} ({info['params'] / 1e6:.0f}M params, "
@@ -265,10 +230,23 @@ def run(args: argparse.Namespace) -> int:
             f"{r['peak_rss_delta_bytes_max'] / 2**30:>15.2f}"
             f"{r['read_bytes_per_rank'] / 2**30:>15.2f}"
         )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; print a table and write/print one JSON result."""
+    methods = parse_methods(args.methods, METHODS)
+    with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
+        path = Path(workdir) / "model.safetensors"
+        expected, info = _write_checkpoint(args, path)
+        spec = spec_from_args(
+            LoadSpec, args, methods=methods, build_master=args.master, checkpoint=str(path)
+        )
+        ranks = run_ranks(_rank_main, args.world_size, spec, expected, timeout_s=1800)
+    rows = _summary(ranks, spec)
+    memcpy = min(r["memcpy_s"] for r in ranks)
+    _print_table(args, info, rows, memcpy)
     result = {
-        "benchmark": "load",
-        "command": command_line(args),
-        "date": utc_timestamp(),
+        **result_head("load", args),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "torch": torch.__version__,

@@ -1,12 +1,14 @@
-"""This process's host memory, as the benchmarks measure and reset it (Linux ``/proc``)."""
+"""This process's host memory and CPU time, as the benchmarks measure and reset them (Linux
+``/proc``)."""
 
 from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import resource
 
-__all__ = ["peak_rss_bytes", "reset_peak_rss", "rss_bytes", "trim_host_memory"]
+__all__ = ["cpu_seconds", "peak_rss_bytes", "reset_peak_rss", "rss_bytes", "trim_host_memory"]
 
 
 def _status_kib(key: str) -> int | None:
@@ -19,6 +21,12 @@ def _status_kib(key: str) -> int | None:
     except OSError:
         return None
     return None
+
+
+def cpu_seconds() -> float:
+    """CPU seconds this process has used so far: user + system, every thread."""
+    t = os.times()
+    return t.user + t.system
 
 
 def rss_bytes() -> int:

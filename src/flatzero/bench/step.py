@@ -28,243 +28,69 @@ steps, and ratios of each method to the baseline of its world size.
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
 import platform
 import statistics
-import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
-from ..config import FlattenConfig
-from ..devices import local_cuda_index
 from ..launch import run_ranks
-from ..models import build_model, count_params, scaled
-from ..optim import ZeroConfig, ZeroOptimizer
-from .provenance import command_line, utc_timestamp
+from ..models import ModelConfig, build_model, count_params, scaled
+from .deepspeed_runner import without_unavailable_deepspeed
+from .machine import device_name, versions
+from .ranks import backend_for, rank_device, threads_per_rank
+from .results import emit, print_skipped, result_head
+from .settings import BENCH_DTYPES, spec_from_args
+from .step_methods import StepMethod, StepSpec, make_method, stage_of
 
-__all__ = ["MODELS", "StepSpec", "add_arguments", "run"]
+__all__ = ["MODELS", "add_arguments", "run"]
+
+
+_LLAMA_SIZES = ("layers", "hidden", "heads", "kv_heads", "intermediate")
+
+
+def _llama(*sizes: int, **more: int) -> Callable[[], ModelConfig]:
+    """The Llama-3-8B shape at ``sizes`` (in the order of ``_LLAMA_SIZES``) and ``more``
+    (``head_dim``, ``vocab``), as a ``MODELS`` entry."""
+    given = dict(zip(_LLAMA_SIZES, sizes, strict=True))
+    return functools.partial(scaled, "llama-3-8b", **given, **more)
+
 
 MODELS = {
+    # _llama(layers, hidden, heads, kv_heads, intermediate, head_dim=..., vocab=...)
     # Seconds per step on a laptop CPU: for tests and smoke runs.
-    "tiny": lambda: scaled(
-        "llama-3-8b",
-        layers=2,
-        hidden=64,
-        heads=4,
-        kv_heads=2,
-        head_dim=16,
-        intermediate=128,
-        vocab=512,
-    ),
+    "tiny": _llama(2, 64, 4, 2, 128, head_dim=16, vocab=512),
     # ~22M params, a few hundred ms per step on 2 CPU cores.
-    "llama-22m": lambda: scaled(
-        "llama-3-8b",
-        layers=4,
-        hidden=512,
-        heads=8,
-        kv_heads=4,
-        head_dim=64,
-        intermediate=1536,
-        vocab=8192,
-    ),
+    "llama-22m": _llama(4, 512, 8, 4, 1536, head_dim=64, vocab=8192),
     # ~0.43B params: the Llama-3-8B shape at 1/4 width and 12 layers (a GPU run).
-    "llama-0.4b": lambda: scaled(
-        "llama-3-8b", layers=12, hidden=1024, heads=8, kv_heads=2, intermediate=3584
-    ),
+    "llama-0.4b": _llama(12, 1024, 8, 2, 3584),
 }
 """Benchmark models by name: functions returning a model config."""
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-METHODS = ("flatzero-z2", "flatzero-z1", "torch-adamw", "deepspeed-z2", "deepspeed-z1")
-LR = 1e-4
-MAX_GRAD_NORM = 1.0
-
-
-@dataclass(frozen=True)
-class StepSpec:
-    """One benchmark run's settings (identical on every rank).
-
-    Attributes:
-        model: a key of ``MODELS``.
-        dtype: ``"fp32"`` or ``"bf16"`` (params; masters and optimizer state are fp32,
-            except ``torch-adamw`` which keeps everything in the params' dtype).
-        methods: the methods to run at this world size, the first one being the baseline.
-        batch: sequences per rank and step.
-        seq: tokens per sequence.
-        warmup: untimed steps per method before timing.
-        steps: timed steps per method; the methods alternate step by step.
-        bucket_numel: gradient/all-gather bucket size in elements (flatzero and DeepSpeed).
-        device: ``"cpu"`` or ``"cuda"``.
-    """
-
-    model: str
-    dtype: str
-    methods: tuple[str, ...]
-    batch: int
-    seq: int
-    warmup: int
-    steps: int
-    bucket_numel: int
-    device: str
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _stage(name: str) -> int:
-    """``"deepspeed-z2-fused"`` -> 2."""
-    return int(name.split("-")[1][1])
-
-
-def _fused(name: str) -> bool:
-    return name.endswith("-fused")
-
-
-class _Method:
-    """A model copy and its optimizer, stepping in three timed phases."""
-
-    def __init__(self, name: str, model: nn.Module, device: torch.device) -> None:
-        self.name = name
-        self.model = model
-        self.device = device
-        self.times: list[tuple[float, float, float]] = []
-        self.losses: list[float] = []
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, labels=ids).loss
-
-    def backward(self, loss: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def step(self) -> None:
-        raise NotImplementedError
-
-    def train_step(self, ids: torch.Tensor, record: bool) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-        _sync(self.device)
-        t0 = time.perf_counter()
-        loss = self.forward(ids)
-        _sync(self.device)
-        t1 = time.perf_counter()
-        self.backward(loss)
-        _sync(self.device)
-        t2 = time.perf_counter()
-        self.step()
-        _sync(self.device)
-        t3 = time.perf_counter()
-        if record:
-            self.times.append((t1 - t0, t2 - t1, t3 - t2))
-            self.losses.append(float(loss.detach()))
-
-
-class _Flatzero(_Method):
-    def __init__(self, name: str, model: nn.Module, device: torch.device, spec: StepSpec):
-        super().__init__(name, model, device)
-        self.opt = ZeroOptimizer(
-            model.parameters(),
-            torch.optim.AdamW,
-            stage=_stage(name),
-            config=ZeroConfig(max_grad_norm=MAX_GRAD_NORM),
-            flatten_config=FlattenConfig(
-                bucket_numel=spec.bucket_numel, device=str(device), progress=False
-            ),
-            lr=LR,
-        )
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-        self.opt.reduce_gradients()
-
-    def step(self) -> None:
-        self.opt.step()
-        self.opt.zero_grad()
-
-
-class _TorchAdamW(_Method):
-    def __init__(self, name: str, model: nn.Module, device: torch.device, spec: StepSpec):
-        super().__init__(name, model, device)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=LR, fused=_fused(name) or None)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def step(self) -> None:
-        torch.nn.utils.clip_grad_norm_(self.params, MAX_GRAD_NORM)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-
-
-class _DeepSpeed(_Method):
-    def __init__(self, name: str, model: nn.Module, device: torch.device, spec: StepSpec):
-        from .deepspeed_runner import deepspeed_config, prepare_deepspeed
-
-        super().__init__(name, model, device)
-        prepare_deepspeed()
-        import deepspeed
-
-        config = deepspeed_config(
-            stage=_stage(name), dtype=spec.dtype, bucket_numel=spec.bucket_numel
-        )
-        config["gradient_clipping"] = MAX_GRAD_NORM
-        config["train_micro_batch_size_per_gpu"] = spec.batch
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=_fused(name) or None)
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.engine(ids, labels=ids).loss
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss)
-
-    def step(self) -> None:
-        self.engine.step()
-
-
-_KINDS: dict[str, type[_Method]] = {
-    "flatzero": _Flatzero,
-    "torch": _TorchAdamW,
-    "deepspeed": _DeepSpeed,
-}
-
-
-def _device(spec: StepSpec, rank: int) -> torch.device:
-    if spec.device == "cuda":
-        return torch.device("cuda", local_cuda_index())
-    return torch.device("cpu")
-
-
-def _threads(world_size: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // world_size)
-
 
 def _rank_main(rank: int, world_size: int, spec: StepSpec) -> dict[str, Any]:
-    device = _device(spec, rank)
+    """This rank's copies of the model, one per method, trained on the same batches (one
+    stream per rank), the methods alternating step by step; their phase times and losses."""
+    device = rank_device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    torch.set_num_threads(_threads(world_size))
+    torch.set_num_threads(threads_per_rank(world_size))
     config = MODELS[spec.model]()
-    pristine = build_model(config, device="cpu", dtype=DTYPES[spec.dtype], seed=0)
+    pristine = build_model(config, device="cpu", dtype=BENCH_DTYPES[spec.dtype], seed=0)
     state = {k: v.detach().clone() for k, v in pristine.state_dict().items()}
     n_params = count_params(pristine)
     del pristine
 
-    methods: list[_Method] = []
+    methods: list[StepMethod] = []
     for name in spec.methods:
-        model = build_model(config, device="meta", dtype=DTYPES[spec.dtype])
+        model = build_model(config, device="meta", dtype=BENCH_DTYPES[spec.dtype])
         model.to_empty(device=device)
         model.load_state_dict(state)
-        methods.append(_KINDS[name.split("-")[0]](name, model, device, spec))
+        methods.append(make_method(name, model, device, spec))
     del state
 
     g = torch.Generator().manual_seed(1000 + rank)
@@ -275,7 +101,7 @@ def _rank_main(rank: int, world_size: int, spec: StepSpec) -> dict[str, Any]:
     ]
     cursor = dict.fromkeys(spec.methods, 0)
 
-    def run_steps(method: _Method, count: int, record: bool) -> None:
+    def run_steps(method: StepMethod, count: int, record: bool) -> None:
         for _ in range(count):
             method.train_step(data[cursor[method.name]], record)
             cursor[method.name] += 1
@@ -300,7 +126,7 @@ def _baselines_of(method: str, world_size: int) -> tuple[str, str]:
     else (default, fused) DeepSpeed at the same stage."""
     if world_size == 1:
         return "torch-adamw", "torch-adamw-fused"
-    stage = _stage(method)
+    stage = stage_of(method)
     return f"deepspeed-z{stage}", f"deepspeed-z{stage}-fused"
 
 
@@ -360,28 +186,6 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
-
-
-def _versions() -> dict[str, str]:
-    out = {"torch": torch.__version__}
-    try:
-        from importlib.metadata import version
-
-        out["deepspeed"] = version("deepspeed")
-    except Exception:  # not installed
-        pass
-    return out
-
-
 def _methods_for(
     world_size: int, stages: Sequence[int], deepspeed: bool, fused: bool
 ) -> tuple[str, ...]:
@@ -420,91 +224,91 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", help="also write the table (markdown) to this path")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the benchmark; print a table and one JSON line."""
-    from .deepspeed_runner import deepspeed_available
-
+def _checked(args: argparse.Namespace) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The ZeRO stages and dtypes asked for, checked."""
     stages = tuple(int(s) for s in args.stages.split(","))
     if any(s not in (1, 2) for s in stages):
         raise SystemExit(f"--stages must list 1 and/or 2, got {args.stages!r}")
     dtypes = tuple(d for d in args.dtypes.split(",") if d)
-    if any(d not in DTYPES for d in dtypes):
+    if any(d not in BENCH_DTYPES for d in dtypes):
         raise SystemExit(f"--dtypes must list fp32 and/or bf16, got {args.dtypes!r}")
-    skipped: dict[str, str] = {}
-    use_ds = not args.no_deepspeed
-    if use_ds:
-        use_ds, why = deepspeed_available()
-        if not use_ds:
-            skipped["deepspeed"] = why
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    rows, specs, info = [], [], {}
-    load_before = os.getloadavg()
+    return stages, dtypes
+
+
+def _run_all(
+    args: argparse.Namespace, stages: tuple[int, ...], dtypes: tuple[str, ...], use_ds: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """One launch of ranks per dtype and world size, each one's table printed as it ends;
+    returns the rows, the specs, and the model's params and threads per rank."""
+    rows: list[dict[str, Any]] = []
+    specs: list[dict[str, Any]] = []
+    info: dict[str, Any] = {}
+    env = {"DS_ACCELERATOR": "cpu"} if args.device == "cpu" else None
     for dtype in dtypes:
         for ws in (int(w) for w in args.world_sizes.split(",")):
-            spec = StepSpec(
-                model=args.model,
-                dtype=dtype,
-                methods=_methods_for(ws, stages, use_ds, not args.no_fused_baselines),
-                batch=args.batch,
-                seq=args.seq,
-                warmup=args.warmup,
-                steps=args.steps,
-                bucket_numel=args.bucket_numel,
-                device=args.device,
+            methods = _methods_for(ws, stages, use_ds, not args.no_fused_baselines)
+            spec = spec_from_args(StepSpec, args, dtype=dtype, methods=methods)
+            ranks = run_ranks(
+                _rank_main, ws, spec, backend=backend_for(args.device), env=env, timeout_s=3600
             )
-            env = {"DS_ACCELERATOR": "cpu"} if args.device == "cpu" else None
-            ranks = run_ranks(_rank_main, ws, spec, backend=backend, env=env, timeout_s=3600)
             done = [{"dtype": dtype, **row} for row in _summarize(ws, ranks, spec)]
             rows.extend(done)
             specs.append(asdict(spec))
             print(f"dtype {dtype}, world size {ws}:\n{_table(done)}\n", flush=True)
             info = {"params": ranks[0]["params"], "threads_per_rank": ranks[0]["threads"]}
+    return rows, specs, info
+
+
+def _markdown(result: dict[str, Any], header: str, steps: int, table: str) -> str:
+    """The result as a markdown page: command, machine, how to read it, the tables."""
+    return (
+        f"# flatzero bench step, {result['date']}\n\n"
+        f"Command: `{result['command']}`\n\n{header}\n\n"
+        f"Each phase: the slowest rank's time, median over {steps} timed steps per "
+        "method (methods alternate step by step). bwd+reduce: backward with the "
+        "gradient reduction complete; step: clipping, optimizer step, parameter "
+        "all-gather, zeroing.\n\n"
+        f"{table}\n"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; print a table and one JSON line."""
+    stages, dtypes = _checked(args)
+    kept, skipped = without_unavailable_deepspeed(() if args.no_deepspeed else ("deepspeed",))
+    load_before = os.getloadavg()
+    rows, specs, info = _run_all(args, stages, dtypes, use_ds=bool(kept))
     load_after = os.getloadavg()
-    device = torch.cuda.get_device_name() if args.device == "cuda" else _cpu_name()
-    versions = _versions()
+    device, library_versions = device_name(args.device), versions()
     header = (
         f"model {args.model}: {info['params'] / 1e6:.1f}M params; batch {args.batch} x "
         f"{args.seq} tokens per rank; {platform.node()}: {os.cpu_count()} cpus, {device}; "
-        + ", ".join(f"{k} {v}" for k, v in versions.items())
+        + ", ".join(f"{k} {v}" for k, v in library_versions.items())
         + f"; 1-min load average {load_before[0]:.1f} before, {load_after[0]:.1f} after"
     )
     print(header)
-    for method, why in skipped.items():
-        print(f"skipped {method}: {why}")
+    print_skipped(skipped)
     table = "\n\n".join(
         f"dtype {dtype}:\n\n" + _table([r for r in rows if r["dtype"] == dtype]) for dtype in dtypes
     )
     print(table)
     result = {
-        "benchmark": "step",
-        "command": command_line(args),
-        "date": utc_timestamp(),
+        **result_head("step", args),
         "machine": {
             "node": platform.node(),
             "cpus": os.cpu_count(),
             "device": device,
             "load_average_before": load_before,
             "load_average_after": load_after,
-            **versions,
+            **library_versions,
         },
         "model": {"name": args.model, **info},
         "specs": specs,
         "rows": rows,
         "skipped": skipped,
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(
-                f"# flatzero bench step, {result['date']}\n\n"
-                f"Command: `{result['command']}`\n\n{header}\n\n"
-                f"Each phase: the slowest rank's time, median over {args.steps} timed steps per "
-                "method (methods alternate step by step). bwd+reduce: backward with the "
-                "gradient reduction complete; step: clipping, optimizer step, parameter "
-                "all-gather, zeroing.\n\n"
-                f"{table}\n"
-            )
-    print(json.dumps(result))
+            f.write(_markdown(result, header, args.steps, table))
+    emit(result, args.json)
     return 0

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..dtypes import SHORT_DTYPES
+
 __all__ = ["ExportConfig", "LoadConfig", "SaveConfig"]
 
-EXPORT_DTYPES = ("bf16", "fp32", "fp16", "saved")
+EXPORT_DTYPES = (*SHORT_DTYPES, "saved")
 """``ExportConfig.dtype`` choices; ``saved`` keeps each param's training dtype."""
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..safetensors_index import SAFETENSORS_DTYPES
+from ..dtypes import SAFETENSORS_DTYPES, SHORT_DTYPES
 from .config import EXPORT_DTYPES, ExportConfig
 from .format import MASTER
 from .reader import CheckpointReader
@@ -48,8 +48,6 @@ INDEX_NAME = "model.safetensors.index.json"
 
 SINGLE_NAME = "model.safetensors"
 """Name of an export that fits one file."""
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -92,7 +90,7 @@ def _items(reader: CheckpointReader, config: ExportConfig) -> list[_Item]:
     slots = [(g.group_index, s.registration_index, s) for g in meta.layout.groups for s in g.slots]
     for _, _, slot in sorted(slots, key=lambda t: (t[0], t[1])):
         saved = getattr(torch, slot.spec.dtype)
-        dtype = saved if config.dtype == "saved" else _DTYPES[config.dtype]
+        dtype = saved if config.dtype == "saved" else SHORT_DTYPES[config.dtype]
         out = meta.model_names.get(slot.spec.name, slot.spec.name)
         items.append(_Item(out, "param", slot.spec.name, dtype, slot.spec.shape))
     if config.include_rest and meta.model_rest is not None:
@@ -102,7 +100,7 @@ def _items(reader: CheckpointReader, config: ExportConfig) -> list[_Item]:
             saved = SAFETENSORS_DTYPES[piece.get_dtype()]
             dtype = saved
             if config.dtype != "saved" and saved.is_floating_point:
-                dtype = _DTYPES[config.dtype]
+                dtype = SHORT_DTYPES[config.dtype]
             items.append(_Item(key, "rest", key, dtype, tuple(piece.get_shape())))
     if config.include_tied:
         by_name = {i.name: i for i in items}
@@ -170,40 +168,12 @@ def export_checkpoint(
             if n == 1
             else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         )
-        out.mkdir(parents=True, exist_ok=True)
-        existing = [
-            p.name
-            for p in out.iterdir()
-            if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", p.name)
-        ]
-        if existing and not overwrite:
-            raise ValueError(
-                f"{out} already holds {sorted(existing)[:3]}; choose another directory or "
-                "pass overwrite=True (--overwrite)"
-            )
-        for name in existing:
-            (out / name).unlink()
-        rest = None
-        if reader.meta.model_rest is not None:
-            rest = open_safetensors(reader.path / reader.meta.model_rest)
+        _clear_outputs(out, overwrite)
         weight_map: dict[str, str] = {}
-        total = 0
         for file_name, group in zip(names, groups, strict=True):
-            tmp = out / f".tmp-{file_name}"
-            tmp.unlink(missing_ok=True)
-            entries = [TensorEntry(i.name, i.dtype, i.shape) for i in group]
-            metadata = {"format": "pt", "source": f"flatzero checkpoint {reader.tag}"}
-            with SafetensorsWriter(tmp, entries, metadata, checksums=False) as writer:
-                for item in group:
-                    if item.source == "param":
-                        tensor = reader.read_param(item.key, MASTER)
-                    else:
-                        assert rest is not None
-                        tensor = rest.get_tensor(item.key)
-                    writer.write(item.name, tensor.to(item.dtype).contiguous())
-                    weight_map[item.name] = file_name
-                    total += item.nbytes
-            os.replace(tmp, out / file_name)
+            _write_file(reader, out, file_name, group)
+            weight_map.update({item.name: file_name for item in group})
+        total = sum(item.nbytes for item in items)
         index = None
         if n > 1:
             index = INDEX_NAME
@@ -221,6 +191,44 @@ def export_checkpoint(
         out,
     )
     return result
+
+
+def _clear_outputs(out: Path, overwrite: bool) -> None:
+    """Create ``out``; remove an earlier export there, or refuse without ``overwrite``."""
+    out.mkdir(parents=True, exist_ok=True)
+    existing = [
+        p.name
+        for p in out.iterdir()
+        if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", p.name)
+    ]
+    if existing and not overwrite:
+        raise ValueError(
+            f"{out} already holds {sorted(existing)[:3]}; choose another directory or "
+            "pass overwrite=True (--overwrite)"
+        )
+    for name in existing:
+        (out / name).unlink()
+
+
+def _write_file(reader: CheckpointReader, out: Path, file_name: str, group: list[_Item]) -> None:
+    """Write ``group``'s tensors, one at a time, into ``out/file_name`` (via a temporary
+    name)."""
+    rest = None
+    if reader.meta.model_rest is not None:
+        rest = open_safetensors(reader.path / reader.meta.model_rest)
+    tmp = out / f".tmp-{file_name}"
+    tmp.unlink(missing_ok=True)
+    entries = [TensorEntry(i.name, i.dtype, i.shape) for i in group]
+    metadata = {"format": "pt", "source": f"flatzero checkpoint {reader.tag}"}
+    with SafetensorsWriter(tmp, entries, metadata, checksums=False) as writer:
+        for item in group:
+            if item.source == "param":
+                tensor = reader.read_param(item.key, MASTER)
+            else:
+                assert rest is not None
+                tensor = rest.get_tensor(item.key)
+            writer.write(item.name, tensor.to(item.dtype).contiguous())
+    os.replace(tmp, out / file_name)
 
 
 # ---------------------------------------------------------------------------------- CLI

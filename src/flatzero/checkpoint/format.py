@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..dtypes import dtype_name
 from ..layout import Layout
 
 __all__ = [
@@ -114,7 +115,7 @@ def encode_value(value: Any, where: str = "value") -> Any:
                 "be stored as JSON (per-element state must have the shard's shape)"
             )
         item = value.detach().cpu().reshape(()).item()
-        dtype = str(value.dtype).removeprefix("torch.")
+        dtype = dtype_name(value.dtype)
         return {"__tensor__": _encode_float(item), "dtype": dtype, "shape": list(value.shape)}
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return value
@@ -134,7 +135,7 @@ def encode_value(value: Any, where: str = "value") -> Any:
             )
         return out
     if isinstance(value, torch.dtype):
-        return {"__dtype__": str(value).removeprefix("torch.")}
+        return {"__dtype__": dtype_name(value)}
     raise TypeError(
         f"{where} is a {type(value).__name__}, which a checkpoint cannot store as JSON; store "
         "plain numbers, strings, lists, dicts or scalar tensors"

@@ -12,7 +12,6 @@ on the process group's control group (gloo), with a timeout that fits the bytes 
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -23,11 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather_into, all_reduce_max
+from ..comm import all_gather_buckets_from_own_slices, raise_if_any_failed
 from ..control import control_group, wait_for_host_work
+from ..optim.state import GroupState, ShardedOptimizerState
 from .config import LoadConfig
 from .format import MASTER, CheckpointMeta, GroupRecord, decode_value
-from .optimizer_state import build_state_dict, merge_group_records
+from .optimizer_state import merge_group_records, restored_state, saved_step
 from .reader import CheckpointReader
 from .reshard import GroupReadPlan, _resolve
 from .rng import restore_rng
@@ -64,16 +64,32 @@ class LoadResult:
     seconds: float
 
 
+@dataclass(frozen=True)
+class _Read:
+    """Everything a load changes, read and checked on this rank before anything changes.
+
+    Attributes:
+        reader: the open checkpoint.
+        state: the optimizer state to load (this rank's shards in its own layout).
+        scheduler: the scheduler state to load, or None.
+        elements: elements read from the rank files (master and states).
+    """
+
+    reader: CheckpointReader
+    state: ShardedOptimizerState
+    scheduler: Any
+    elements: int
+
+
 def _all_ok(error: BaseException | None, group: dist.ProcessGroup | None, nbytes: int) -> None:
     """Raise on every rank if ``error`` happened on any rank, once every rank has read its
     ``nbytes`` (on the control group, never behind GPU work)."""
     wait_for_host_work(group, nbytes)
-    if all_reduce_max(int(error is not None), control_group(group)) == 0:
-        return
-    if error is not None:
-        raise error
-    raise ValueError(
-        "loading the checkpoint failed on another rank (see its error); nothing was changed"
+    raise_if_any_failed(
+        error,
+        group,
+        "loading the checkpoint failed on another rank (see its error); nothing was changed",
+        error_type=ValueError,
     )
 
 
@@ -92,29 +108,18 @@ def _group_sources(
     return out
 
 
-def _current(optimizer: Any, gi: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Group ``gi``'s current master shard and per-element states, on the host."""
-    sd = optimizer.state_dict()
-    state = sd["optimizer"]["state"].get(gi, {})
-    tensors = {
-        k: v.detach().cpu() for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0
-    }
-    return sd["master"][gi].detach().cpu(), tensors
-
-
 def _read_group(
     reader: CheckpointReader,
     plan: GroupReadPlan,
     record: GroupRecord | None,
-    current: Callable[[], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    current: GroupState,
     config: LoadConfig,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
     """This rank's new master and state shards of one group; elements read.
 
-    ``current()`` gives the group's current master and per-element state shards (on the
-    host), needed only for params the checkpoint lacks (``strict=False``).
+    ``current`` is the group's current state: its values stay for params the checkpoint
+    lacks (``strict=False``).
     """
-    current_master, current_state = current() if plan.missing else (None, {})
     states = record.states if record is not None else (MASTER,)
     if not config.load_optimizer_states:
         states = (MASTER,)
@@ -123,15 +128,113 @@ def _read_group(
     for state in states:
         tensor = reader.read(plan, state)
         read += sum(c.numel for c in plan.copies)
-        for _name, start, numel in plan.missing:  # strict=False: keep what is there
-            if state == MASTER:
-                assert current_master is not None
-                tensor[start : start + numel].copy_(current_master[start : start + numel])
-            elif state in current_state:
-                tensor[start : start + numel].copy_(current_state[state][start : start + numel])
+        kept = current.master if state == MASTER else current.shards.get(state)
+        if kept is not None and plan.missing:
+            kept = kept.detach().cpu()
+            for _name, start, numel in plan.missing:  # strict=False: keep what is there
+                tensor[start : start + numel].copy_(kept[start : start + numel])
         out[state] = tensor
     master = out.pop(MASTER)
     return master, out, read
+
+
+def _read(
+    reader: CheckpointReader,
+    plans: list[GroupReadPlan],
+    optimizer: Any,
+    rename: Callable[[str], str] | Mapping[str, str] | None,
+    config: LoadConfig,
+) -> tuple[ShardedOptimizerState, int]:
+    """This rank's new optimizer state, read through ``plans``; elements read."""
+    meta = reader.meta
+    current = optimizer.sharded_state()
+    sources = _group_sources(reader, optimizer.flat.layout, rename)
+    masters, shards, records = [], [], []
+    elements = 0
+    for gi, plan in enumerate(plans):
+        record = merge_group_records(meta.groups, sources[gi], gi, str(reader.path))
+        master, states, read = _read_group(reader, plan, record, current.groups[gi], config)
+        elements += read
+        masters.append(master)
+        shards.append(states)
+        records.append(record)
+    state = restored_state(
+        current,
+        meta,
+        masters,
+        shards,
+        records,
+        load_optimizer_states=config.load_optimizer_states,
+    )
+    return state, elements
+
+
+def _verify(reader: CheckpointReader, plans: list[GroupReadPlan], config: LoadConfig) -> int:
+    """With ``config.verify``, check the checksums of the rank files ``plans`` read from;
+    bytes verified."""
+    if not config.verify:
+        return 0
+    ranks = sorted({src[0] for p in plans for src in p.sources})
+    reader.verify(ranks)
+    return sum(reader.meta.files[r].bytes for r in ranks)
+
+
+def _scheduler_state(reader: CheckpointReader, scheduler: Any, config: LoadConfig) -> Any:
+    """The saved scheduler state to load, or None."""
+    if scheduler is None or not config.load_scheduler:
+        return None
+    if reader.meta.scheduler is None:
+        raise ValueError(
+            f"{reader.path} has no scheduler state (saved without scheduler=); "
+            "load without scheduler= or with LoadConfig(load_scheduler=False)"
+        )
+    return decode_value(reader.meta.scheduler)
+
+
+def _read_everything(
+    directory: str | Path,
+    tag: str | None,
+    optimizer: Any,
+    scheduler: Any,
+    model: torch.nn.Module | None,
+    rename: Callable[[str], str] | Mapping[str, str] | None,
+    config: LoadConfig,
+) -> _Read:
+    """Read and check everything on this rank; every rank learns whether all could."""
+    error: BaseException | None = None
+    read: _Read | None = None
+    verified = 0
+    try:
+        reader = CheckpointReader(directory, tag)
+        flat = optimizer.flat
+        plans = reader.plan(flat.layout, flat.rank, rename=rename, strict=config.strict)
+        verified = _verify(reader, plans, config)
+        state, elements = _read(reader, plans, optimizer, rename, config)
+        read = _Read(reader, state, _scheduler_state(reader, scheduler, config), elements)
+        if model is not None:
+            _check_model_rest(reader, model)
+    except (ValueError, TypeError, OSError) as e:
+        error = e
+    elements = read.elements if read is not None else 0
+    _all_ok(error, optimizer.flat.process_group, verified + elements * 4)
+    assert read is not None
+    return read
+
+
+def _restore_rng(reader: CheckpointReader, rank: int, world_size: int) -> None:
+    """Restore this rank's RNG states when the checkpoint was saved at this world size."""
+    meta = reader.meta
+    if meta.world_size == world_size:
+        handle = reader.handle(rank)
+        restore_rng(handle, handle.metadata() or {})
+    elif rank == 0:
+        logger.warning(
+            "checkpoint %s has RNG states of %d ranks; loading at %d ranks, RNG states "
+            "are not restored",
+            reader.path,
+            meta.world_size,
+            world_size,
+        )
 
 
 def load_checkpoint(
@@ -169,96 +272,30 @@ def load_checkpoint(
     config = config or LoadConfig()
     t0 = time.perf_counter()
     flat = optimizer.flat
-    group = flat.process_group
-    rank, world_size = flat.rank, flat.world_size
-    layout = flat.layout
-    control_group(group)  # created (collective) now, not while some rank reads
+    control_group(flat.process_group)  # created (collective) now, not while some rank reads
+    read = _read_everything(directory, tag, optimizer, scheduler, model, rename, config)
+    reader, meta = read.reader, read.reader.meta
 
-    error: BaseException | None = None
-    state_dict: dict[str, Any] | None = None
-    reader: CheckpointReader | None = None
-    scheduler_state = None
-    elements = 0
-    verified = 0
-    try:
-        reader = CheckpointReader(directory, tag)
-        meta = reader.meta
-        plans = reader.plan(layout, rank, rename=rename, strict=config.strict)
-        if config.verify:
-            ranks = sorted({src[0] for p in plans for src in p.sources})
-            verified = sum(meta.files[r].bytes for r in ranks)
-            reader.verify(ranks)
-        sources = _group_sources(reader, layout, rename)
-        masters, states, records = [], [], []
-        for gi, plan in enumerate(plans):
-            record = merge_group_records(meta.groups, sources[gi], gi, str(reader.path))
-            master, state, read = _read_group(
-                reader, plan, record, functools.partial(_current, optimizer, gi), config
-            )
-            elements += read
-            masters.append(master)
-            states.append(state)
-            records.append(record)
-        state_dict = build_state_dict(
-            optimizer,
-            masters,
-            states,
-            records,
-            meta.loss_scaler,
-            bucket_order=meta.bucket_order if meta.layout.digest() == layout.digest() else None,
-            load_optimizer_states=config.load_optimizer_states,
-        )
-        if scheduler is not None and config.load_scheduler:
-            if meta.scheduler is None:
-                raise ValueError(
-                    f"{reader.path} has no scheduler state (saved without scheduler=); "
-                    "load without scheduler= or with LoadConfig(load_scheduler=False)"
-                )
-            scheduler_state = decode_value(meta.scheduler)
-        if model is not None:
-            _check_model_rest(reader, model)
-    except (ValueError, TypeError, OSError) as e:
-        error = e
-    _all_ok(error, group, verified + elements * 4)
-    assert reader is not None and state_dict is not None
-    meta = reader.meta
-
-    optimizer.load_state_dict(state_dict)
-    if scheduler_state is not None:
-        scheduler.load_state_dict(scheduler_state)
+    optimizer.load_sharded_state(read.state)
+    if read.scheduler is not None:
+        scheduler.load_state_dict(read.scheduler)
     if model is not None and meta.model_rest is not None:
         _load_model_rest(reader, model)
     if meta.rng and config.load_rng:
-        if meta.world_size == world_size:
-            handle = reader.handle(rank)
-            restore_rng(handle, handle.metadata() or {})
-        elif rank == 0:
-            logger.warning(
-                "checkpoint %s has RNG states of %d ranks; loading at %d ranks, RNG states "
-                "are not restored",
-                reader.path,
-                meta.world_size,
-                world_size,
-            )
+        _restore_rng(reader, flat.rank, flat.world_size)
     reader.close()
-    resharded = meta.layout.digest() != layout.digest()
-    step = None
-    for g in meta.groups:
-        if "step" in g.scalars:
-            value = decode_value(g.scalars["step"])
-            step = int(value.item() if isinstance(value, torch.Tensor) else value)
-            break
+    resharded = meta.layout.digest() != flat.layout.digest()
     result = LoadResult(
         tag=reader.tag,
         path=reader.path,
         saved_world_size=meta.world_size,
         resharded=resharded,
-        step=step,
+        step=saved_step(meta.groups),
         extra=decode_value(meta.extra),
-        elements_read=elements,
+        elements_read=read.elements,
         seconds=time.perf_counter() - t0,
     )
-    if rank == 0:
+    if flat.rank == 0:
         logger.info(
             "loaded checkpoint %s (saved by %d ranks%s) in %.2f s",
             reader.path,
@@ -349,16 +386,17 @@ def load_flat_params(
         error = e
     _all_ok(error, flat.process_group, sum(s.numel() for s in shards) * 4)
     assert reader is not None
-    elements = 0
     for group, shard in zip(flat.groups, shards, strict=True):
         shard = shard.to(group.device)
         if group.master is not None:
             group.master.copy_(shard)
-        for b, bucket in enumerate(group.layout.buckets):
-            piece = shard[bucket.shard_offset : bucket.shard_offset + bucket.slice_numel]
-            group.bucket_shard(b).copy_(piece)
-            all_gather_into(group.buckets[b], group.bucket_shard(b), flat.process_group)
-        elements += shard.numel()
+        layouts = group.layout.buckets
+        all_gather_buckets_from_own_slices(
+            group.buckets,
+            [group.bucket_shard(b) for b in range(len(layouts))],
+            flat.process_group,
+            sources=[shard[b.shard_offset : b.shard_offset + b.slice_numel] for b in layouts],
+        )
     reader.close()
     meta = reader.meta
     return LoadResult(
@@ -368,6 +406,6 @@ def load_flat_params(
         resharded=meta.layout.digest() != flat.layout.digest(),
         step=None,
         extra=decode_value(meta.extra),
-        elements_read=elements,
+        elements_read=sum(s.numel() for s in shards),
         seconds=time.perf_counter() - t0,
     )

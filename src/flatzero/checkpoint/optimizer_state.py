@@ -1,16 +1,18 @@
-"""Between ``ZeroOptimizer`` and the checkpoint format: what is sharded, what is scalar.
+"""Between ``ShardedOptimizerState`` and the checkpoint format: the one reader and writer.
 
-A ``ZeroOptimizer`` (or anything with the same face: ``flat``, ``state_dict()``,
-``load_state_dict()``, ``param_groups``) is saved through its own ``state_dict()``: per
-layout group, the fp32 master shard and every per-element state of the inner optimizer
-(tensors with the shard's length: ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ...)
-are sharded tensors; the rest (``step``, the group's hyperparameters) is scalar and the
-same on every rank. Loading builds a state dict of the same form for the optimizer's own
-layout and hands it to ``load_state_dict``, which checks it and updates the params.
+Writing (``capture``): per layout group, the fp32 master shard and every per-element
+state of the inner optimizer (tensors with the shard's length: ``exp_avg``,
+``exp_avg_sq``, ``momentum_buffer``, ...) go into the rank file as ``g<i>.<state>``; the
+rest (``step``, the group's hyperparameters, the loss scaler, the bucket order, the stage)
+is the same on every rank and goes into ``meta.json``. Reading (``restored_state``): the
+new shards read for this rank's layout and the saved scalar state become the state the
+optimizer loads (``ZeroOptimizer.load_sharded_state``), which checks it and updates the
+params.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,91 +20,108 @@ from typing import Any
 
 import torch
 
-from .format import MASTER, GroupRecord, decode_value, encode_value
+from ..optim.state import GroupState, ShardedOptimizerState
+from .format import MASTER, CheckpointMeta, GroupRecord, decode_value, encode_value, state_key
 
-__all__ = ["CapturedState", "build_state_dict", "capture_optimizer", "merge_group_records"]
+__all__ = [
+    "CapturedState",
+    "capture",
+    "merge_group_records",
+    "restored_state",
+    "saved_step",
+]
 
 logger = logging.getLogger(__name__)
 
 _SKIPPED_HYPERPARAMS = ("params", "param_names")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CapturedState:
-    """This rank's optimizer state, split for the checkpoint format.
+    """This rank's optimizer state, split for the checkpoint format (tensors are
+    references, nothing copied).
 
     Attributes:
-        tensors: per layout group, ``(state name, 1-D shard)`` pairs, ``master`` first.
-        groups: per layout group, its scalar state and hyperparameters.
-        loss_scaler: the loss scaler's state, or None.
-        optimizer: the inner optimizer's class name.
-        stage: the ZeRO stage.
-        bucket_order: the optimizer's bucket launch order, or None.
+        tensors: ``(tensor name in the rank file, 1-D shard)``: per group its master,
+            then its per-element states.
+        groups: per layout group, its state names, scalar state and hyperparameters,
+            encoded for ``meta.json``.
+        state: the state it was split from.
     """
 
-    tensors: list[list[tuple[str, torch.Tensor]]]
-    groups: list[GroupRecord]
-    loss_scaler: dict[str, Any] | None
-    optimizer: str
-    stage: int | None
-    bucket_order: list[int] | None = None
+    tensors: list[tuple[str, torch.Tensor]]
+    groups: tuple[GroupRecord, ...]
+    state: ShardedOptimizerState
 
-    @property
-    def step(self) -> int | None:
-        """The inner optimizer's ``step`` of the first group, when it has one."""
-        for g in self.groups:
-            if "step" in g.scalars:
-                value = decode_value(g.scalars["step"])
-                return int(value.item() if isinstance(value, torch.Tensor) else value)
-        return None
+    def meta(self, **fields: Any) -> CheckpointMeta:
+        """The ``CheckpointMeta`` of a save of this state; ``fields`` are the rest (tag,
+        layout, files, scheduler, ...)."""
+        state = self.state
+        order, scaler = state.bucket_order, state.loss_scaler
+        return CheckpointMeta(
+            groups=self.groups,
+            optimizer=state.optimizer,
+            stage=state.stage,
+            loss_scaler=dict(scaler) if scaler is not None else None,
+            bucket_order=list(order) if order is not None else None,
+            **fields,
+        )
 
 
-def capture_optimizer(optimizer: Any) -> CapturedState:
-    """Split ``optimizer.state_dict()`` into sharded tensors and scalar records (no copy).
+def _group_record(group: GroupState, gi: int) -> GroupRecord:
+    """Group ``gi``'s record for ``meta.json``.
 
     Raises:
         ValueError: a per-element state whose length is not the shard's (an optimizer that
-            is not elementwise), or a scalar state that JSON cannot hold.
+            is not elementwise), or one named ``master``.
+        TypeError: a scalar state or hyperparameter that JSON cannot hold.
     """
-    sd = optimizer.state_dict()
-    layout = optimizer.flat.layout
-    inner = sd["optimizer"]
-    tensors: list[list[tuple[str, torch.Tensor]]] = []
-    groups: list[GroupRecord] = []
-    for gi, gl in enumerate(layout.groups):
-        master = sd["master"][gi].detach()
-        pairs = [(MASTER, master.reshape(-1))]
-        scalars: dict[str, Any] = {}
-        for name, value in inner["state"].get(gi, {}).items():
-            where = f"optimizer state {name!r} of group {gi}"
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                if value.numel() != gl.shard_numel:
-                    raise ValueError(
-                        f"{where} has {value.numel()} elements but the shard has "
-                        f"{gl.shard_numel}; only per-element state can be sharded"
-                    )
-                if name == MASTER:
-                    raise ValueError(f"{where} is named {MASTER!r}, which is reserved")
-                pairs.append((name, value.detach().reshape(-1)))
-            else:
-                scalars[name] = encode_value(value, where)
-        hyper = {
-            k: encode_value(v, f"hyperparameter {k!r} of group {gi}")
-            for k, v in inner["param_groups"][gi].items()
-            if k not in _SKIPPED_HYPERPARAMS
-        }
-        tensors.append(pairs)
-        groups.append(GroupRecord(tuple(n for n, _ in pairs), scalars, hyper))
-    inner_cls = type(getattr(optimizer, "inner", optimizer)).__name__
-    order = sd.get("bucket_order")
-    return CapturedState(
-        tensors,
-        groups,
-        sd.get("loss_scaler"),
-        inner_cls,
-        sd.get("stage"),
-        [int(i) for i in order] if order is not None else None,
-    )
+    numel = group.master.numel()
+    for name, value in group.shards.items():
+        where = f"optimizer state {name!r} of group {gi}"
+        if value.numel() != numel:
+            raise ValueError(
+                f"{where} has {value.numel()} elements but the shard has {numel}; only "
+                "per-element state can be sharded"
+            )
+        if name == MASTER:
+            raise ValueError(f"{where} is named {MASTER!r}, which is reserved")
+    scalars = {
+        name: encode_value(value, f"optimizer state {name!r} of group {gi}")
+        for name, value in group.scalars.items()
+    }
+    hyper = {
+        k: encode_value(v, f"hyperparameter {k!r} of group {gi}")
+        for k, v in group.options.items()
+        if k not in _SKIPPED_HYPERPARAMS
+    }
+    return GroupRecord((MASTER, *group.shards), scalars, hyper)
+
+
+def capture(state: ShardedOptimizerState) -> CapturedState:
+    """Split ``state`` into rank-file tensors and ``meta.json`` records (no copy).
+
+    Raises:
+        ValueError / TypeError: a state the checkpoint format cannot hold (named).
+    """
+    records = tuple(_group_record(g, gi) for gi, g in enumerate(state.groups))
+    tensors: list[tuple[str, torch.Tensor]] = []
+    for gi, group in enumerate(state.groups):
+        tensors.append((state_key(gi, MASTER), group.master.detach().reshape(-1)))
+        tensors += [
+            (state_key(gi, name), value.detach().reshape(-1))
+            for name, value in group.shards.items()
+        ]
+    return CapturedState(tensors, records, state)
+
+
+def saved_step(records: Sequence[GroupRecord]) -> int | None:
+    """The inner optimizer's ``step`` of the first saved group that has one, else None."""
+    for record in records:
+        if "step" in record.scalars:
+            value = decode_value(record.scalars["step"])
+            return int(value.item() if isinstance(value, torch.Tensor) else value)
+    return None
 
 
 def merge_group_records(
@@ -145,52 +164,61 @@ def _like(saved: Any, live: Any) -> Any:
     return saved
 
 
-def build_state_dict(
-    optimizer: Any,
+def _restored_group(
+    live: GroupState,
+    master: torch.Tensor,
+    shards: dict[str, torch.Tensor],
+    record: GroupRecord | None,
+) -> GroupState:
+    """Group state from its new shards and its saved record (None: none saved)."""
+    options = dict(live.options)
+    state: dict[str, Any] = {}
+    if record is not None:
+        for k, v in record.hyperparams.items():
+            options[k] = _like(decode_value(v), live.options.get(k))
+        state.update({k: decode_value(v) for k, v in record.scalars.items()})
+    state.update(shards)
+    return GroupState(master, state, options)
+
+
+def restored_state(
+    current: ShardedOptimizerState,
+    meta: CheckpointMeta,
     masters: Sequence[torch.Tensor],
-    states: Sequence[dict[str, torch.Tensor]],
+    shards: Sequence[dict[str, torch.Tensor]],
     records: Sequence[GroupRecord | None],
-    loss_scaler: dict[str, Any] | None,
     *,
-    bucket_order: list[int] | None = None,
     load_optimizer_states: bool = True,
-) -> dict[str, Any]:
-    """A state dict in ``optimizer.state_dict()``'s form, for the optimizer's own layout.
+) -> ShardedOptimizerState:
+    """The state to load into the optimizer whose state is ``current`` (its own layout).
 
     Args:
+        current: the optimizer's ``sharded_state()``.
+        meta: the checkpoint's metadata (loss scaler, bucket order, layout).
         masters: per group, this rank's new master shard.
-        states: per group, this rank's new per-element state shards by name.
+        shards: per group, this rank's new per-element state shards by name.
         records: per group, the saved scalar state and hyperparameters (None: none saved).
-        loss_scaler: the saved loss scaler state (None keeps the current one).
-        bucket_order: the saved bucket launch order when the layout is the same, else None
-            (the optimizer then learns its own at the next step).
         load_optimizer_states: False keeps the current inner state, hyperparameters and
             loss scaler (masters only).
     """
-    current = optimizer.state_dict()
-    out = dict(current)
-    out["master"] = list(masters)
-    if "bucket_order" in out:
-        out["bucket_order"] = bucket_order
+    # The learned bucket order is reused only by the layout it was learned for; else the
+    # optimizer learns its own at the next step.
+    order = meta.bucket_order if meta.layout.digest() == current.layout_digest else None
+    bucket_order = tuple(order) if order is not None else None
     if not load_optimizer_states:
-        return out
-    inner_state: dict[int, dict[str, Any]] = {}
-    param_groups = []
-    for gi, live in enumerate(current["optimizer"]["param_groups"]):
-        group = dict(live)
-        record = records[gi]
-        state: dict[str, Any] = {}
-        if record is not None:
-            for k, v in record.hyperparams.items():
-                group[k] = _like(decode_value(v), live.get(k))
-            state.update({k: decode_value(v) for k, v in record.scalars.items()})
-        state.update(states[gi])
-        if state:
-            inner_state[gi] = state
-        param_groups.append(group)
-    out["optimizer"] = {"state": inner_state, "param_groups": param_groups}
-    if loss_scaler is not None and current.get("loss_scaler") is not None:
-        out["loss_scaler"] = loss_scaler
-    elif loss_scaler is not None:
+        groups = tuple(
+            dataclasses.replace(g, master=m) for g, m in zip(current.groups, masters, strict=True)
+        )
+        return dataclasses.replace(current, groups=groups, bucket_order=bucket_order)
+    groups = tuple(
+        _restored_group(*args)
+        for args in zip(current.groups, masters, shards, records, strict=True)
+    )
+    loss_scaler = current.loss_scaler
+    if meta.loss_scaler is not None and current.loss_scaler is not None:
+        loss_scaler = meta.loss_scaler
+    elif meta.loss_scaler is not None:
         logger.warning("the checkpoint has a loss scaler state; this optimizer has no scaler")
-    return out
+    return dataclasses.replace(
+        current, groups=groups, loss_scaler=loss_scaler, bucket_order=bucket_order
+    )

@@ -169,6 +169,20 @@ def _resolve(name: str, rename: Callable[[str], str] | Mapping[str, str] | None)
     return rename.get(name, name)
 
 
+def _append_merged(copies: list[Copy], copy: Copy) -> None:
+    """Append ``copy``, merged into the last one when both are contiguous on both sides."""
+    last = copies[-1] if copies else None
+    if (
+        last is not None
+        and last.source == copy.source
+        and last.dst_start + last.numel == copy.dst_start
+        and last.src_start + last.numel == copy.src_start
+    ):
+        copies[-1] = Copy(last.dst_start, last.source, last.src_start, last.numel + copy.numel)
+    else:
+        copies.append(copy)
+
+
 def plan_group_reads(
     index: ParamIndex,
     group: GroupLayout,
@@ -220,17 +234,9 @@ def plan_group_reads(
         groups.add(record.group)
         for seg, lo, hi in record.runs(piece.param_start, piece.param_end):
             dst = piece.shard_start + lo - piece.param_start
-            src = seg.offset + lo - seg.param_start
-            last = copies[-1] if copies else None
-            if (
-                last is not None
-                and last.source == seg.source
-                and last.dst_start + last.numel == dst
-                and last.src_start + last.numel == src
-            ):
-                copies[-1] = Copy(last.dst_start, last.source, last.src_start, last.numel + hi - lo)
-            else:
-                copies.append(Copy(dst, seg.source, src, hi - lo))
+            _append_merged(
+                copies, Copy(dst, seg.source, seg.offset + lo - seg.param_start, hi - lo)
+            )
     return GroupReadPlan(
         group_index, group.shard_numel, tuple(copies), tuple(sorted(groups)), tuple(missing)
     )

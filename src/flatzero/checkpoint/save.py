@@ -28,14 +28,16 @@ import logging
 import secrets
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..comm import world_size_of
-from ..control import agree_on_error, control_group, wait_for_host_work
+from .._version import __version__
+from ..comm import raise_if_any_failed, world_size_of
+from ..control import control_group, wait_for_host_work
 from .atomic import publish, remove_stale_tmp, tmp_dir_name, write_latest
 from .config import SaveConfig
 from .format import (
@@ -46,9 +48,8 @@ from .format import (
     check_tag,
     encode_value,
     read_latest,
-    state_key,
 )
-from .optimizer_state import capture_optimizer
+from .optimizer_state import CapturedState, capture
 from .rng import capture_rng
 from .writer import fault_point, model_extras, write_rank_file, write_tensors
 
@@ -57,10 +58,89 @@ __all__ = ["save_checkpoint", "save_nbytes"]
 logger = logging.getLogger(__name__)
 
 
-def _versions() -> dict[str, str]:
-    import flatzero
+@dataclass(frozen=True)
+class _Collected:
+    """What a save writes, collected and checked before any file is touched.
 
-    return {"flatzero": flatzero.__version__, "torch": torch.__version__}
+    Attributes:
+        captured: the optimizer's state, split for the format (references).
+        tag: this rank's tag for the checkpoint (the ranks agree on it next).
+        scheduler: the LR scheduler's ``state_dict()``, encoded, or None.
+        extra: the user's client state, encoded (``{}`` when none).
+        rest: the model's frozen params and buffers by name (rank 0 writes them).
+        model_names: layout param name -> the model's name, where they differ.
+        aliases: second names of tied params -> the name they are stored under.
+    """
+
+    captured: CapturedState
+    tag: str
+    scheduler: Any
+    extra: Any
+    rest: dict[str, torch.Tensor]
+    model_names: dict[str, str]
+    aliases: dict[str, str]
+
+
+def _versions() -> dict[str, str]:
+    return {"flatzero": __version__, "torch": torch.__version__}
+
+
+def _tensor_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _layout_names(flat: Any) -> dict[int, str]:
+    """``id(param) -> name in the layout`` of every flattened param."""
+    return {id(p): n for g in flat.groups for n, p in zip(g.names, g.params, strict=True)}
+
+
+def _all_ok(error: BaseException | None, group: dist.ProcessGroup | None, what: str) -> None:
+    """Raise on every rank if ``error`` happened on any rank (on the control group)."""
+    raise_if_any_failed(
+        error, group, f"saving the checkpoint failed on another rank while {what} (see its error)"
+    )
+
+
+def save_nbytes(optimizer: Any, model: torch.nn.Module | None = None) -> int:
+    """About how many bytes ``save_checkpoint(..., optimizer, model=model)`` writes on rank 0:
+    its master and per-element optimizer-state shards, and the model's frozen params and
+    buffers (no collective, nothing copied)."""
+    groups = optimizer.sharded_state().groups
+    nbytes = _tensor_bytes([t for g in groups for t in (g.master, *g.shards.values())])
+    if model is not None:
+        with contextlib.suppress(ValueError):  # meta tensors: save_checkpoint says so
+            rest = model_extras(model, _layout_names(optimizer.flat))[0]
+            nbytes += _tensor_bytes(rest.values())
+    return nbytes
+
+
+def _collect(
+    optimizer: Any, tag: str | None, scheduler: Any, model: torch.nn.Module | None, extra: Any
+) -> _Collected:
+    """Everything this rank saves (no copy).
+
+    Raises:
+        ValueError / TypeError: an unusable tag, or a state the format cannot hold.
+    """
+    captured = capture(optimizer.sharded_state())
+    rest: dict[str, torch.Tensor] = {}
+    model_names: dict[str, str] = {}
+    aliases: dict[str, str] = {}
+    if model is not None:
+        rest, model_names, aliases = model_extras(model, _layout_names(optimizer.flat))
+    return _Collected(
+        captured=captured,
+        tag=check_tag(tag if tag is not None else f"step{captured.state.step or 0}"),
+        scheduler=(
+            encode_value(scheduler.state_dict(), "scheduler.state_dict()")
+            if scheduler is not None
+            else None
+        ),
+        extra=encode_value(extra, "extra") if extra is not None else {},
+        rest=rest,
+        model_names=model_names,
+        aliases=aliases,
+    )
 
 
 def _agree_tag(tag: str, group: dist.ProcessGroup | None) -> tuple[str, str]:
@@ -80,32 +160,133 @@ def _agree_tag(tag: str, group: dist.ProcessGroup | None) -> tuple[str, str]:
     return tag, values[0][1]
 
 
-def _all_ok(error: BaseException | None, group: dist.ProcessGroup | None, what: str) -> None:
-    """Raise on every rank if ``error`` happened on any rank (on the control group)."""
-    agree_on_error(
-        error, group, f"saving the checkpoint failed on another rank while {what} (see its error)"
+def _create_tmp(root: Path, tmp: Path, final: Path, flat: Any, config: SaveConfig) -> None:
+    """Rank 0 creates the temporary directory (removing stale ones first); every rank
+    learns whether that worked."""
+    error: BaseException | None = None
+    if flat.rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if final.exists() and not config.overwrite:
+                raise ValueError(
+                    f"checkpoint {final} already exists; choose another tag or save with "
+                    "SaveConfig(overwrite=True)"
+                )
+            if config.stale_tmp_age_s is not None:
+                remove_stale_tmp(root, keep=tmp.name, min_age_s=config.stale_tmp_age_s)
+            tmp.mkdir()
+        except (OSError, ValueError) as e:
+            error = e
+    wait_for_host_work(flat.process_group, 0)  # rank 0 may be removing stale directories
+    _all_ok(error, flat.process_group, f"creating {tmp}")
+
+
+def _write_files(
+    tmp: Path, tag: str, collected: _Collected, flat: Any, config: SaveConfig
+) -> tuple[FileRecord, FileRecord | None]:
+    """Write this rank's file (and, on rank 0, the model's rest) into ``tmp``; their
+    records."""
+    tensors = list(collected.captured.tensors)
+    metadata: dict[str, str] = {}
+    if config.save_rng:
+        rng_tensors, metadata = capture_rng()
+        tensors += rng_tensors
+    record = write_rank_file(
+        tmp,
+        flat.rank,
+        flat.world_size,
+        tensors,
+        layout_digest=flat.layout.digest(),
+        tag=tag,
+        metadata=metadata,
+        checksums=config.checksums,
+    )
+    rest_record = None
+    if flat.rank == 0 and collected.rest:
+        rest_record = write_tensors(  # device tensors stream through two host chunks
+            tmp / MODEL_REST,
+            list(collected.rest.items()),
+            {"format": "pt", "tag": tag},
+            checksums=config.checksums,
+        )
+    return record, rest_record
+
+
+def _write_everywhere(
+    tmp: Path, tag: str, collected: _Collected, flat: Any, config: SaveConfig
+) -> tuple[list[Any], FileRecord | None]:
+    """Every rank writes its files and all agree that they did; returns every rank's file
+    record (in rank order) and the model rest's. On any failure rank 0 removes ``tmp``."""
+    error: BaseException | None = None
+    record = rest_record = None
+    try:
+        record, rest_record = _write_files(tmp, tag, collected, flat, config)
+    except (OSError, ValueError, TypeError) as e:
+        error = e
+    group = flat.process_group
+    try:
+        written = [t for _, t in collected.captured.tensors] + list(collected.rest.values())
+        # Allow for the most any rank writes: rank 0 its shards (every rank's are the same
+        # size) and the model's rest.
+        wait_for_host_work(group, _tensor_bytes(written))
+        _all_ok(error, group, f"writing its rank file into {tmp}")
+    except BaseException:
+        if flat.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if world_size_of(group) == 1:
+        return [record], rest_record
+    records: list[Any] = [None] * flat.world_size
+    dist.all_gather_object(records, record, group=control_group(group))
+    return records, rest_record
+
+
+def _meta(
+    collected: _Collected,
+    tag: str,
+    records: list[Any],
+    rest_record: FileRecord | None,
+    flat: Any,
+    config: SaveConfig,
+) -> CheckpointMeta:
+    """The checkpoint's ``meta.json`` (rank 0 writes it)."""
+    return collected.captured.meta(
+        tag=tag,
+        layout=flat.layout,
+        files=tuple(records),
+        scheduler=collected.scheduler,
+        extra=collected.extra,
+        rng=config.save_rng,
+        model_rest=rest_record.file if rest_record is not None else None,
+        model_names=collected.model_names,
+        aliases=collected.aliases,
+        versions=_versions(),
     )
 
 
-def _tensor_bytes(tensors: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def save_nbytes(optimizer: Any, model: torch.nn.Module | None = None) -> int:
-    """About how many bytes ``save_checkpoint(..., optimizer, model=model)`` writes on rank 0:
-    its master and per-element optimizer-state shards, and the model's frozen params and
-    buffers (no collective, nothing copied)."""
-    sd = optimizer.state_dict()
-    shards = list(sd["master"])
-    for state in sd["optimizer"]["state"].values():
-        shards += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    nbytes = _tensor_bytes(shards)
-    if model is not None:
-        flat = optimizer.flat
-        ids = {id(p): n for g in flat.groups for n, p in zip(g.names, g.params, strict=True)}
-        with contextlib.suppress(ValueError):  # meta tensors: save_checkpoint says so
-            nbytes += _tensor_bytes(model_extras(model, ids)[0].values())
-    return nbytes
+def _publish(root: Path, tmp: Path, meta: CheckpointMeta, flat: Any, config: SaveConfig) -> None:
+    """Rank 0 writes ``meta.json``, renames ``tmp`` to ``root/<tag>``, points ``latest`` at
+    it and prunes old checkpoints (removing ``tmp`` on failure); every rank learns whether
+    that worked."""
+    error: BaseException | None = None
+    final = root / meta.tag
+    if flat.rank == 0:
+        try:
+            meta.write(tmp / "meta.json")
+            fault_point("before_publish", flat.rank)
+            publish(tmp, final, overwrite=config.overwrite)
+            if config.update_latest:
+                write_latest(root, meta.tag)
+            if config.keep_last is not None:
+                keep = {meta.tag}
+                with contextlib.suppress(ValueError):
+                    keep.add(read_latest(root))
+                _prune(root, config.keep_last, keep)
+        except (OSError, ValueError, TypeError) as e:
+            error = e
+            shutil.rmtree(tmp, ignore_errors=True)
+    wait_for_host_work(flat.process_group, 0)  # rank 0 writes meta.json, renames and prunes
+    _all_ok(error, flat.process_group, f"publishing {final}")
 
 
 def _prune(root: Path, keep_last: int, keep: set[str]) -> None:
@@ -138,8 +319,7 @@ def save_checkpoint(
     Args:
         directory: the checkpoint directory (created if needed); the checkpoint goes to
             ``directory/tag`` and ``directory/latest`` names it.
-        optimizer: a ``ZeroOptimizer`` (anything with ``flat``, ``state_dict()``,
-            ``param_groups``).
+        optimizer: a ``ZeroOptimizer`` (``flat``, ``sharded_state()``).
         tag: the checkpoint's name; default ``step<N>`` from the optimizer's step count.
         scheduler: an LR scheduler (or anything with a JSON-able ``state_dict()``).
         model: the model; its frozen params and persistent buffers are saved too (from
@@ -160,143 +340,28 @@ def save_checkpoint(
     t0 = time.perf_counter()
     flat = optimizer.flat
     group = flat.process_group
-    rank, world_size = flat.rank, flat.world_size
-    layout = flat.layout
     root = Path(directory)
     control_group(group)  # created (collective) now, not while some rank writes
 
     error: BaseException | None = None
-    captured = None
-    rest: dict[str, torch.Tensor] = {}
-    model_names: dict[str, str] = {}
-    aliases: dict[str, str] = {}
-    scheduler_state = None
-    extra_state: Any = {}
+    collected: _Collected | None = None
     try:
-        captured = capture_optimizer(optimizer)
-        if tag is None:
-            tag = f"step{captured.step or 0}"
-        check_tag(tag)
-        if scheduler is not None:
-            scheduler_state = encode_value(scheduler.state_dict(), "scheduler.state_dict()")
-        if extra is not None:
-            extra_state = encode_value(extra, "extra")
-        if model is not None:
-            ids = {id(p): n for g in flat.groups for n, p in zip(g.names, g.params, strict=True)}
-            rest, model_names, aliases = model_extras(model, ids)
+        collected = _collect(optimizer, tag, scheduler, model, extra)
     except (ValueError, TypeError) as e:
         error = e
     _all_ok(error, group, "collecting the state to save")
-    assert captured is not None and tag is not None
-    tag, nonce = _agree_tag(tag, group)
+    assert collected is not None
+    tag, nonce = _agree_tag(collected.tag, group)
     tmp = root / tmp_dir_name(tag, nonce)
-    final = root / tag
-
-    if rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            if final.exists() and not config.overwrite:
-                raise ValueError(
-                    f"checkpoint {final} already exists; choose another tag or save with "
-                    "SaveConfig(overwrite=True)"
-                )
-            if config.stale_tmp_age_s is not None:
-                remove_stale_tmp(root, keep=tmp.name, min_age_s=config.stale_tmp_age_s)
-            tmp.mkdir()
-        except (OSError, ValueError) as e:
-            error = e
-    wait_for_host_work(group, 0)  # rank 0 may be removing stale directories
-    _all_ok(error, group, f"creating {tmp}")
-
-    record: FileRecord | None = None
-    rest_record: FileRecord | None = None
-    # The most any rank writes: rank 0 its shards (every rank's are the same size) and the
-    # model's rest.
-    written = _tensor_bytes(t for pairs in captured.tensors for _, t in pairs)
-    written += _tensor_bytes(rest.values())
-    try:
-        tensors = [
-            (state_key(gi, name), t)
-            for gi, pairs in enumerate(captured.tensors)
-            for name, t in pairs
-        ]
-        metadata: dict[str, str] = {}
-        if config.save_rng:
-            rng_tensors, metadata = capture_rng()
-            tensors += rng_tensors
-        record = write_rank_file(
-            tmp,
-            rank,
-            world_size,
-            tensors,
-            layout_digest=layout.digest(),
-            tag=tag,
-            metadata=metadata,
-            checksums=config.checksums,
-        )
-        if rank == 0 and rest:
-            rest_record = write_tensors(  # device tensors stream through two host chunks
-                tmp / MODEL_REST,
-                list(rest.items()),
-                {"format": "pt", "tag": tag},
-                checksums=config.checksums,
-            )
-    except (OSError, ValueError, TypeError) as e:
-        error = e
-    try:
-        wait_for_host_work(group, written)
-        _all_ok(error, group, f"writing its rank file into {tmp}")
-    except BaseException:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-    records: list[Any] = [record]
-    if world_size_of(group) > 1:
-        records = [None] * world_size
-        dist.all_gather_object(records, record, group=control_group(group))
-
-    if rank == 0:
-        try:
-            meta = CheckpointMeta(
-                tag=tag,
-                layout=layout,
-                groups=tuple(captured.groups),
-                files=tuple(records),
-                optimizer=captured.optimizer,
-                stage=captured.stage,
-                loss_scaler=captured.loss_scaler,
-                scheduler=scheduler_state,
-                extra=extra_state,
-                rng=config.save_rng,
-                model_rest=rest_record.file if rest_record is not None else None,
-                model_names=model_names,
-                aliases=aliases,
-                versions=_versions(),
-                bucket_order=captured.bucket_order,
-            )
-            meta.write(tmp / "meta.json")
-            fault_point("before_publish", rank)
-            publish(tmp, final, overwrite=config.overwrite)
-            if config.update_latest:
-                write_latest(root, tag)
-            if config.keep_last is not None:
-                keep = {tag}
-                with contextlib.suppress(ValueError):
-                    keep.add(read_latest(root))
-                _prune(root, config.keep_last, keep)
-        except (OSError, ValueError, TypeError) as e:
-            error = e
-            shutil.rmtree(tmp, ignore_errors=True)
-    wait_for_host_work(group, 0)  # rank 0 writes meta.json, renames and prunes
-    _all_ok(error, group, f"publishing {final}")
-    if rank == 0:
-        total = sum(r.bytes for r in records)
+    _create_tmp(root, tmp, root / tag, flat, config)
+    records, rest_record = _write_everywhere(tmp, tag, collected, flat, config)
+    _publish(root, tmp, _meta(collected, tag, records, rest_record, flat, config), flat, config)
+    if flat.rank == 0:
         logger.info(
             "saved checkpoint %s: %d rank files, %.1f MiB, %.2f s",
-            final,
-            world_size,
-            total / 2**20,
+            root / tag,
+            flat.world_size,
+            sum(r.bytes for r in records) / 2**20,
             time.perf_counter() - t0,
         )
-    return final
+    return root / tag

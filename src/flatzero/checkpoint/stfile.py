@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import safe_open
 
+from ..dtypes import SAFETENSORS_NAMES
 from ..hostmem import release_pinned_cache, staging_buffer
 
 __all__ = [
@@ -34,22 +35,6 @@ __all__ = [
     "staging_plan",
     "tensor_crc32",
 ]
-
-_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-if hasattr(torch, "float8_e4m3fn"):
-    _DTYPES[torch.float8_e4m3fn] = "F8_E4M3"
-    _DTYPES[torch.float8_e5m2] = "F8_E5M2"
 
 _CHUNK_BYTES = 64 * 2**20
 """Device tensors are copied to the host and written in chunks of this many bytes."""
@@ -183,13 +168,13 @@ class SafetensorsWriter:
         offset = 0
         names = set()
         for e in self.entries:
-            if e.dtype not in _DTYPES:
+            if e.dtype not in SAFETENSORS_NAMES:
                 raise TypeError(f"tensor {e.name!r} has dtype {e.dtype}, which safetensors lacks")
             if e.name in names:
                 raise ValueError(f"tensor name {e.name!r} appears twice in {self.path}")
             names.add(e.name)
             header[e.name] = {
-                "dtype": _DTYPES[e.dtype],
+                "dtype": SAFETENSORS_NAMES[e.dtype],
                 "shape": list(e.shape),
                 "data_offsets": [offset, offset + e.nbytes],
             }

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..dtypes import dtype_name
 from .format import FileRecord, rank_file_name
 from .stfile import SafetensorsWriter, TensorEntry
 
@@ -55,7 +56,7 @@ def write_tensors(
         bytes=os.path.getsize(path),
         tensors={
             e.name: {
-                "dtype": str(e.dtype).removeprefix("torch."),
+                "dtype": dtype_name(e.dtype),
                 "shape": list(e.shape),
                 "crc32": writer.crc32[e.name],
             }

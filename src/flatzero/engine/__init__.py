@@ -4,9 +4,10 @@ See docs/deepspeed-door.md.
 """
 
 from .config import EngineConfig, load_config_dict, parse_config
-from .engine import Engine, EngineInitReport
+from .engine import Engine
 from .errors import UnsupportedFeatureError
 from .initialize import initialize
+from .report import EngineInitReport
 from .schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 __all__ = [

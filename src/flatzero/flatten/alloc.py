@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm import all_reduce_max, rank_of
+from ..comm import any_rank_failed, rank_of
 from ..hostmem import empty_host
 from ..layout import Layout
 from ..memory import is_oom
@@ -61,7 +61,7 @@ def allocate_agreed(
         if tensor is None:
             break
         made.append(tensor)
-    if all_reduce_max(int(error is not None), control) == 0:
+    if not any_rank_failed(error, control):
         return made
     made.clear()
     where = f"on rank {rank_of(control)}" if error is not None else "on another rank"

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..comm import all_reduce_max, all_reduce_max_each, rank_of
+from ..comm import all_reduce_max_each, any_rank_failed, rank_of
 from ..layout import GroupLayout
 from .alloc import allocate_or_oom
 from .faults import allocate_bucket
@@ -96,7 +96,7 @@ class GroupFlattener:
             while buf is None and tier.make_room(self.layout, self.source):
                 buf, error = self._allocate(tier, bucket)
             if spec(tier.name).fill_is_collective(self.ctx.world_size):
-                if all_reduce_max(int(error is not None), self.control) == 0:
+                if not any_rank_failed(error, self.control):
                     assert buf is not None
                     return tier, buf
             elif buf is not None:

@@ -2,12 +2,15 @@
 
 from .config import LossScaleConfig, ZeroConfig
 from .inner import ELEMENTWISE_OPTIMIZERS
-from .zero import STATE_DICT_FORMAT, ZeroOptimizer
+from .state import STATE_DICT_FORMAT, GroupState, ShardedOptimizerState
+from .zero import ZeroOptimizer
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "STATE_DICT_FORMAT",
+    "GroupState",
     "LossScaleConfig",
+    "ShardedOptimizerState",
     "ZeroConfig",
     "ZeroOptimizer",
 ]

@@ -21,22 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import (
-    all_gather_into,
-    all_reduce_max,
-    check_same_everywhere,
-    rank_of,
-    world_size_of,
-)
+from ..comm import all_gather_buckets_from_own_slices, raise_if_any_failed, rank_of, world_size_of
 from ..config import FlattenConfig
-from ..control import control_group
-from ..devices import backend_of, buckets_may_use_cuda, collectives_run_on_cpu
-from ..flatten import FlatParams, flatten_parameters
-from ..flatten.alloc import allocate_agreed
+from ..flatten import FlatParams
 from ..gcpause import paused_gc
-from ..layout import GroupLayout
-from .buckets import empty_buffer
 from .config import LossScaleConfig, ZeroConfig
+from .gather import full_param, full_params
 from .inner import (
     build_inner_optimizer,
     check_optimizer_class,
@@ -44,52 +34,14 @@ from .inner import (
     with_fused_default,
 )
 from .norm import global_sq_norm
-from .reducers import GradReducer, check_unclaimed, make_reducer
+from .prepare import allocate_grad_shards, check_buckets_usable, flat_params_for
+from .reducers import GradReducer, make_reducer
 from .scaler import LossScaler
+from .state import GroupState, ShardedOptimizerState, check_loadable
 
-__all__ = ["STATE_DICT_FORMAT", "ZeroOptimizer"]
+__all__ = ["ZeroOptimizer"]
 
 logger = logging.getLogger(__name__)
-
-STATE_DICT_FORMAT = "flatzero.ZeroOptimizer/1"
-"""The ``"format"`` entry of ``ZeroOptimizer.state_dict()``."""
-
-
-def _materialize_params(params: Any) -> Any:
-    """``params`` with every iterator turned into a list (they are read twice)."""
-    if isinstance(params, (nn.Module, FlatParams, torch.Tensor)):
-        return params
-    items = list(params)
-    out = []
-    for item in items:
-        params_of = item.get("params") if isinstance(item, dict) else None
-        if params_of is not None and not isinstance(params_of, torch.Tensor):
-            item = {**item, "params": list(item["params"])}
-        out.append(item)
-    return out
-
-
-def _group_options(params: Any) -> list[dict[str, Any]]:
-    """The per-group hyperparameters the user passed (for probing the optimizer)."""
-    if isinstance(params, FlatParams):
-        return [g.options for g in params.groups]
-    if isinstance(params, list) and params and all(isinstance(g, dict) for g in params):
-        return [{k: v for k, v in g.items() if k != "params"} for g in params]
-    return [{}]
-
-
-def _tensors(params: Any) -> list[torch.Tensor]:
-    """The tensors in ``params`` (module, params, pairs, group dicts or ``FlatParams``)."""
-    if isinstance(params, FlatParams):
-        return [p for g in params.groups for p in g.params]
-    if isinstance(params, nn.Module):
-        items: list[Any] = list(params.parameters())
-    elif isinstance(params, list) and params and all(isinstance(g, dict) for g in params):
-        items = [p for g in params for p in g.get("params", [])]
-    else:
-        items = list(params)
-    tensors = [item[1] if isinstance(item, tuple) else item for item in items]
-    return [t for t in tensors if isinstance(t, torch.Tensor)]
 
 
 def _setup_fields(
@@ -103,81 +55,22 @@ def _setup_fields(
     }
 
 
-def check_buckets_usable(flat: FlatParams) -> None:
-    """Refuse buckets the optimizer's collectives cannot run on: every bucket and master
-    shard on one device, which the process group's backend can reduce-scatter on.
-
-    Raises:
-        ValueError: naming the devices and the backend, and what to change.
-    """
-    devices = {str(b.device) for g in flat.groups for b in g.buckets}
-    devices |= {str(g.master.device) for g in flat.groups if g.master is not None}
-    if len(devices) > 1:
-        raise ValueError(
-            f"the flat buckets and master shards are on several devices ({sorted(devices)}); "
-            "ZeroOptimizer needs them on one device. Flatten again with one tier "
-            "(FlattenConfig(tier=...)) or with more free memory"
-        )
-    device = flat.groups[0].device
-    if flat.world_size == 1:
-        return
-    pg = flat.process_group
-    usable = buckets_may_use_cuda(pg) if device.type == "cuda" else collectives_run_on_cpu(pg)
-    if not usable:
-        raise ValueError(
-            f"the flat buckets are on {device} but the process group's backend "
-            f"{backend_of(pg)!r} cannot reduce-scatter {device.type} tensors; use a backend "
-            f"for {device.type} tensors (nccl for cuda, gloo for cpu, or 'cpu:gloo,cuda:nccl') "
-            "or flatten onto the device the backend serves (FlattenConfig(device=...))"
-        )
+def _with_stage(config: ZeroConfig | None, stage: int | None) -> ZeroConfig:
+    """``config`` (default ``ZeroConfig()``) with ``stage`` when given."""
+    config = config or ZeroConfig()
+    if not isinstance(config, ZeroConfig):
+        raise TypeError(f"config must be a ZeroConfig, got {type(config).__name__}")
+    if stage is not None and stage != config.stage:
+        config = dataclasses.replace(config, stage=stage)
+    return config
 
 
-def _allocate_grad_shards(flat: FlatParams) -> list[torch.Tensor]:
-    """This rank's fp32 gradient shard of every group, beside its master shard (padding
-    zeroed; see ``_zero_padding``).
-
-    Raises:
-        MemoryError: on every rank, when some rank could not allocate its shards (the
-            params keep their values in the buckets).
-    """
-    grads = allocate_agreed(
-        [
-            lambda g=g: empty_buffer(g.layout.shard_numel, torch.float32, g.device)
-            for g in flat.groups
-        ],
-        flat.groups[0].device,
-        control_group(flat.deciders),
-        what="the fp32 gradient shards",
-        nbytes=sum(g.layout.shard_numel for g in flat.groups) * 4,
-        after="the params keep their values",
-    )
-    for grad, g in zip(grads, flat.groups, strict=True):
-        _zero_padding(grad, g.layout, flat.rank)
-    return grads
-
-
-def _zero_padding(shard: torch.Tensor, layout: GroupLayout, rank: int) -> None:
-    """Zero the padding of a gradient shard; the rest is written (not added) by the first
-    reduction of every accumulation window, so it needs no zeroing: a full memset would
-    touch every page of the shard once more at init, on a fresh host buffer the slowest
-    part of init."""
-    gaps = []
-    for index, bucket in enumerate(layout.buckets):
-        lo, hi = bucket.rank_range(rank)
-        base = bucket.shard_offset - lo
-        gaps += [shard[base + start : base + end] for start, end in layout.gaps(index, lo, hi)]
-    if gaps:
-        torch._foreach_zero_(gaps)
-
-
-def _probe_optimizer(
-    optimizer: Callable[..., torch.optim.Optimizer],
-    options: list[dict[str, Any]],
-    defaults: dict[str, Any],
-) -> None:
-    """Build the optimizer on dummies so bad arguments fail before anything is flattened."""
-    dummies = [nn.Parameter(torch.zeros(1)) for _ in options]
-    build_inner_optimizer(optimizer, dummies, options, defaults)
+def _loss_scaler(config: ZeroConfig, flat: FlatParams) -> LossScaler | None:
+    """The loss scaler: ``config.loss_scale``, or the default one for fp16 params."""
+    scale_config = config.loss_scale
+    if scale_config is None and any(g.dtype == torch.float16 for g in flat.groups):
+        scale_config = LossScaleConfig()
+    return LossScaler(scale_config) if scale_config is not None else None
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -236,58 +129,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         elementwise_optimizer: bool | None = None,
         **defaults: Any,
     ) -> None:
-        config = config or ZeroConfig()
-        if not isinstance(config, ZeroConfig):
-            raise TypeError(f"config must be a ZeroConfig, got {type(config).__name__}")
-        if stage is not None and stage != config.stage:
-            config = dataclasses.replace(config, stage=stage)
+        config = _with_stage(config, stage)
         optimizer_cls = check_optimizer_class(optimizer, elementwise=elementwise_optimizer)
-        params = _materialize_params(params)
-        _probe_optimizer(optimizer, _group_options(params), defaults)
-        check_unclaimed(t for t in _tensors(params) if isinstance(t, nn.Parameter))
-
-        if isinstance(params, FlatParams):
-            flat = params
-            if process_group is not None and process_group is not flat.process_group:
-                raise ValueError(
-                    "process_group differs from the one the FlatParams were flattened over; "
-                    "drop the process_group argument"
-                )
-            if any(g.master is None for g in flat.groups):
-                raise ValueError(
-                    "the FlatParams have no fp32 master shards (FlattenConfig.build_master="
-                    "False); flatten with build_master=True"
-                )
-            check_same_everywhere(
-                "the ZeroOptimizer setup",
-                {
-                    "layout digest": flat.layout.digest(),
-                    **_setup_fields(config, optimizer_cls, defaults),
-                },
-                control_group(flat.deciders),
-            )
-        else:
-            check_same_everywhere(
-                "the ZeroOptimizer setup",
-                _setup_fields(config, optimizer_cls, defaults),
-                control_group(process_group),
-            )
-            if flatten_config is None:
-                # Like torch.optim, leave the params where they are.
-                tensors = sorted(_tensors(params), key=lambda t: not t.requires_grad)
-                device = tensors[0].device if tensors else None
-                flatten_config = FlattenConfig(
-                    device=str(device) if device is not None and device.type != "meta" else None
-                )
-            flat = flatten_parameters(params, process_group=process_group, config=flatten_config)
-
+        flat = flat_params_for(
+            params,
+            optimizer,
+            defaults,
+            _setup_fields(config, optimizer_cls, defaults),
+            process_group=process_group,
+            flatten_config=flatten_config,
+        )
         check_buckets_usable(flat)
         self.flat = flat
         self.config = config
         self._pg = flat.process_group
         self._world_size = world_size_of(self._pg)
         self._rank = rank_of(self._pg)
-        self._grads = _allocate_grad_shards(flat)
+        self._grads = allocate_grad_shards(flat)
         self._masters: list[nn.Parameter] = []
         for group, grad in zip(flat.groups, self._grads, strict=True):
             master = nn.Parameter(group.master, requires_grad=True)
@@ -299,34 +157,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             [g.options for g in flat.groups],
             with_fused_default(optimizer, defaults, flat.groups[0].device),
         )
-
-        scale_config = config.loss_scale
-        if scale_config is None and any(g.dtype == torch.float16 for g in flat.groups):
-            scale_config = LossScaleConfig()
-        self._scaler = LossScaler(scale_config) if scale_config is not None else None
+        self._scaler = _loss_scaler(config, flat)
         self._reducer: GradReducer = make_reducer(flat, self._grads, config)
-        self._write_back_plan = [
-            (g.bucket_shard(b), g.master_slice(b), g.buckets[b])
-            for g in flat.groups
-            for b in range(len(g.buckets))
-        ]
+        pairs = [(g, b) for g in flat.groups for b in range(len(g.buckets))]
+        self._buckets = [g.buckets[b] for g, b in pairs]
+        self._bucket_shards = [g.bucket_shard(b) for g, b in pairs]
+        self._master_slices = [g.master_slice(b) for g, b in pairs]
         self._clip_request: float | None = None
         self._norm_cache: tuple[int, torch.Tensor] | None = None
         self._last_norm: torch.Tensor | None = None
         self.last_step_skipped = False
         """Whether the last ``step()`` was skipped for an fp16 overflow."""
-
-        # torch.optim.Optimizer plumbing, without its param bookkeeping: param_groups and
-        # state are the inner optimizer's (see the properties below).
-        self.defaults = self.inner.defaults
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._warned_capturable_if_run_uncaptured = True
-        self._patch_step_function()
+        self._init_optimizer_plumbing()
         if self._rank == 0:
             logger.info(
                 "ZeroOptimizer stage %d over %d ranks: %d group(s), %s, %d params",
@@ -336,6 +178,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 type(self.inner).__name__,
                 flat.layout.num_params,
             )
+
+    def _init_optimizer_plumbing(self) -> None:
+        """``torch.optim.Optimizer``'s hooks and step patching, without its param
+        bookkeeping: ``param_groups`` and ``state`` are the inner optimizer's."""
+        self.defaults = self.inner.defaults
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._warned_capturable_if_run_uncaptured = True
+        self._patch_step_function()
 
     # ----------------------------------------------------------------- torch.optim face
     @property
@@ -535,13 +390,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _write_back(self) -> None:
         """Cast the master shards into this rank's bucket slices; all-gather every bucket."""
-        works = []
-        for shard, master, bucket in self._write_back_plan:
-            shard.copy_(master)
-            works.append(all_gather_into(bucket, shard, self._pg, async_op=True))
-        for work in works:
-            if work is not None:
-                work.wait()
+        all_gather_buckets_from_own_slices(
+            self._buckets, self._bucket_shards, self._pg, sources=self._master_slices
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new accumulation window (gradients so far are dropped).
@@ -553,154 +404,88 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._end_window()
 
     # -------------------------------------------------------------- reading full params
-    def _locate(self, name: str) -> tuple[int, int]:
-        for gi, group in enumerate(self.flat.groups):
-            if name in group.names:
-                return gi, group.names.index(name)
-        raise ValueError(
-            f"no trainable flattened param is named {name!r} (frozen params and second "
-            "names of tied params are not flattened); known names: "
-            + ", ".join(n for g in self.flat.groups for n in g.names[:8])
-            + ", ..."
-        )
-
-    def _gather_bucket(self, gi: int, bucket: int) -> torch.Tensor:
-        group = self.flat.groups[gi]
-        full = torch.empty(
-            group.layout.buckets[bucket].numel, dtype=torch.float32, device=group.device
-        )
-        all_gather_into(full, group.master_slice(bucket), self._pg)
-        return full
-
-    @torch.no_grad()
     def full_param(self, name: str) -> torch.Tensor:
         """The fp32 master value of param ``name``, gathered from all ranks (a new tensor
         shaped like the param). Collective: every rank must call it with the same name."""
-        gi, slot_index = self._locate(name)
-        slot = self.flat.groups[gi].layout.slots[slot_index]
-        full = self._gather_bucket(gi, slot.bucket)
-        return full[slot.offset : slot.end].view(slot.spec.shape).clone()
+        return full_param(self.flat, name)
 
-    @torch.no_grad()
     def full_params(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """``{name: fp32 master value}`` of ``names`` (default: every flattened param),
         gathering each bucket once. Collective: every rank must call it with the same
         names."""
-        wanted = set(self.flat.named_params()) if names is None else set(names)
-        for name in wanted:
-            self._locate(name)
-        out: dict[str, torch.Tensor] = {}
-        for gi, group in enumerate(self.flat.groups):
-            for b in range(len(group.buckets)):
-                members = [
-                    (group.names[i], group.layout.slots[i])
-                    for i in group.layout.buckets[b].slots
-                    if group.names[i] in wanted
-                ]
-                if not members:
-                    continue
-                full = self._gather_bucket(gi, b)
-                for name, slot in members:
-                    out[name] = full[slot.offset : slot.end].view(slot.spec.shape).clone()
-        return out
+        return full_params(self.flat, names)
 
-    # ------------------------------------------------------------------ state dicts
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """This rank's shard of the optimizer: master shards, inner optimizer state and
-        hyperparameters, loss scaler, and the layout they belong to. Tensors are
-        references (as in ``torch.optim``); copy them to keep a snapshot."""
-        return {
-            "format": STATE_DICT_FORMAT,
-            "layout_digest": self.flat.layout.digest(),
-            "world_size": self._world_size,
-            "rank": self._rank,
-            "stage": self.config.stage,
-            "master": [m.detach() for m in self._masters],
-            "optimizer": self.inner.state_dict(),
-            "loss_scaler": self._scaler.state_dict() if self._scaler is not None else None,
-            "bucket_order": list(self._reducer.order),
-        }
+    # ------------------------------------------------------------------ state
+    def sharded_state(self) -> ShardedOptimizerState:
+        """This rank's shard of the optimizer (what checkpoints save): master shards, inner
+        optimizer state and hyperparameters, loss scaler, bucket order, and the layout they
+        belong to. Tensors are references; copy them to keep a snapshot."""
+        inner = self.inner.state_dict()
+        groups = tuple(
+            GroupState(
+                master.detach(),
+                inner["state"].get(gi, {}),
+                {k: v for k, v in options.items() if k != "params"},
+            )
+            for gi, (master, options) in enumerate(
+                zip(self._masters, inner["param_groups"], strict=True)
+            )
+        )
+        return ShardedOptimizerState(
+            layout_digest=self.flat.layout.digest(),
+            world_size=self._world_size,
+            rank=self._rank,
+            stage=self.config.stage,
+            groups=groups,
+            loss_scaler=self._scaler.state_dict() if self._scaler is not None else None,
+            bucket_order=tuple(self._reducer.order),
+            optimizer=type(self.inner).__name__,
+        )
 
-    def _check_state_dict(self, state_dict: Any) -> None:
-        if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_DICT_FORMAT:
-            raise ValueError(
-                "not a ZeroOptimizer state dict (its 'format' entry is not "
-                f"{STATE_DICT_FORMAT!r}); pass the output of ZeroOptimizer.state_dict()"
-            )
-        if state_dict.get("layout_digest") != self.flat.layout.digest():
-            raise ValueError(
-                f"the state dict was saved with another layout (world size "
-                f"{state_dict.get('world_size')}; this optimizer has world size "
-                f"{self._world_size}), or for other params, groups, dtypes or bucket size. A "
-                "shard can only be loaded into the same layout; load a checkpoint at another "
-                "world size with flatzero's checkpoint loader, which reshards"
-            )
-        if state_dict.get("rank") != self._rank:
-            raise ValueError(
-                f"the state dict holds rank {state_dict.get('rank')}'s shard but this is rank "
-                f"{self._rank}; every rank must load its own shard"
-            )
-        masters = state_dict.get("master")
-        if not isinstance(masters, (list, tuple)) or len(masters) != len(self._masters):
-            raise ValueError(
-                f"the state dict has {len(masters) if isinstance(masters, (list, tuple)) else 0}"
-                f" master shards; this optimizer has {len(self._masters)}"
-            )
-        for i, (saved, mine) in enumerate(zip(masters, self._masters, strict=True)):
-            if not isinstance(saved, torch.Tensor) or saved.shape != mine.shape:
-                raise ValueError(
-                    f"master shard {i} in the state dict has shape "
-                    f"{getattr(saved, 'shape', None)}; expected {tuple(mine.shape)}"
-                )
-        inner = state_dict.get("optimizer")
-        if not isinstance(inner, dict) or "param_groups" not in inner or "state" not in inner:
-            raise ValueError("the state dict has no valid 'optimizer' entry")
-        if len(inner["param_groups"]) != len(self._masters):
-            raise ValueError(
-                f"the state dict's optimizer has {len(inner['param_groups'])} param groups; "
-                f"this optimizer has {len(self._masters)}"
-            )
-        for key, value in inner["state"].items():
-            if not isinstance(key, int) or not 0 <= key < len(self._masters):
-                raise ValueError(f"the state dict's optimizer state has an unknown key {key!r}")
-            numel = self._masters[key].numel()
-            for name, item in value.items():
-                if isinstance(item, torch.Tensor) and item.dim() > 0 and item.numel() != numel:
-                    raise ValueError(
-                        f"optimizer state {name!r} of group {key} has {item.numel()} elements; "
-                        f"this rank's shard has {numel}"
-                    )
-        scaler_state = state_dict.get("loss_scaler")
-        if self._scaler is not None:
-            LossScaler.check_state_dict(scaler_state)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Load ``state_dict()``'s output of the same rank and layout, and update the params.
+    def load_sharded_state(self, state: ShardedOptimizerState) -> None:
+        """Load ``sharded_state()``'s output of the same rank and layout; update the params.
 
         Collective (the params are all-gathered): every rank loads its own shard. Every
         rank checks its shard first and all agree; on any error every rank raises
         ``ValueError`` and nothing is changed.
         """
+        self._load(lambda: state)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """``sharded_state()`` as a dict (``ShardedOptimizerState.to_state_dict``): this
+        rank's shard. Tensors are references (as in ``torch.optim``)."""
+        return self.sharded_state().to_state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load ``state_dict()``'s output of the same rank and layout, and update the params
+        (collective, checked on every rank first: see ``load_sharded_state``)."""
+        self._load(lambda: ShardedOptimizerState.from_state_dict(state_dict))
+
+    def _load(self, parse: Callable[[], ShardedOptimizerState]) -> None:
         error: ValueError | None = None
+        state: ShardedOptimizerState | None = None
         try:
-            self._check_state_dict(state_dict)
+            state = parse()
+            check_loadable(state, self.sharded_state())
         except ValueError as e:
             error = e
-        if all_reduce_max(int(error is not None), control_group(self.flat.deciders)):
-            if error is not None:
-                raise error
-            raise ValueError(
-                "load_state_dict failed on another rank (see its error); nothing changed"
-            )
+        raise_if_any_failed(
+            error,
+            self.flat.deciders,
+            "load_state_dict failed on another rank (see its error); nothing changed",
+            error_type=ValueError,
+        )
+        assert state is not None
         with torch.no_grad():
-            for saved, master in zip(state_dict["master"], self._masters, strict=True):
-                master.copy_(saved)
-            self.inner.load_state_dict(state_dict["optimizer"])
+            for group, master in zip(state.groups, self._masters, strict=True):
+                master.copy_(group.master)
+            self.inner.load_state_dict(state.inner_state_dict())
             for master, grad in zip(self._masters, self._grads, strict=True):
                 master.grad = grad
             if self._scaler is not None:
-                self._scaler.load_state_dict(state_dict["loss_scaler"])
-            self._reducer.set_order(state_dict.get("bucket_order"))
+                self._scaler.load_state_dict(dict(state.loss_scaler or {}))
+            order = state.bucket_order
+            self._reducer.set_order(list(order) if order is not None else None)
             self._end_window()
             self._write_back()
 

@@ -1,0 +1,284 @@
+"""Plan benchmark: ``flatzero plan``'s predicted CPU init time against a measured one.
+
+One run: measure this machine's rates (``plan.calibration.measure``, what ``flatzero info
+--measure`` does), then, per world size, one launch of fresh rank processes
+(``launch.run_ranks``) that build the model on the host and time, alternately and in
+rotating order, ``flatten_parameters`` (tier ``cpu``, with the fp32 master) and the two
+DeepSpeed algorithms of ``bench.baselines``. Before every round of timed trials, rank 0
+measures again the rates of writing new memory (``calibration.measure_new_memory``)
+while the other ranks wait: on a shared or virtual machine they drift with the
+load within minutes, and a ratio is only meaningful against rates measured at the same
+time (the rule of every flatzero benchmark). The round's prediction is ``make_plan`` of a
+CPU-only job with those rates; a figure is the slowest rank's time. The result is the
+median over rounds of predicted / measured; the target is flatzero within 25%. The
+DeepSpeed rows show how far the same model carries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import DEFAULT_BUCKET_NUMEL, FlattenConfig
+from ..dtypes import SHORT_DTYPES, dtype_name
+from ..flatten import flatten_parameters
+from ..launch import run_ranks
+from ..models import build_model
+from ..plan.calibration import Calibration, measure, measure_new_memory
+from ..plan.hardware import get_host
+from ..plan.model_source import resolve_model
+from ..plan.planner import PlanSpec, make_plan
+from .baselines import flatten_legacy_cpu, flatten_torch_cat
+from .procmem import trim_host_memory
+from .provenance import command_line, utc_timestamp
+
+__all__ = ["METHODS", "add_arguments", "predict", "run"]
+
+METHODS = {"flatzero": "cpu", "torch_cat": "deepspeed_device", "legacy_cpu": "deepspeed_legacy"}
+"""Benchmark method -> the plan's method that predicts it."""
+
+_DTYPES = {name: SHORT_DTYPES[name] for name in ("bf16", "fp32")}
+TARGET = 0.25
+"""flatzero's predicted time must be within this fraction of its measured time."""
+
+
+@dataclass(frozen=True)
+class PlanBenchSpec:
+    """One run's settings (identical on every rank).
+
+    Attributes:
+        model: a preset or benchmark model.
+        dtype: ``bf16`` or ``fp32``.
+        bucket_numel: ``FlattenConfig.bucket_numel``.
+        trials: timed rounds (each: every method once).
+        warmup: untimed rounds first.
+        settle_s: seconds slept before each trial and each calibration pass (3: cold).
+        methods: keys of ``METHODS``.
+        recalibrate_mib: bytes per new-memory pass measured before every round (MiB);
+            0 keeps the run's first calibration.
+    """
+
+    model: str
+    dtype: str
+    bucket_numel: int
+    trials: int
+    warmup: int
+    settle_s: float
+    methods: tuple[str, ...]
+    recalibrate_mib: int = 256
+
+
+def predict(
+    spec: PlanBenchSpec, world_size: int, calibration: Calibration
+) -> dict[str, dict[str, Any]]:
+    """Predicted seconds (and phases) of each method at ``world_size`` ranks on this
+    machine, from ``calibration``: a CPU-only plan of one node with ``world_size`` ranks."""
+    plan = make_plan(
+        PlanSpec(
+            model=resolve_model(spec.model),
+            nodes=1,
+            gpus_per_node=world_size,
+            gpu=None,
+            host=get_host("dgx-h100"),  # every figure the CPU tier uses is replaced
+            dtype=dtype_name(_DTYPES[spec.dtype]),
+            bucket_numel=spec.bucket_numel,
+            params_on="host",
+            calibration=calibration,
+        )
+    )
+    return {
+        method: {
+            "seconds": plan.methods[name].time.seconds,
+            "phases": plan.methods[name].time.phases,
+        }
+        for method, name in METHODS.items()
+        if method in spec.methods
+    }
+
+
+def _time_one(
+    method: str, model: torch.nn.Module, spec: PlanBenchSpec, rank: int, ws: int
+) -> tuple[float, dict[str, float]]:
+    """Seconds of one init, and its phases (flatzero's init report; the baselines' own)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    if method == "flatzero":
+        config = FlattenConfig(
+            tier="cpu", device="cpu", bucket_numel=spec.bucket_numel, progress=False
+        )
+        flat = flatten_parameters(model, config=config)
+        seconds = time.perf_counter() - t0
+        phases = {k: v for k, v in flat.report.phase_seconds.items() if v}
+    else:
+        groups = [[p for p in model.parameters() if p.requires_grad]]
+        algorithm = flatten_torch_cat if method == "torch_cat" else flatten_legacy_cpu
+        result = algorithm(groups, rank=rank, world_size=ws, device="cpu")
+        seconds = time.perf_counter() - t0
+        phases = {"flatten": result.flatten_s, "master": result.master_s}
+    return seconds, phases
+
+
+def _rank_main(rank: int, ws: int, spec: PlanBenchSpec) -> list[dict[str, Any]]:
+    """Every timed round of this rank: the rates rank 0 measured before it, and each
+    method's (seconds, phases)."""
+    config = resolve_model(spec.model).config
+    dtype = _DTYPES[spec.dtype]
+    rounds = []
+    for trial in range(spec.warmup + spec.trials):
+        memory = None
+        dist.barrier()
+        if rank == 0 and spec.recalibrate_mib and trial >= spec.warmup:
+            memory = measure_new_memory(spec.recalibrate_mib * 2**20, settle_s=spec.settle_s)
+        dist.barrier()
+        times = {}
+        shift = trial % len(spec.methods)
+        for method in spec.methods[shift:] + spec.methods[:shift]:
+            model = build_model(config, device="cpu", dtype=dtype, seed=trial)
+            trim_host_memory()
+            time.sleep(spec.settle_s)
+            times[method] = _time_one(method, model, spec, rank, ws)
+            del model
+            trim_host_memory()
+        if trial >= spec.warmup:
+            rounds.append({"memory": memory, "times": times})
+    return rounds
+
+
+def _rows(
+    ws: int, ranks: list[list[dict[str, Any]]], spec: PlanBenchSpec, base: Calibration
+) -> list[dict[str, Any]]:
+    """One row per method: medians over rounds of predicted, measured and their ratio."""
+    per_round = []
+    for i, first in enumerate(ranks[0]):
+        memory = first["memory"] or {}
+        guess = predict(spec, ws, dataclasses.replace(base, **memory))
+        slowest = {m: max((r[i]["times"][m] for r in ranks), key=lambda t: t[0]) for m in guess}
+        per_round.append((memory, guess, slowest))
+    rows = []
+    for method in spec.methods:
+        predicted = [g[method]["seconds"] for _, g, _ in per_round]
+        measured = [s[method][0] for _, _, s in per_round]
+        ratios = [p / m for p, m in zip(predicted, measured, strict=True)]
+        rows.append(
+            {
+                "world_size": ws,
+                "method": method,
+                "predicted_s": statistics.median(predicted),
+                "measured_s": statistics.median(measured),
+                "predicted_over_measured": statistics.median(ratios),
+                "ratio_range": [min(ratios), max(ratios)],
+                "rounds": [
+                    {
+                        "rates": mem,
+                        "predicted_s": g[method]["seconds"],
+                        "predicted_phases": g[method]["phases"],
+                        "measured_s": s[method][0],
+                        "measured_phases": s[method][1],
+                    }
+                    for mem, g, s in per_round
+                ],
+            }
+        )
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'ranks':>5} {'method':<11} {'predicted s':>11} {'measured s':>10} "
+        f"{'pred/meas':>9} {'range over rounds':>17}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lo, hi = r["ratio_range"]
+        lines.append(
+            f"{r['world_size']:>5} {r['method']:<11} {r['predicted_s']:>11.3f} "
+            f"{r['measured_s']:>10.3f} {r['predicted_over_measured']:>9.2f} "
+            f"{f'{lo:.2f}-{hi:.2f}':>17}"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``flatzero bench plan`` options."""
+    parser.add_argument("--model", default="llama-0.4b", help="a preset or benchmark model")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
+    parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL)
+    parser.add_argument("--world-sizes", default="1,2")
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=0.0,
+        help="sleep before every trial (and calibration pass)",
+    )
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--calibration", help="use these measured rates instead of measuring")
+    parser.add_argument(
+        "--recalibrate-mib",
+        type=int,
+        default=256,
+        help="re-measure the new-memory rates before every round with this many MiB "
+        "(0: keep the first calibration)",
+    )
+    parser.add_argument("--json", help="also write the result JSON to this path")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Calibrate, predict, measure; print a table and one JSON line."""
+    methods = tuple(m for m in args.methods.split(",") if m)
+    if set(methods) - set(METHODS):
+        raise SystemExit(f"unknown method(s); choose from {', '.join(METHODS)}")
+    spec = PlanBenchSpec(
+        args.model, args.dtype, args.bucket_numel, args.trials, args.warmup, args.settle_s, methods
+    )
+    if args.calibration:
+        with open(args.calibration) as f:
+            calibration = Calibration.from_dict(json.load(f))
+    else:
+        calibration = measure(settle_s=args.settle_s)
+    rows = []
+    load_before = os.getloadavg()
+    for ws in (int(w) for w in args.world_sizes.split(",")):
+        ranks = run_ranks(_rank_main, ws, spec, timeout_s=1800)
+        rows.extend(_rows(ws, ranks, spec, calibration))
+    print(
+        f"model {spec.model} ({spec.dtype}) on {platform.node()}, {calibration.cores} cores, "
+        f"1-minute load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
+    )
+    print(_table(rows))
+    flatzero = [r for r in rows if r["method"] == "flatzero"]
+    within = all(abs(r["predicted_over_measured"] - 1) <= TARGET for r in flatzero)
+    print(f"flatzero within {TARGET:.0%} at every world size: {within}")
+    result = {
+        "benchmark": "plan",
+        "command": command_line(args),
+        "date": utc_timestamp(),
+        "machine": {
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+        },
+        "spec": asdict(spec),
+        "calibration": calibration.to_dict(),
+        "rows": rows,
+        "target": TARGET,
+        "flatzero_within_target": within,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    print(json.dumps(result))
+    return 0

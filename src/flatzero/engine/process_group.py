@@ -1,0 +1,59 @@
+"""The process group of ``flatzero.initialize``, created the way ``deepspeed.initialize``
+creates it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..devices import local_cuda_index
+from ..ports import free_port
+
+__all__ = ["ensure_process_group"]
+
+logger = logging.getLogger(__name__)
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _single_process_env() -> None:
+    """torchrun's environment for a world of one process (not launched by torchrun,
+    deepspeed or mpirun)."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
+def ensure_process_group(dist_init_required: bool | None) -> None:
+    """The default process group: the one initialized, else one from torchrun's
+    environment (NCCL with CUDA, gloo without), else a one-process gloo group.
+
+    Raises:
+        ValueError: ``dist_init_required`` is False and no group is initialized.
+    """
+    if dist.is_initialized():
+        return
+    if dist_init_required is False:
+        raise ValueError(
+            "dist_init_required=False but torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group() first or drop dist_init_required"
+        )
+    cuda = torch.cuda.is_available()
+    if not all(k in os.environ for k in _TORCHRUN_ENV):
+        _single_process_env()
+    if cuda:
+        torch.cuda.set_device(local_cuda_index())
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
+    logger.info(
+        "initialized torch.distributed (%s): rank %d of %d",
+        dist.get_backend(),
+        dist.get_rank(),
+        dist.get_world_size(),
+    )

@@ -1,0 +1,175 @@
+"""Before ``ZeroOptimizer`` holds anything: the user's params -> checked ``FlatParams``,
+and the fp32 gradient shards beside the master shards.
+
+Order: collect the param groups (``params.collect_param_groups``, the one place params are
+normalized) -> check the optimizer's arguments on dummies and that no other optimizer
+hooks the params -> every rank agrees on the setup -> flatten (layout, tier, buckets,
+master shards) -> check the buckets suit the collectives -> allocate the gradient shards.
+Nothing is flattened before every check passed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import check_same_everywhere
+from ..config import FlattenConfig
+from ..control import control_group
+from ..devices import backend_of, buckets_may_use_cuda, collectives_run_on_cpu
+from ..flatten import FlatParams, flatten_parameters
+from ..flatten.alloc import allocate_agreed
+from ..layout import GroupLayout
+from ..params import ParamGroup, collect_param_groups
+from .buckets import empty_buffer
+from .inner import build_inner_optimizer
+from .reducers import check_unclaimed
+
+__all__ = ["allocate_grad_shards", "check_buckets_usable", "flat_params_for"]
+
+
+def _probe_optimizer(
+    optimizer: Callable[..., torch.optim.Optimizer],
+    options: list[dict[str, Any]],
+    defaults: dict[str, Any],
+) -> None:
+    """Build the optimizer on dummies so bad arguments fail before anything is flattened."""
+    dummies = [nn.Parameter(torch.zeros(1)) for _ in options]
+    build_inner_optimizer(optimizer, dummies, options, defaults)
+
+
+def _check_given_flat(flat: FlatParams, process_group: dist.ProcessGroup | None) -> None:
+    """Refuse ``FlatParams`` over another process group, or without master shards."""
+    if process_group is not None and process_group is not flat.process_group:
+        raise ValueError(
+            "process_group differs from the one the FlatParams were flattened over; "
+            "drop the process_group argument"
+        )
+    if any(g.master is None for g in flat.groups):
+        raise ValueError(
+            "the FlatParams have no fp32 master shards (FlattenConfig.build_master="
+            "False); flatten with build_master=True"
+        )
+
+
+def _as_group_dicts(groups: list[ParamGroup]) -> list[dict[str, Any]]:
+    """Collected groups in ``torch.optim``'s form, trainable params named as collected."""
+    return [{**g.options, "params": list(zip(g.names, g.params, strict=True))} for g in groups]
+
+
+def _leave_params_in_place(groups: list[ParamGroup]) -> FlattenConfig:
+    """Like ``torch.optim``, flatten on the device the trainable params are on."""
+    device = next(p.device for g in groups for p in g.params)
+    return FlattenConfig(device=str(device) if device.type != "meta" else None)
+
+
+def flat_params_for(
+    params: Any,
+    optimizer: Callable[..., torch.optim.Optimizer],
+    defaults: dict[str, Any],
+    setup: dict[str, str],
+    *,
+    process_group: dist.ProcessGroup | None,
+    flatten_config: FlattenConfig | None,
+) -> FlatParams:
+    """The ``FlatParams`` a ``ZeroOptimizer`` runs on: ``params`` flattened, or given.
+
+    Args:
+        params: what ``ZeroOptimizer`` takes (module, params, named params, group dicts)
+            or ``FlatParams`` with master shards.
+        optimizer: the checked optimizer class, probed with the groups' options.
+        defaults: the optimizer's keyword arguments.
+        setup: what every rank must agree on (``check_same_everywhere`` fields).
+        process_group: ranks to shard over.
+        flatten_config: how to flatten; default: on the params' device.
+
+    Raises:
+        ValueError / TypeError: bad params, optimizer arguments or setup; nothing flattened.
+    """
+    if isinstance(params, FlatParams):
+        _probe_optimizer(optimizer, [g.options for g in params.groups], defaults)
+        check_unclaimed(p for g in params.groups for p in g.params)
+        _check_given_flat(params, process_group)
+        fields = {"layout digest": params.layout.digest(), **setup}
+        check_same_everywhere("the ZeroOptimizer setup", fields, control_group(params.deciders))
+        return params
+    groups = collect_param_groups(params)
+    _probe_optimizer(optimizer, [g.options for g in groups], defaults)
+    check_unclaimed(p for g in groups for p in (*g.params, *g.frozen))
+    check_same_everywhere("the ZeroOptimizer setup", setup, control_group(process_group))
+    return flatten_parameters(
+        _as_group_dicts(groups),
+        process_group=process_group,
+        config=flatten_config or _leave_params_in_place(groups),
+    )
+
+
+def check_buckets_usable(flat: FlatParams) -> None:
+    """Refuse buckets the optimizer's collectives cannot run on: every bucket and master
+    shard on one device, which the process group's backend can reduce-scatter on.
+
+    Raises:
+        ValueError: naming the devices and the backend, and what to change.
+    """
+    devices = {str(b.device) for g in flat.groups for b in g.buckets}
+    devices |= {str(g.master.device) for g in flat.groups if g.master is not None}
+    if len(devices) > 1:
+        raise ValueError(
+            f"the flat buckets and master shards are on several devices ({sorted(devices)}); "
+            "ZeroOptimizer needs them on one device. Flatten again with one tier "
+            "(FlattenConfig(tier=...)) or with more free memory"
+        )
+    device = flat.groups[0].device
+    if flat.world_size == 1:
+        return
+    pg = flat.process_group
+    usable = buckets_may_use_cuda(pg) if device.type == "cuda" else collectives_run_on_cpu(pg)
+    if not usable:
+        raise ValueError(
+            f"the flat buckets are on {device} but the process group's backend "
+            f"{backend_of(pg)!r} cannot reduce-scatter {device.type} tensors; use a backend "
+            f"for {device.type} tensors (nccl for cuda, gloo for cpu, or 'cpu:gloo,cuda:nccl') "
+            "or flatten onto the device the backend serves (FlattenConfig(device=...))"
+        )
+
+
+def allocate_grad_shards(flat: FlatParams) -> list[torch.Tensor]:
+    """This rank's fp32 gradient shard of every group, beside its master shard (padding
+    zeroed; see ``_zero_padding``).
+
+    Raises:
+        MemoryError: on every rank, when some rank could not allocate its shards (the
+            params keep their values in the buckets).
+    """
+    grads = allocate_agreed(
+        [
+            lambda g=g: empty_buffer(g.layout.shard_numel, torch.float32, g.device)
+            for g in flat.groups
+        ],
+        flat.groups[0].device,
+        control_group(flat.deciders),
+        what="the fp32 gradient shards",
+        nbytes=sum(g.layout.shard_numel for g in flat.groups) * 4,
+        after="the params keep their values",
+    )
+    for grad, g in zip(grads, flat.groups, strict=True):
+        _zero_padding(grad, g.layout, flat.rank)
+    return grads
+
+
+def _zero_padding(shard: torch.Tensor, layout: GroupLayout, rank: int) -> None:
+    """Zero the padding of a gradient shard; the rest is written (not added) by the first
+    reduction of every accumulation window, so it needs no zeroing: a full memset would
+    touch every page of the shard once more at init, on a fresh host buffer the slowest
+    part of init."""
+    gaps = []
+    for index, bucket in enumerate(layout.buckets):
+        lo, hi = bucket.rank_range(rank)
+        base = bucket.shard_offset - lo
+        gaps += [shard[base + start : base + end] for start, end in layout.gaps(index, lo, hi)]
+    if gaps:
+        torch._foreach_zero_(gaps)

@@ -1,0 +1,199 @@
+"""``flatzero plan`` and ``flatzero info --measure``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from ..config import DEFAULT_BUCKET_NUMEL
+from .calibration import Calibration, measure
+from .hardware import GPUS, HOSTS, GpuSpec, get_gpu, get_host
+from .memory_model import OPTIMIZER_STATES
+from .model_source import GROUPINGS, resolve_model
+from .planner import PARAMS_ON, PlanSpec, make_plan
+from .report import format_plan, plan_to_dict
+
+__all__ = ["add_arguments", "add_info_arguments", "run", "run_measure", "spec_from_args"]
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_GPU_FIELDS = {
+    "gpu_memory_gib": ("memory_bytes", 2**30),
+    "hbm_gbps": ("hbm_gbps", 1),
+    "pcie_gbps": ("pcie_gbps", 1),
+    "nvlink_gbps": ("intra_node_gbps", 1),
+    "network_gbps": ("network_gbps", 1),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``flatzero plan`` options."""
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="a zoo preset (llama-3-8b, qwen3-30b-a3b), a benchmark model "
+        "(qwen3-moe-narrow-unfused, ...), a config.json or a model directory holding one",
+    )
+    parser.add_argument("--layers", type=int, help="replace num_hidden_layers")
+    parser.add_argument(
+        "--expert-layout",
+        choices=["fused", "unfused"],
+        help="MoE expert weights as transformers 5.x (fused) or 4.x stores them",
+    )
+    parser.add_argument("--no-lm-head", action="store_true", help="the base model (AutoModel)")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpu", default="h100", help=f"{', '.join(GPUS)}, or none (CPUs only)")
+    for flag in _GPU_FIELDS:
+        parser.add_argument(
+            f"--{flag.replace('_', '-')}", type=float, help="override this figure of --gpu"
+        )
+    parser.add_argument("--host", default="dgx-h100", help=f"host figures: {', '.join(HOSTS)}")
+    parser.add_argument("--host-ram-gib", type=float, help="host RAM per node (GiB)")
+    parser.add_argument(
+        "--host-bandwidth", type=float, help="host copy bandwidth per node (GB/s), e.g. measured"
+    )
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--stage", type=int, default=2, choices=[1, 2])
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
+    parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL)
+    parser.add_argument(
+        "--params-on",
+        default="host",
+        choices=[*PARAMS_ON, "meta"],
+        help="where params are when init starts (meta = meta device plus a "
+        "safetensors checkpoint, the same as checkpoint)",
+    )
+    parser.add_argument("--grouping", default="one", choices=GROUPINGS)
+    parser.add_argument("--tier", default="auto", help="the tier to request (default: auto)")
+    parser.add_argument(
+        "--reserved-gib",
+        type=float,
+        default=1.0,
+        help="device memory per rank not free at init (CUDA context, NCCL)",
+    )
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine's host rates first and use them",
+    )
+    parser.add_argument(
+        "--calibration", help="use rates measured by flatzero info --measure --json FILE"
+    )
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        help="write the plan as JSON to this file (no file: print JSON only)",
+    )
+
+
+def _gpu(args: argparse.Namespace) -> GpuSpec | None:
+    if args.gpu.lower() in ("none", "cpu"):
+        return None
+    gpu = get_gpu(args.gpu)
+    changes = {
+        field: int(value * scale) if field == "memory_bytes" else value
+        for flag, (field, scale) in _GPU_FIELDS.items()
+        if (value := getattr(args, flag)) is not None
+    }
+    if changes:
+        gpu = dataclasses.replace(gpu, source=gpu.source + "; overridden", **changes)
+    return gpu
+
+
+def _calibration(args: argparse.Namespace) -> Calibration | None:
+    if args.calibrate:
+        return measure()
+    if args.calibration:
+        return Calibration.from_dict(json.loads(Path(args.calibration).read_text()))
+    return None
+
+
+def spec_from_args(args: argparse.Namespace) -> PlanSpec:
+    """The ``PlanSpec`` of parsed ``flatzero plan`` arguments."""
+    model = resolve_model(
+        args.model,
+        layers=args.layers,
+        expert_layout=args.expert_layout,
+        with_lm_head=False if args.no_lm_head else None,
+    )
+    host = get_host(args.host)
+    if args.host_bandwidth is not None:
+        host = dataclasses.replace(host, memcpy_gbps=args.host_bandwidth, source="--host-bandwidth")
+    gpu = _gpu(args)
+    return PlanSpec(
+        model=model,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        gpu=gpu,
+        host=host,
+        dtype=DTYPES[args.dtype],
+        stage=args.stage,
+        optimizer=args.optimizer,
+        bucket_numel=args.bucket_numel,
+        params_on="checkpoint" if args.params_on == "meta" else args.params_on,
+        grouping=args.grouping,
+        tier=args.tier,
+        host_ram_bytes=None if args.host_ram_gib is None else int(args.host_ram_gib * 2**30),
+        reserved_bytes=int(args.reserved_gib * 2**30),
+        grad_accum=args.grad_accum,
+        calibration=_calibration(args),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan (a table, or JSON with ``--json``)."""
+    try:
+        plan = make_plan(spec_from_args(args))
+    except ValueError as error:
+        raise SystemExit(f"flatzero plan: {error}") from None
+    data = plan_to_dict(plan)
+    if args.json == "-":
+        print(json.dumps(data))
+        return 0
+    print(format_plan(plan))
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=2))
+    return 0
+
+
+def add_info_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``flatzero info`` options."""
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="measure this machine's copy rates (for flatzero plan)",
+    )
+    parser.add_argument("--measure-mib", type=int, default=512, help="bytes per measurement")
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=0.0,
+        help="sleep before each write of new memory (3: cold, as at a job's "
+        "start on a VM that hands freed pages back)",
+    )
+    parser.add_argument("--json", help="with --measure: also write the rates to this file")
+
+
+def run_measure(args: argparse.Namespace) -> None:
+    """Measure and print this machine's rates; write them as JSON with ``--json``."""
+    cal = measure(args.measure_mib * 2**20, settle_s=args.settle_s)
+    rows = [
+        ("memcpy", cal.memcpy_gbps, cal.thread_memcpy_gbps, ""),
+        ("new memory", cal.first_touch_gbps, cal.thread_first_touch_gbps, " (copy into it)"),
+        ("cast", cal.cast_gbps, cal.thread_cast_gbps, " (bf16 -> new fp32)"),
+    ]
+    print(f"host: {cal.cores} cores")
+    for name, every, one, what in rows:
+        print(f"  {name:<12} {every:7.2f} GB/s all cores, {one:6.2f} one thread{what}")
+    if cal.device_copy_gbps is not None:
+        print(
+            f"  device copy  {cal.device_copy_gbps:7.2f} GB/s; pinned H2D {cal.h2d_gbps or 0:.2f}"
+        )
+    per_tensor = ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in cal.tensor_seconds.items())
+    print(f"  per tensor   {per_tensor}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(cal.to_dict(), indent=2))

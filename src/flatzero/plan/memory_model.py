@@ -1,0 +1,282 @@
+"""Bytes a rank holds: model states after the first step, and the peak during init.
+
+Everything is computed from a ``Layout`` (``plan_layout`` of the model's real param shapes),
+so padding, alignment, buckets and shards are exact. What each figure mirrors:
+
+- buckets: ``flatten_parameters`` allocates one buffer of ``bucket.numel`` elements per
+  bucket, in the params' dtype (ZeRO-1/2 keep the whole model on every rank);
+- fp32 master and gradient shards: ``layout.shard_numel`` fp32 elements per group
+  (``flatten.api.allocate_masters``, ``optim.zero._allocate_grad_shards``);
+- stage 1: a flat gradient buffer of ``layout.numel`` elements in the params' dtype per
+  group, except at world size 1 with fp32 params, where the gradient shard is used in place
+  (``optim.reducers.Stage1Reducer``);
+- reduction staging: entries of ``max bucket numel + max slice numel`` elements in
+  ``reduce_dtype``, as many as ``optim.buckets.StagingPool`` creates (simulated here);
+- optimizer state: what ``torch.optim`` creates at the first step, per group.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..flatten.registry import spec
+from ..flatten.tiers import staging_slot_bytes
+from ..layout import GroupLayout, Layout
+
+__all__ = [
+    "OPTIMIZER_STATES",
+    "InitMemory",
+    "ModelStates",
+    "deepspeed_init_memory",
+    "flatzero_init_memory",
+    "itemsize",
+    "model_states",
+    "staging_entries",
+]
+
+OPTIMIZER_STATES: dict[str, tuple[int, int]] = {
+    "adamw": (2, 1),  # exp_avg, exp_avg_sq; step
+    "adam": (2, 1),
+    "sgd": (1, 0),  # momentum_buffer (momentum > 0)
+    "adagrad": (1, 1),  # sum; step
+}
+"""Per optimizer: (fp32 tensors of the shard's size, 0-dim fp32 scalars) in its state per
+param group, as ``torch.optim`` creates them at the first step."""
+
+_SCALAR_BYTES = 4  # a 0-dim float32 ``step`` tensor
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype named like ``"bfloat16"``."""
+    return getattr(torch, dtype).itemsize
+
+
+def _bucket_bytes(group: GroupLayout) -> list[int]:
+    size = itemsize(group.dtype)
+    return [b.numel * size for b in group.buckets]
+
+
+def _param_bytes(group: GroupLayout) -> list[int]:
+    """Bytes of the params (their own tensors, no padding) of each bucket."""
+    size = itemsize(group.dtype)
+    out = [0] * len(group.buckets)
+    for slot in group.slots:
+        out[slot.bucket] += slot.numel * size
+    return out
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """What one rank holds for training after the first step, in bytes.
+
+    Attributes:
+        params: the flat buckets (the whole model, padded), in the params' dtype.
+        master: the fp32 master shards.
+        grad_shards: the fp32 gradient shards.
+        grad_flat: stage 1's flat gradient buffers (0 in stage 2, or when aliased).
+        grad_staging: the reducer's staging entries.
+        optimizer: the inner optimizer's state.
+    """
+
+    params: int
+    master: int
+    grad_shards: int
+    grad_flat: int
+    grad_staging: int
+    optimizer: int
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value < 0:
+                raise ValueError(f"ModelStates.{name} must be >= 0, got {value}")
+
+    @property
+    def gradients(self) -> int:
+        """All gradient storage: what ``ZeroOptimizer.gradient_bytes()`` reports."""
+        return self.grad_shards + self.grad_flat + self.grad_staging
+
+    @property
+    def total(self) -> int:
+        """Everything above, bytes."""
+        return self.params + self.master + self.gradients + self.optimizer
+
+
+def staging_entries(
+    layout: Layout, *, stage: int, staging_buffers: int, reduce_dtype: str = "float32"
+) -> int:
+    """Staging entries the reducer holds after the first step.
+
+    Mirrors ``optim.buckets.StagingPool``: entries are created while fewer than
+    ``staging_buffers`` exist, then reused by finishing the oldest reduction in flight;
+    stage 2 trims back to ``staging_buffers`` at every step. World size 1 reduces nothing.
+    """
+    if layout.world_size == 1:
+        return 0
+    buckets = [g for g in layout.groups for _ in g.buckets]
+    if stage == 2:
+        return min(staging_buffers, len(buckets))
+    # Stage 1: a bucket takes an entry when it must be converted to the reduce dtype or
+    # its reduced slice cannot land in the fp32 shard directly.
+    created = free = 0
+    inflight: deque[bool] = deque()
+    for group in buckets:
+        needs = group.dtype != reduce_dtype or reduce_dtype != "float32"
+        if needs:
+            if free:
+                free -= 1
+            elif created < staging_buffers:
+                created += 1
+            else:
+                if inflight and inflight.popleft():
+                    free += 1
+                if free:
+                    free -= 1
+                else:
+                    created += 1
+        inflight.append(needs)
+    return created
+
+
+def model_states(
+    layout: Layout,
+    *,
+    stage: int,
+    optimizer: str = "adamw",
+    staging_buffers: int = 2,
+    reduce_dtype: str = "float32",
+) -> ModelStates:
+    """The bytes of ``ModelStates`` for one rank of ``layout`` (every rank holds the same)."""
+    if stage not in (1, 2):
+        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer {optimizer!r} must be one of {', '.join(OPTIMIZER_STATES)}")
+    shard = sum(g.shard_numel for g in layout.groups) * 4
+    flat = 0
+    if stage == 1:
+        flat = sum(
+            g.numel * itemsize(g.dtype)
+            for g in layout.groups
+            if not (layout.world_size == 1 and g.dtype == "float32")
+        )
+    stage_numel = max(b.numel for g in layout.groups for b in g.buckets)
+    out_numel = max(b.slice_numel for g in layout.groups for b in g.buckets)
+    entries = staging_entries(
+        layout, stage=stage, staging_buffers=staging_buffers, reduce_dtype=reduce_dtype
+    )
+    tensors, scalars = OPTIMIZER_STATES[optimizer]
+    return ModelStates(
+        params=sum(sum(_bucket_bytes(g)) for g in layout.groups),
+        master=shard,
+        grad_shards=shard,
+        grad_flat=flat,
+        grad_staging=entries * (stage_numel + out_numel) * itemsize(reduce_dtype),
+        optimizer=tensors * shard + scalars * _SCALAR_BYTES * len(layout.groups),
+    )
+
+
+@dataclass(frozen=True)
+class InitMemory:
+    """Peak memory of one rank during init, in bytes.
+
+    Attributes:
+        method: the flatzero tier, or a DeepSpeed path (``deepspeed_device``,
+            ``deepspeed_legacy``).
+        device_peak: peak accelerator memory allocated for params, buckets and shards
+            (0 when everything is in host memory).
+        host_peak: peak host memory for params, copies and staging (not counting the
+            process itself).
+        host_model_copy: bytes of the model a rank holds in host memory before init (the
+            params as loaded; 0 when the model starts on the device or the meta device).
+    """
+
+    method: str
+    device_peak: int
+    host_peak: int
+    host_model_copy: int
+
+    def __post_init__(self) -> None:
+        if min(self.device_peak, self.host_peak, self.host_model_copy) < 0:
+            raise ValueError(f"InitMemory of {self.method}: bytes must be >= 0")
+
+
+def _replace_peak(buckets: Sequence[int], params: Sequence[int], *, free_first: bool) -> int:
+    """Peak of ``sum(params)`` resident params replaced bucket by bucket: each bucket is
+    allocated, then its params are freed (or freed first when ``free_first``)."""
+    current = sum(params)
+    peak = current
+    for new, old in zip(buckets, params, strict=True):
+        if free_first:
+            current -= old
+        peak = max(peak, current + new)
+        current += new - (0 if free_first else old)
+    return peak
+
+
+def flatzero_init_memory(
+    layout: Layout, tier: str, *, params_on: str, staging_buffers: int = 2, after: int = 0
+) -> InitMemory:
+    """Peak memory of one rank while ``flatten_parameters`` runs ``tier`` on a GPU node,
+    then ``ZeroOptimizer`` allocates its gradient buffers.
+
+    ``params_on``: ``"device"``, ``"host"`` or ``"checkpoint"`` (meta model, values read
+    from safetensors). The fp32 master shards are allocated before the first bucket;
+    ``after`` is what the rank holds once the optimizer is built (buckets, master and
+    gradient buffers: ``ModelStates`` without staging and optimizer state), which the peak
+    includes. Allocator rounding is ignored.
+    """
+    buckets = [b for g in layout.groups for b in _bucket_bytes(g)]
+    params = [p for g in layout.groups for p in _param_bytes(g)]
+    master = sum(g.shard_numel for g in layout.groups) * 4
+    host_copy = sum(params) if params_on == "host" else 0
+    on_device = sum(params) if params_on == "device" else 0
+    staged = 0
+    if tier in ("host", "offload"):
+        staged = max(buckets)
+    elif tier == "sharded":
+        staged = max(b.slice_numel * itemsize(g.dtype) for g in layout.groups for b in g.buckets)
+    ring = staging_buffers * staging_slot_bytes(staged) if staged else 0
+    if spec(tier).buffers_on_host:  # cpu: everything on the host
+        host = max(master + _replace_peak(buckets, params, free_first=False), after)
+        return InitMemory(tier, 0, host, host_copy)
+    if tier in ("device", "offload"):
+        if params_on != "device":
+            raise ValueError(f"tier {tier!r} takes params on the device, not on {params_on!r}")
+        device = master + _replace_peak(buckets, params, free_first=tier == "offload")
+        host = ring + (max(buckets) if tier == "offload" else 0)
+        return InitMemory(tier, max(device, after), host, 0)
+    device = max(on_device + master + sum(buckets), after)
+    return InitMemory(tier, device, host_copy + ring, host_copy)
+
+
+def deepspeed_init_memory(
+    group_numels: Sequence[int], elt: int, world_size: int, *, path: str, params_on: str
+) -> InitMemory:
+    """Peak memory of one rank in DeepSpeed ZeRO-1/2's init (0.19.x), per path.
+
+    ``group_numels``: trainable elements per param group; ``elt``: bytes per element.
+    DeepSpeed's engine first moves the model to the device (``module.to``), so the params
+    start there whatever ``params_on`` says (a host copy is freed as it moves). The device
+    path ``torch.cat``s each group while every original is alive (2x the group); the legacy
+    path copies every param to the host (``param.cpu_data``), concatenates there and copies
+    the result back, so a rank holds the group twice in host memory. Then come the fp32
+    master partition (a clone of the rank's partition, then its fp32 copy) and, in
+    ``initialize_optimizer_states``, a zeroed fp32 gradient partition, freed again.
+    """
+    from ..bench.baselines import deepspeed_padded_numel
+
+    padded = [deepspeed_padded_numel(n, world_size) for n in group_numels]
+    model = sum(group_numels) * elt
+    flat = sum(padded) * elt
+    part = sum(p // world_size for p in padded)
+    after = flat + part * 4 + max(part * elt, part * 4)  # master, then clone or zero grads
+    host_copy = model if params_on in ("host", "checkpoint") else 0
+    if path == "deepspeed_device":
+        return InitMemory(path, max(model + flat, after), host_copy, host_copy)
+    if path == "deepspeed_legacy":
+        host = max(host_copy, model + flat)
+        return InitMemory(path, max(model, after), host, host_copy)
+    raise ValueError(f"path {path!r} must be 'deepspeed_device' or 'deepspeed_legacy'")

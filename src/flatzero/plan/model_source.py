@@ -1,0 +1,210 @@
+"""What a plan is for: a model's parameter shapes, built on the meta device.
+
+A model is named by a zoo preset (``llama-3-8b``, ``qwen3-30b-a3b``), a benchmark model
+(``qwen3-moe-narrow-unfused``, ``qwen3-30b-a3b-16l-unfused``, ...), a Hugging Face
+``config.json`` or a model directory holding one (no weights are read). Whatever the input,
+the model is built by the zoo on the meta device and its params are grouped as flatzero
+groups them (``collect_param_groups``: trainable, tied ones once), so every byte count of
+the plan comes from the real layout, not from a parameter-count formula.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..layout import ParamSpec
+from ..models import LlamaConfig, ModelConfig, Qwen3MoeConfig, build_model
+from ..models.zoo import PRESETS
+from ..params import collect_param_groups
+
+__all__ = [
+    "GROUPINGS",
+    "ModelSource",
+    "config_from_hf",
+    "group_dicts",
+    "param_groups",
+    "resolve_model",
+]
+
+GROUPINGS = ("one", "decay")
+"""How params are grouped: ``one`` group, or ``decay`` (params with 2+ dims) and the rest,
+as trainers do for weight decay."""
+
+_LLAMA_TYPES = ("llama", "mistral")
+"""HF ``model_type`` values whose params have exactly the zoo Llama's names and shapes."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model to plan for.
+
+    Attributes:
+        name: how the user named it (preset, benchmark model or path).
+        config: the zoo config the meta-device model is built from.
+        with_lm_head: the model has ``lm_head`` (``AutoModelForCausalLM``); without it, the
+            base model (``AutoModel``).
+        tie_embeddings: ``lm_head.weight`` is ``embed_tokens.weight`` (counted once).
+    """
+
+    name: str
+    config: ModelConfig
+    with_lm_head: bool = True
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, (LlamaConfig, Qwen3MoeConfig)):
+            raise TypeError(
+                f"ModelSource.config must be a LlamaConfig or Qwen3MoeConfig, got "
+                f"{type(self.config).__name__}"
+            )
+        if self.tie_embeddings and not self.with_lm_head:
+            raise ValueError("ModelSource.tie_embeddings needs with_lm_head=True")
+
+
+def _get(data: dict[str, Any], key: str, default: Any = None) -> Any:
+    value = data.get(key, default)
+    if value is None:
+        raise ValueError(f"the config has no {key!r}; a config.json of this model type needs it")
+    return value
+
+
+def _common_fields(data: dict[str, Any]) -> dict[str, Any]:
+    heads = int(_get(data, "num_attention_heads"))
+    hidden = int(_get(data, "hidden_size"))
+    head_dim = data.get("head_dim") or hidden // heads
+    return {
+        "vocab_size": int(_get(data, "vocab_size")),
+        "hidden_size": hidden,
+        "num_hidden_layers": int(_get(data, "num_hidden_layers")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(data.get("num_key_value_heads") or heads),
+        "head_dim": int(head_dim),
+        "rms_norm_eps": float(data.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(data.get("rope_theta") or 10000.0),
+    }
+
+
+def config_from_hf(
+    data: dict[str, Any], *, expert_layout: str = "fused"
+) -> tuple[ModelConfig, bool]:
+    """The zoo config of a Hugging Face ``config.json`` (as a dict), and its
+    ``tie_word_embeddings``.
+
+    Supported ``model_type``: ``llama`` and ``mistral`` (a dense Llama), ``qwen3_moe`` (every
+    layer sparse, no shared expert). ``expert_layout`` is the layout of MoE expert weights:
+    ``fused`` as transformers 5.x stores them, ``unfused`` as 4.x does.
+
+    Raises:
+        ValueError: an unsupported model type or field (named), or a missing field.
+    """
+    model_type = data.get("model_type")
+    tie = bool(data.get("tie_word_embeddings", False))
+    fields = _common_fields(data)
+    if model_type in _LLAMA_TYPES:
+        for flag in ("attention_bias", "mlp_bias"):
+            if data.get(flag):
+                raise ValueError(f"{flag}=true is not modeled (the zoo's Llama has no biases)")
+        return LlamaConfig(intermediate_size=int(_get(data, "intermediate_size")), **fields), tie
+    if model_type == "qwen3_moe":
+        if data.get("mlp_only_layers") or int(data.get("decoder_sparse_step", 1)) != 1:
+            raise ValueError(
+                "mlp_only_layers / decoder_sparse_step != 1 (dense layers among sparse ones) "
+                "are not modeled; the zoo's Qwen3-MoE is sparse in every layer"
+            )
+        moe = Qwen3MoeConfig(
+            moe_intermediate_size=int(_get(data, "moe_intermediate_size")),
+            num_experts=int(_get(data, "num_experts")),
+            num_experts_per_tok=int(_get(data, "num_experts_per_tok")),
+            norm_topk_prob=bool(data.get("norm_topk_prob", True)),
+            expert_layout=expert_layout,
+            **fields,
+        )
+        return moe, tie
+    raise ValueError(
+        f"model_type {model_type!r} is not supported by the planner; supported: "
+        f"{', '.join((*_LLAMA_TYPES, 'qwen3_moe'))}"
+    )
+
+
+def _named_config(name: str) -> ModelConfig | None:
+    """A zoo preset or benchmark model called ``name``, else None."""
+    if name in PRESETS:
+        return PRESETS[name]
+    from ..bench.init_bench import MODELS
+
+    return MODELS[name]() if name in MODELS else None
+
+
+def resolve_model(
+    text: str,
+    *,
+    layers: int | None = None,
+    expert_layout: str | None = None,
+    with_lm_head: bool | None = None,
+) -> ModelSource:
+    """The model named by ``text``: a preset, a benchmark model, a ``config.json`` or a
+    directory holding one.
+
+    Args:
+        text: the name or path.
+        layers: replace ``num_hidden_layers`` (DeepSpeed #7677 cut Qwen3-30B-A3B to 16).
+        expert_layout: ``fused`` or ``unfused`` MoE expert weights (default: the preset's,
+            or ``fused`` for a config.json, as transformers 5.x builds it).
+        with_lm_head: build ``lm_head`` (default: True, or a config's own choice).
+    """
+    config = _named_config(text)
+    tie = False
+    if config is None:
+        path = Path(text)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(
+                f"{text!r} is neither a model preset, a benchmark model, a config.json nor a "
+                f"directory with one; presets: {', '.join(PRESETS)}"
+            )
+        data = json.loads(path.read_text())
+        config, tie = config_from_hf(data, expert_layout=expert_layout or "fused")
+    changes: dict[str, Any] = {}
+    if layers is not None:
+        changes["num_hidden_layers"] = layers
+    if expert_layout is not None and isinstance(config, Qwen3MoeConfig):
+        changes["expert_layout"] = expert_layout
+    config = dataclasses.replace(config, **changes)
+    head = True if with_lm_head is None else with_lm_head
+    return ModelSource(text, config, with_lm_head=head, tie_embeddings=tie and head)
+
+
+def param_groups(source: ModelSource, dtype: str, grouping: str = "one") -> list[list[ParamSpec]]:
+    """The model's trainable params as flatzero's layout sees them: built on the meta
+    device in ``dtype``, grouped by ``grouping`` (see ``GROUPINGS``), tied params once."""
+    if grouping not in GROUPINGS:
+        raise ValueError(f"grouping {grouping!r} must be one of {', '.join(GROUPINGS)}")
+    model = build_model(
+        source.config,
+        device="meta",
+        dtype=getattr(torch, dtype),
+        with_lm_head=source.with_lm_head,
+        tie_embeddings=source.tie_embeddings,
+    )
+    return [g.specs() for g in collect_param_groups(group_dicts(model, grouping))]
+
+
+def group_dicts(model: torch.nn.Module, grouping: str = "one") -> list[dict[str, Any]]:
+    """``model``'s named params as ``torch.optim`` param groups, grouped by ``grouping``
+    (what the planner assumes a training script passes)."""
+    if grouping not in GROUPINGS:
+        raise ValueError(f"grouping {grouping!r} must be one of {', '.join(GROUPINGS)}")
+    named = list(model.named_parameters())
+    if grouping == "one":
+        return [{"params": named}]
+    return [
+        {"params": [(n, p) for n, p in named if p.dim() >= 2]},
+        {"params": [(n, p) for n, p in named if p.dim() < 2]},
+    ]

@@ -1,0 +1,370 @@
+"""``make_plan``: memory, tier, bytes per link and init time of one job, from its shape.
+
+The model is built on the meta device and laid out with the library's own
+``plan_layout``; the memory, traffic, decision and time models of this package read that
+layout. Nothing is allocated and no process group is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..bench.baselines import deepspeed_padded_numel
+from ..config import DEFAULT_BUCKET_NUMEL
+from ..layout import DEFAULT_ALIGNMENT, Layout, plan_layout
+from .calibration import Calibration
+from .decision import PlanDecision, auto_tier, deepspeed_path, free_at_init
+from .hardware import GpuSpec, HostSpec, get_host
+from .memory_model import (
+    InitMemory,
+    ModelStates,
+    deepspeed_init_memory,
+    flatzero_init_memory,
+    itemsize,
+    model_states,
+)
+from .model_source import GROUPINGS, ModelSource, param_groups
+from .rates import Rates, node_rates
+from .time_model import (
+    InitTime,
+    StepComm,
+    Work,
+    deepspeed_time,
+    flatzero_time,
+    placement_time,
+    step_comm,
+)
+from .traffic import KINDS, deepspeed_bytes, deepspeed_master_bytes, flatzero_bytes, links
+
+__all__ = ["PARAMS_ON", "MethodPlan", "Plan", "PlanSpec", "make_plan", "tiers_for"]
+
+PARAMS_ON = ("device", "host", "checkpoint")
+"""Where the params are when init starts: on the GPU, in host memory, or on the meta
+device with their values in a safetensors checkpoint."""
+
+_SAMPLED_RANKS = 64
+"""Above this world size the per-rank bytes are computed for the first, middle and last
+rank only (the ``sharded`` tier's host bytes differ slightly between ranks)."""
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """One job to plan.
+
+    Attributes:
+        model: the model.
+        nodes: nodes in the job.
+        gpus_per_node: ranks per node (one per GPU; the host's cores on a CPU-only job).
+        gpu: the accelerator, or None for a job on CPUs (tier ``cpu``).
+        host: the host of each node.
+        dtype: the params' dtype (``"bfloat16"``, ``"float16"``, ``"float32"``).
+        stage: ZeRO stage, 1 or 2.
+        optimizer: a key of ``memory_model.OPTIMIZER_STATES``.
+        bucket_numel: bucket size in elements (``FlattenConfig.bucket_numel``).
+        alignment: param alignment in elements (``FlattenConfig.alignment``).
+        params_on: one of ``PARAMS_ON``.
+        grouping: one of ``model_source.GROUPINGS``.
+        tier: the requested tier (``"auto"`` or a tier name).
+        host_ram_bytes: host RAM per node (bytes); None: the host spec's.
+        reserved_bytes: device memory per rank that is not free at init (CUDA context,
+            NCCL buffers, fragmentation), bytes.
+        staging_buffers: ``FlattenConfig.staging_buffers`` and ``ZeroConfig.staging_buffers``.
+        reduce_dtype: ``ZeroConfig.reduce_dtype``.
+        grad_accum: micro-batches per optimizer step.
+        calibration: measured rates of a machine, replacing the host's figures.
+    """
+
+    model: ModelSource
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu: GpuSpec | None = None
+    host: HostSpec = field(default_factory=lambda: get_host("dgx-h100"))
+    dtype: str = "bfloat16"
+    stage: int = 2
+    optimizer: str = "adamw"
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    alignment: int = DEFAULT_ALIGNMENT
+    params_on: str = "host"
+    grouping: str = "one"
+    tier: str = "auto"
+    host_ram_bytes: int | None = None
+    reserved_bytes: int = 2**30
+    staging_buffers: int = 2
+    reduce_dtype: str = "float32"
+    grad_accum: int = 1
+    calibration: Calibration | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "nodes",
+            "gpus_per_node",
+            "bucket_numel",
+            "alignment",
+            "staging_buffers",
+            "grad_accum",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PlanSpec.{name} must be a positive int, got {value!r}")
+        if self.stage not in (1, 2):
+            raise ValueError(f"PlanSpec.stage must be 1 or 2, got {self.stage!r}")
+        if self.params_on not in PARAMS_ON:
+            raise ValueError(
+                f"PlanSpec.params_on must be one of {PARAMS_ON}, got {self.params_on!r}"
+            )
+        if self.grouping not in GROUPINGS:
+            raise ValueError(f"PlanSpec.grouping must be one of {GROUPINGS}, got {self.grouping!r}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"PlanSpec.dtype {self.dtype!r}: use bfloat16, float16 or float32")
+        if self.gpu is None and self.params_on == "device":
+            raise ValueError("PlanSpec.params_on='device' needs a GPU; use 'host' on CPUs")
+        if self.reserved_bytes < 0:
+            raise ValueError(f"PlanSpec.reserved_bytes must be >= 0, got {self.reserved_bytes}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job."""
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class MethodPlan:
+    """One init method (a flatzero tier or a DeepSpeed path) for one rank.
+
+    Attributes:
+        method: the tier or path.
+        bytes_moved: bytes by ``InitReport.bytes_moved`` kind (the largest over ranks).
+        links: the same by link (``hbm``, ``host_memory``, ``pcie_h2d``, ``pcie_d2h``,
+            ``intra_node``, ``network``).
+        memory: peak memory during init.
+        time: predicted seconds.
+        note: what else to know (e.g. the path DeepSpeed 0.19 takes).
+    """
+
+    method: str
+    bytes_moved: dict[str, int]
+    links: dict[str, int]
+    memory: InitMemory
+    time: InitTime
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything ``flatzero plan`` reports for one ``PlanSpec``.
+
+    Attributes:
+        spec: the job.
+        layout: the model's layout at the job's world size.
+        states: per-rank model states after the first step.
+        decision: the tier ``auto`` takes (or None when nothing fits) and why.
+        free_bytes: free device memory per rank when init starts.
+        methods: flatzero's applicable tiers, then DeepSpeed's paths, by name.
+        deepspeed_019: the path DeepSpeed 0.19.x takes, and why.
+        placement_seconds: DeepSpeed's ``module.to(device)`` first (0 unless params are in
+            host memory).
+        step: per-step communication.
+        rates: the rates the times were computed with.
+        host_ram_bytes: host RAM per node the plan checks against.
+    """
+
+    spec: PlanSpec
+    layout: Layout
+    states: ModelStates
+    decision: PlanDecision
+    free_bytes: int
+    methods: dict[str, MethodPlan]
+    deepspeed_019: tuple[str, str]
+    placement_seconds: float
+    step: StepComm
+    rates: Rates
+    host_ram_bytes: int
+
+
+def tiers_for(spec: PlanSpec) -> tuple[str, ...]:
+    """flatzero's tiers that can run this job, given where the params start."""
+    if spec.gpu is None:
+        return ("cpu",)
+    return ("device", "offload") if spec.params_on == "device" else ("host", "sharded")
+
+
+def _work(layout: Layout) -> Work:
+    return Work(
+        tensors=layout.num_params,
+        param_bytes=sum(g.param_numel * itemsize(g.dtype) for g in layout.groups),
+        bucket_bytes=sum(g.numel * itemsize(g.dtype) for g in layout.groups),
+        slice_bytes=sum(g.shard_numel * itemsize(g.dtype) for g in layout.groups),
+        master_bytes=sum(g.shard_numel for g in layout.groups) * 4,
+        master_cast_bytes=sum(g.shard_numel for g in layout.groups if g.dtype != "float32") * 4,
+    )
+
+
+def _max_over_ranks(layout: Layout, tier: str, spec: PlanSpec, build_master: bool) -> dict:
+    ws = layout.world_size
+    ranks = range(ws) if ws <= _SAMPLED_RANKS else (0, ws // 2, ws - 1)
+    buffers = "cpu" if spec.gpu is None else "cuda"
+    out = dict.fromkeys(KINDS, 0)
+    for rank in ranks:
+        moved = flatzero_bytes(
+            layout,
+            tier,
+            rank,
+            params_on=spec.params_on,
+            buffers_on=buffers,
+            build_master=build_master,
+        )
+        out = {k: max(out[k], moved[k]) for k in KINDS}
+    return out
+
+
+def _flatzero_methods(
+    spec: PlanSpec, layout: Layout, rates: Rates, states: ModelStates
+) -> dict[str, MethodPlan]:
+    work = _work(layout)
+    after = states.params + states.master + states.grad_shards + states.grad_flat
+    out = {}
+    for tier in tiers_for(spec):
+        moved = _max_over_ranks(layout, tier, spec, build_master=True)
+        fill = _max_over_ranks(layout, tier, spec, build_master=False)
+        out[tier] = MethodPlan(
+            method=tier,
+            bytes_moved=moved,
+            links=links(moved, nodes=spec.nodes, gpus_per_node=spec.gpus_per_node),
+            memory=flatzero_init_memory(
+                layout,
+                tier,
+                params_on=spec.params_on,
+                staging_buffers=spec.staging_buffers,
+                after=after,
+            ),
+            time=flatzero_time(tier, fill, work, rates, params_on=spec.params_on),
+        )
+    return out
+
+
+def _deepspeed_methods(
+    spec: PlanSpec, layout: Layout, rates: Rates
+) -> tuple[dict[str, MethodPlan], tuple[str, str], float]:
+    """DeepSpeed's two paths, the one 0.19.x takes for the largest group (it decides group
+    by group, with the model already moved to the device by its engine), and the seconds
+    of that move (``module.to``), which both paths' times and PCIe bytes include."""
+    numels = [g.param_numel for g in layout.groups]
+    elt = itemsize(spec.dtype)
+    ws = spec.world_size
+    work = _work(layout)
+    flat = max(deepspeed_padded_numel(n, ws) for n in numels) * elt
+    free = 2**62 if spec.gpu is None else _free(spec, work.param_bytes)
+    path, why = deepspeed_path(free, flat)
+    placement = 0.0
+    if spec.gpu is not None and spec.params_on != "device":
+        placement = placement_time(work.param_bytes, rates)
+    master = sum(deepspeed_master_bytes(n, elt, 0, ws) for n in numels)
+    cast = 0 if elt == 4 else master * 4 // (4 + elt)
+    out = {}
+    for name in ("deepspeed_legacy", "deepspeed_device"):
+        moved = deepspeed_bytes(numels, elt, 0, ws, path=name)
+        t = deepspeed_time(name, moved, work, rates, master_clone=master - cast, master_cast=cast)
+        if placement:  # the engine's module.to(device) comes first
+            moved = moved | {"h2d": moved["h2d"] + work.param_bytes}
+        out[name] = MethodPlan(
+            method=name,
+            bytes_moved=moved,
+            links=links(moved, nodes=spec.nodes, gpus_per_node=spec.gpus_per_node),
+            memory=deepspeed_init_memory(numels, elt, ws, path=name, params_on=spec.params_on),
+            time=InitTime(
+                name,
+                t.seconds + placement,
+                {"placement": placement, **t.phases},
+                "placement + " + t.combine,
+            ),
+            note="taken by DeepSpeed 0.19.x here" if name == path else "",
+        )
+    return out, (path, why), placement
+
+
+def _free(spec: PlanSpec, on_device: int) -> int:
+    """Free device memory per rank at init with ``on_device`` bytes of params there."""
+    assert spec.gpu is not None
+    return free_at_init(spec.gpu.memory_bytes, spec.reserved_bytes, on_device)
+
+
+def _decide(spec: PlanSpec, layout: Layout, states: ModelStates, free: int) -> PlanDecision:
+    """The tier ``auto`` takes (``memory.choose_tier``'s rules), or the requested one."""
+    if spec.tier != "auto":
+        if spec.tier not in tiers_for(spec):
+            raise ValueError(
+                f"tier {spec.tier!r} cannot run this job (params on {spec.params_on}, "
+                f"{'a GPU' if spec.gpu else 'no GPU'}); choose auto or one of {tiers_for(spec)}"
+            )
+        return PlanDecision(spec.tier, f"tier {spec.tier!r} was requested", 0, free)
+    bucket_bytes = [b.numel * itemsize(g.dtype) for g in layout.groups for b in g.buckets]
+    return auto_tier(
+        params_on="device" if spec.params_on == "device" else "host",
+        device_type="cpu" if spec.gpu is None else "cuda",
+        world_size=spec.world_size,
+        min_free=free,
+        largest_bucket_bytes=max(bucket_bytes),
+        total_bytes=sum(bucket_bytes),
+        shard_bytes=states.master + states.grad_shards,
+    )
+
+
+def _step(spec: PlanSpec, layout: Layout, rates: Rates) -> StepComm:
+    """Per-step communication: every bucket reduce-scattered and all-gathered."""
+    received = [(b.numel - b.slice_numel, g.dtype) for g in layout.groups for b in g.buckets]
+    return step_comm(
+        sum(n * itemsize(dtype) for n, dtype in received),
+        sum(n for n, _ in received) * itemsize(spec.reduce_dtype),
+        stage=spec.stage,
+        grad_accum=spec.grad_accum,
+        nodes=spec.nodes,
+        gpus_per_node=spec.gpus_per_node,
+        rates=rates,
+    )
+
+
+def make_plan(spec: PlanSpec) -> Plan:
+    """The plan of ``spec`` (see ``Plan``).
+
+    Raises:
+        ValueError: a requested tier that cannot run the job, or a model it cannot build.
+    """
+    groups = param_groups(spec.model, spec.dtype, spec.grouping)
+    layout = plan_layout(
+        groups,
+        world_size=spec.world_size,
+        bucket_numel=spec.bucket_numel,
+        alignment=spec.alignment,
+    )
+    states = model_states(
+        layout,
+        stage=spec.stage,
+        optimizer=spec.optimizer,
+        staging_buffers=spec.staging_buffers,
+        reduce_dtype=spec.reduce_dtype,
+    )
+    rates = node_rates(
+        spec.gpu,
+        spec.host,
+        nodes=spec.nodes,
+        ranks_per_node=spec.gpus_per_node,
+        calibration=spec.calibration,
+    )
+    on_device = _work(layout).param_bytes if spec.params_on == "device" else 0
+    free = 0 if spec.gpu is None else _free(spec, on_device)
+    decision = _decide(spec, layout, states, free)
+    methods = _flatzero_methods(spec, layout, rates, states)
+    deepspeed, ds019, placement = _deepspeed_methods(spec, layout, rates)
+    return Plan(
+        spec=spec,
+        layout=layout,
+        states=states,
+        decision=decision,
+        free_bytes=free,
+        methods=methods | deepspeed,
+        deepspeed_019=ds019,
+        placement_seconds=placement,
+        step=_step(spec, layout, rates),
+        rates=rates,
+        host_ram_bytes=spec.host_ram_bytes or spec.host.memory_bytes,
+    )

@@ -1,0 +1,221 @@
+"""A plan as a table for people and as a dict for ``--json``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..models import Qwen3MoeConfig
+from .memory_model import itemsize
+from .planner import MethodPlan, Plan
+
+__all__ = ["format_plan", "plan_to_dict"]
+
+_GIB = 2**30
+_LINKS = ("hbm", "host_memory", "pcie_h2d", "pcie_d2h", "intra_node", "network")
+_LINK_HEAD = ("HBM", "host mem", "PCIe H2D", "PCIe D2H", "NVLink", "network")
+_LABELS = {
+    "deepspeed_legacy": "DeepSpeed legacy CPU cat",
+    "deepspeed_device": "DeepSpeed 0.19 device cat",
+}
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / _GIB:.2f}"
+
+
+def _model_line(plan: Plan) -> str:
+    spec = plan.spec
+    config = spec.model.config
+    layout = plan.layout
+    numel = layout.param_numel
+    nbytes = sum(g.param_numel * itemsize(g.dtype) for g in layout.groups)
+    buckets = sum(len(g.buckets) for g in layout.groups)
+    padding = sum(g.padding_numel for g in layout.groups)
+    kind = type(config).__name__.removesuffix("Config")
+    if isinstance(config, Qwen3MoeConfig):
+        kind += f", {config.num_experts} experts {config.expert_layout}"
+    head = "" if spec.model.with_lm_head else ", no lm_head"
+    return (
+        f"model {spec.model.name} ({kind}, {config.num_hidden_layers} layers{head}): "
+        f"{numel / 1e9:.3f}B params in {layout.num_params:,} tensors, {_gib(nbytes)} GiB "
+        f"{spec.dtype}; {buckets} buckets of <= {spec.bucket_numel:,} elements, padding "
+        f"{100 * padding / max(1, numel):.3f}%"
+    )
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    s = plan.states
+    spec = plan.spec
+    grads = f"fp32 shard {_gib(s.grad_shards)}"
+    if s.grad_flat:
+        grads += f" + flat buffer {_gib(s.grad_flat)}"
+    if s.grad_staging:
+        grads += f" + staging {_gib(s.grad_staging)}"
+    where = "host" if spec.gpu is None else spec.gpu.name
+    lines = [
+        "per rank, after the first step (GiB):",
+        f"  params (flat buckets)      {_gib(s.params):>10}",
+        f"  gradients (stage {spec.stage})       {_gib(s.gradients):>10}   ({grads})",
+        f"  fp32 master shard          {_gib(s.master):>10}",
+        f"  optimizer ({spec.optimizer:<8})       {_gib(s.optimizer):>10}",
+        f"  model states               {_gib(s.total):>10}   on {where}",
+    ]
+    if spec.gpu is not None:
+        fits = "fit" if s.total <= plan.free_bytes else "DO NOT FIT"
+        lines.append(
+            f"  free at init               {_gib(plan.free_bytes):>10}   of "
+            f"{_gib(spec.gpu.memory_bytes)} ({_gib(spec.reserved_bytes)} reserved): model "
+            f"states {fits} (activations not counted)"
+        )
+    return lines
+
+
+def _method_row(m: MethodPlan, chosen: bool, usable: int | None) -> str:
+    label = _LABELS.get(m.method, f"flatzero {m.method}") + (" *" if chosen else "")
+    cells = " ".join(f"{_gib(m.links[k]):>9}" for k in _LINKS)
+    fits = "-" if usable is None else ("yes" if m.memory.device_peak <= usable else "NO")
+    return (
+        f"  {label:<29} {_gib(m.memory.device_peak):>9} {fits:>4} {_gib(m.memory.host_peak):>9} "
+        f"{cells} {m.time.seconds:>9.2f}"
+    )
+
+
+def _init_lines(plan: Plan) -> list[str]:
+    heads = ("host peak", *_LINK_HEAD, "time s")
+    head = f"{'dev peak':>9} {'fits':>4} " + " ".join(f"{h:>9}" for h in heads)
+    lines = [f"{'init, per rank (GiB; * = taken)':<31} {head}"]
+    spec = plan.spec
+    usable = None if spec.gpu is None else spec.gpu.memory_bytes - spec.reserved_bytes
+    ds_path = plan.deepspeed_019[0]
+    for m in plan.methods.values():
+        lines.append(_method_row(m, m.method in (plan.decision.tier, ds_path), usable))
+    tier = plan.decision.tier or "none (MemoryError on every rank)"
+    lines.append(f"flatzero auto -> {tier}: {plan.decision.reason}")
+    lines.append(f"DeepSpeed 0.19.x -> {ds_path}: {plan.deepspeed_019[1]}")
+    if plan.placement_seconds:
+        lines.append(
+            f"DeepSpeed's times include {plan.placement_seconds:.2f} s of moving the host "
+            "params to the GPU first (module.to, pageable)"
+        )
+    return lines
+
+
+def _host_lines(plan: Plan) -> list[str]:
+    ranks = plan.spec.gpus_per_node
+    ram = plan.host_ram_bytes
+    lines = [f"host RAM per node ({ranks} rank(s), {_gib(ram)} GiB):"]
+    shown = [t for t in (plan.decision.tier, plan.deepspeed_019[0], "deepspeed_legacy") if t]
+    for name in dict.fromkeys(shown):
+        if name not in plan.methods:
+            continue
+        m = plan.methods[name]
+        total = ranks * m.memory.host_peak
+        fits = "fits" if total <= ram else "DOES NOT FIT"
+        label = _LABELS.get(name, f"flatzero {name}")
+        lines.append(
+            f"  {label:<29} {ranks} x {_gib(m.memory.host_peak)} = {_gib(total)} GiB peak "
+            f"({fits}); model copies before init {ranks} x {_gib(m.memory.host_model_copy)}"
+        )
+    return lines
+
+
+def _step_and_rates(plan: Plan) -> list[str]:
+    st = plan.step
+    r = plan.rates
+    lines = [
+        f"per step, per rank: reduce-scatter {_gib(st.reduce_scatter_bytes)} GiB + all-gather "
+        f"{_gib(st.all_gather_bytes)} GiB received, {_gib(st.network_bytes)} GiB per NIC; "
+        f"{st.seconds:.3f} s at {r.collective_gbps:.0f} GB/s bus bandwidth"
+    ]
+    fields = [
+        (f.name.removesuffix("_gbps"), getattr(r, f.name))
+        for f in dataclasses.fields(r)
+        if f.name.endswith("_gbps")
+    ]
+    rates = ", ".join(f"{n} {v:.1f} ({r.origin.get(n, '?')})" for n, v in fields)
+    tensor = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in r.tensor_seconds.items())
+    lines.append(f"rates per rank, GB/s: {rates}; per tensor: {tensor}")
+    return lines
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a table (several lines)."""
+    spec = plan.spec
+    where = "CPU" if spec.gpu is None else spec.gpu.name
+    title = (
+        f"flatzero plan: {spec.nodes} node(s) x {spec.gpus_per_node} {where}, {spec.dtype}, "
+        f"ZeRO-{spec.stage}, {spec.optimizer}, params start on {spec.params_on}"
+    )
+    return "\n".join(
+        [
+            title,
+            _model_line(plan),
+            *_memory_lines(plan),
+            *_init_lines(plan),
+            *_host_lines(plan),
+            *_step_and_rates(plan),
+        ]
+    )
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """The plan as JSON-serializable data (bytes, seconds, GB/s)."""
+    spec = plan.spec
+    layout = plan.layout
+    return {
+        "spec": {
+            **{
+                k: v
+                for k, v in vars(spec).items()
+                if k not in ("model", "gpu", "host", "calibration")
+            },
+            "model": {
+                **dataclasses.asdict(spec.model.config),
+                "name": spec.model.name,
+                "with_lm_head": spec.model.with_lm_head,
+                "tie_embeddings": spec.model.tie_embeddings,
+            },
+            "gpu": None if spec.gpu is None else dataclasses.asdict(spec.gpu),
+            "host": dataclasses.asdict(spec.host),
+            "world_size": spec.world_size,
+        },
+        "layout": {
+            "params": layout.param_numel,
+            "tensors": layout.num_params,
+            "groups": [
+                {
+                    "dtype": g.dtype,
+                    "buckets": len(g.buckets),
+                    "numel": g.numel,
+                    "padding": g.padding_numel,
+                    "shard_numel": g.shard_numel,
+                }
+                for g in layout.groups
+            ],
+        },
+        "per_rank": {
+            **dataclasses.asdict(plan.states),
+            "gradients": plan.states.gradients,
+            "total": plan.states.total,
+        },
+        "free_bytes": plan.free_bytes,
+        "auto": dataclasses.asdict(plan.decision),
+        "deepspeed_019": {"path": plan.deepspeed_019[0], "reason": plan.deepspeed_019[1]},
+        "deepspeed_placement_seconds": plan.placement_seconds,
+        "methods": {
+            name: {
+                "bytes_moved": m.bytes_moved,
+                "links": m.links,
+                "memory": dataclasses.asdict(m.memory),
+                "host_ram_per_node": m.memory.host_peak * spec.gpus_per_node,
+                "time": dataclasses.asdict(m.time),
+                "note": m.note,
+            }
+            for name, m in plan.methods.items()
+        },
+        "host_ram_bytes": plan.host_ram_bytes,
+        "step": dataclasses.asdict(plan.step),
+        "rates": dataclasses.asdict(plan.rates),
+        "calibration": None if spec.calibration is None else spec.calibration.to_dict(),
+    }

@@ -1,0 +1,15 @@
+"""A free TCP port on localhost: the rendezvous of a process group started without a
+launcher (``flatzero.initialize`` alone, ``launch.run_ranks``)."""
+
+from __future__ import annotations
+
+import socket
+
+__all__ = ["free_port"]
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on localhost."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,119 @@
+"""The shared helpers of issue 14: errors every rank agrees on, the slice-then-all-gather
+of buckets (``flatzero.comm``), and the typed optimizer state (``ShardedOptimizerState``)."""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from flatzero import FlattenConfig
+from flatzero.checkpoint.optimizer_state import capture
+from flatzero.comm import all_gather_buckets_from_own_slices, raise_if_any_failed
+from flatzero.launch import run_ranks
+from flatzero.optim import GroupState, ShardedOptimizerState, ZeroOptimizer
+
+
+def test_raise_if_any_failed_without_a_process_group():
+    raise_if_any_failed(None, None, "unused")
+    with pytest.raises(KeyError, match="mine"):
+        raise_if_any_failed(KeyError("mine"), None, "unused")
+
+
+def _agree_worker(rank: int, world_size: int, failing: int, error_type: str) -> str:
+    error = OSError(f"disk full on rank {rank}") if rank == failing else None
+    kind = getattr(builtins, error_type)
+    try:
+        raise_if_any_failed(error, None, "failed on another rank", error_type=kind)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+@pytest.mark.parametrize("error_type", ["RuntimeError", "ValueError"])
+def test_raise_if_any_failed_raises_on_every_rank(error_type):
+    out = run_ranks(_agree_worker, 3, 1, error_type, timeout_s=60)
+    assert out[1] == "OSError: disk full on rank 1"
+    assert out[0] == out[2] == f"{error_type}: failed on another rank"
+    assert run_ranks(_agree_worker, 2, -1, error_type, timeout_s=60) == ["ok", "ok"]
+
+
+def _gather_worker(rank: int, world_size: int) -> list[list[float]]:
+    slice_numel = 3
+    buckets = [torch.full((slice_numel * world_size,), -1.0, dtype=torch.bfloat16) for _ in "ab"]
+    own = [b[rank * slice_numel : (rank + 1) * slice_numel] for b in buckets]
+    sources = [torch.full((slice_numel,), 10.0 * i + rank) for i in range(2)]  # fp32
+    all_gather_buckets_from_own_slices(buckets, own, None, sources=sources)
+    return [b.float().tolist() for b in buckets]
+
+
+def test_all_gather_buckets_from_own_slices_fills_every_bucket():
+    out = run_ranks(_gather_worker, 2, timeout_s=60)
+    expected = [[0.0] * 3 + [1.0] * 3, [10.0] * 3 + [11.0] * 3]
+    assert out == [expected, expected]
+
+
+def _optimizer() -> tuple[nn.Module, ZeroOptimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
+    opt = ZeroOptimizer(
+        [{"params": model[0].parameters(), "lr": 1e-2}, {"params": model[2].parameters()}],
+        flatten_config=FlattenConfig(bucket_numel=64, device="cpu", progress=False),
+        lr=1e-3,
+    )
+    model(torch.randn(4, 5)).square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+def test_sharded_state_is_the_state_dict_typed():
+    _, opt = _optimizer()
+    state = opt.sharded_state()
+    assert state.step == 1 and state.optimizer == "AdamW" and state.rank == 0
+    assert [g.options["lr"] for g in state.groups] == [1e-2, 1e-3]
+    assert list(state.groups[0].shards) == ["exp_avg", "exp_avg_sq"]
+    assert list(state.groups[0].scalars) == ["step"]
+    masters = opt.master_shards
+    assert all(
+        g.master.data_ptr() == m.data_ptr() for g, m in zip(state.groups, masters, strict=True)
+    )
+    sd = opt.state_dict()
+    inner = opt.inner.state_dict()
+    assert sd["optimizer"]["param_groups"] == inner["param_groups"]
+    assert sd["optimizer"]["state"].keys() == inner["state"].keys()
+    again = ShardedOptimizerState.from_state_dict(sd)
+    assert again.to_state_dict().keys() == sd.keys()
+    assert again.bucket_order == state.bucket_order and again.optimizer is None
+    names = [name for name, _ in capture(state).tensors]
+    assert names[:3] == ["g0.master", "g0.exp_avg", "g0.exp_avg_sq"]
+
+
+def _clone(state: ShardedOptimizerState) -> ShardedOptimizerState:
+    def copy(value: Any) -> Any:
+        return value.clone() if isinstance(value, torch.Tensor) else value
+
+    groups = tuple(
+        GroupState(g.master.clone(), {k: copy(v) for k, v in g.state.items()}, dict(g.options))
+        for g in state.groups
+    )
+    return dataclasses.replace(state, groups=groups)
+
+
+def test_load_sharded_state_restores_a_snapshot():
+    model, opt = _optimizer()
+    snapshot = _clone(opt.sharded_state())
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(4, 5)).square().mean().backward()
+    opt.step()
+    assert opt.sharded_state().step == 2
+    opt.load_sharded_state(snapshot)
+    assert opt.sharded_state().step == 1
+    for p, q in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, q)
+    bad = dataclasses.replace(snapshot, rank=1)
+    with pytest.raises(ValueError, match="rank 1's shard"):
+        opt.load_sharded_state(bad)

@@ -1,0 +1,480 @@
+"""``flatzero plan``: its memory and bytes models against what the code really does.
+
+- memory: the prediction equals what ``flatten_parameters`` and ``ZeroOptimizer`` allocate
+  (buckets, fp32 master and gradient shards, stage 1 flat gradients, staging, optimizer
+  state after one step), read back from the objects, at world sizes 1, 2 and 3 (gloo);
+- bytes: the prediction equals ``InitReport.bytes_moved`` on every rank for every tier
+  that runs on the CPU, and ``bench.baselines``' counts for DeepSpeed's two paths;
+- the tier ``auto`` takes for given free memory equals ``memory.choose_tier``'s;
+- inputs: an HF ``config.json`` (and a model directory) gives the params transformers
+  builds; the DeepSpeed #7677 shape plans at 8 and 1 GPUs with consistent figures;
+- calibration plumbing: measured rates reach the time model, which scales with them.
+
+Sizes are chosen so that nothing divides evenly: params are not multiples of the 64-element
+alignment, buckets not multiples of the world size, an embedding is bigger than a bucket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+
+import pytest
+import torch
+
+from flatzero import FlattenConfig, flatten_parameters
+from flatzero.bench.baselines import flatten_legacy_cpu, flatten_torch_cat
+from flatzero.launch import run_ranks
+from flatzero.layout import plan_layout
+from flatzero.models import LlamaConfig, Qwen3MoeConfig, build_model, save_model_safetensors
+from flatzero.optim import ZeroConfig, ZeroOptimizer
+from flatzero.plan import Calibration, PlanSpec, get_gpu, make_plan, model_states, resolve_model
+from flatzero.plan.cli import add_arguments, spec_from_args
+from flatzero.plan.decision import auto_tier
+from flatzero.plan.model_source import ModelSource, group_dicts, param_groups
+from flatzero.plan.traffic import deepspeed_bytes, deepspeed_master_bytes, flatzero_bytes
+from flatzero.safetensors_index import SafetensorsCheckpoint
+
+LLAMA = LlamaConfig(
+    vocab_size=97,
+    hidden_size=40,
+    intermediate_size=72,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=10,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+)
+MOE = Qwen3MoeConfig(
+    vocab_size=53,
+    hidden_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=3,
+    num_key_value_heads=1,
+    head_dim=6,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    moe_intermediate_size=10,
+    num_experts=5,
+    num_experts_per_tok=2,
+    expert_layout="unfused",
+)
+BUCKET = 3001  # the 97 x 40 embedding gets a bucket of its own
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, {"lr": 1e-3}),
+    "sgd": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 1e-2}),
+}
+# (model, dtype, grouping, stage, optimizer)
+STATE_CASES = [
+    ("llama", "fp32", "decay", 2, "adamw"),
+    ("llama", "bf16", "one", 2, "sgd"),
+    ("llama", "fp32", "one", 1, "adagrad"),
+    ("llama", "bf16", "decay", 1, "adamw"),
+    ("moe", "bf16", "decay", 2, "adamw"),
+]
+TIERS = ("device", "host", "sharded", "offload", "cpu")
+
+
+def _source(name: str) -> ModelSource:
+    return ModelSource(name, LLAMA if name == "llama" else MOE, tie_embeddings=name == "llama")
+
+
+def _layout(name: str, dtype: str, grouping: str, world_size: int):
+    groups = param_groups(_source(name), str(DTYPES[dtype]).removeprefix("torch."), grouping)
+    return plan_layout(groups, world_size=world_size, bucket_numel=BUCKET)
+
+
+def _model(name: str, dtype: str):
+    source = _source(name)
+    return build_model(
+        source.config,
+        device="cpu",
+        dtype=DTYPES[dtype],
+        seed=1,
+        tie_embeddings=source.tie_embeddings,
+    )
+
+
+def _measured_states(opt: ZeroOptimizer) -> dict[str, int]:
+    """What the optimizer really holds, read back from its objects."""
+    buckets = {b.data_ptr(): b.nbytes for g in opt.flat.groups for b in g.buckets}
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return {
+        "params": sum(buckets.values()),
+        "master": sum(m.nbytes for m in opt.master_shards),
+        "grad_shards": sum(g.nbytes for g in opt.grad_shards),
+        "gradients": opt.gradient_bytes(),
+        "optimizer": sum(t.nbytes for t in state),
+    }
+
+
+def _check_states(rank: int, world_size: int) -> list[str]:
+    """Build and step every ``STATE_CASES`` entry; return the mismatches."""
+    errors = []
+    for name, dtype, grouping, stage, optimizer in STATE_CASES:
+        model = _model(name, dtype)
+        cls, kwargs = OPTIMIZERS[optimizer]
+        opt = ZeroOptimizer(
+            group_dicts(model, grouping),
+            cls,
+            stage=stage,
+            config=ZeroConfig(),
+            flatten_config=FlattenConfig(device="cpu", bucket_numel=BUCKET, progress=False),
+            **kwargs,
+        )
+        ids = torch.randint(
+            0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(rank)
+        )
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        predicted = model_states(
+            _layout(name, dtype, grouping, world_size), stage=stage, optimizer=optimizer
+        )
+        expected = {
+            k: getattr(predicted, k)
+            for k in ("params", "master", "grad_shards", "gradients", "optimizer")
+        }
+        got = _measured_states(opt)
+        if got != expected:
+            errors.append(
+                f"rank {rank} {name}/{dtype}/{grouping}/{stage}/{optimizer}: {got} != {expected}"
+            )
+        opt.close()
+    return errors
+
+
+def _check_bytes(rank: int, world_size: int, checkpoint: str | None) -> list[str]:
+    """Flatten in every tier (and from a checkpoint); compare ``bytes_moved``."""
+    errors = []
+    for tier in TIERS:
+        for dtype, grouping in (("bf16", "decay"), ("fp32", "one")):
+            model = _model("llama", dtype)
+            config = FlattenConfig(tier=tier, device="cpu", bucket_numel=BUCKET, progress=False)
+            flat = flatten_parameters(group_dicts(model, grouping), config=config)
+            layout = _layout("llama", dtype, grouping, world_size)
+            want = flatzero_bytes(layout, tier, rank, params_on="host", buffers_on="cpu")
+            if flat.report.bytes_moved != want:
+                errors.append(f"rank {rank} {tier}/{dtype}: {flat.report.bytes_moved} != {want}")
+    if checkpoint is not None:
+        for tier in ("sharded", "host", "cpu"):
+            meta = build_model(MOE, device="meta", dtype=torch.bfloat16)
+            config = FlattenConfig(tier=tier, device="cpu", bucket_numel=BUCKET, progress=False)
+            flat = flatten_parameters(
+                meta, config=config, checkpoint=SafetensorsCheckpoint(checkpoint)
+            )
+            layout = plan_layout(
+                param_groups(_source("moe"), "bfloat16"), world_size=world_size, bucket_numel=BUCKET
+            )
+            want = flatzero_bytes(layout, tier, rank, params_on="checkpoint", buffers_on="cpu")
+            if flat.report.bytes_moved != want:
+                errors.append(f"rank {rank} checkpoint/{tier}: {flat.report.bytes_moved} != {want}")
+    return errors
+
+
+def _rank_main(rank: int, world_size: int, checkpoint: str) -> list[str]:
+    return _check_states(rank, world_size) + _check_bytes(rank, world_size, checkpoint)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("plan") / "moe.safetensors"
+    save_model_safetensors(build_model(MOE, device="cpu", dtype=torch.bfloat16, seed=2), path)
+    return str(path)
+
+
+def test_predictions_match_one_rank(moe_checkpoint):
+    """World size 1, no process group: memory and bytes equal the prediction."""
+    assert _rank_main(0, 1, moe_checkpoint) == []
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_predictions_match_every_rank(world_size, moe_checkpoint):
+    """Every rank's memory and bytes equal the prediction for that rank (gloo)."""
+    errors = run_ranks(_rank_main, world_size, moe_checkpoint, timeout_s=120)
+    assert [e for rank_errors in errors for e in rank_errors] == []
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_deepspeed_bytes_match_baselines(world_size, dtype):
+    """DeepSpeed's two paths: predicted bytes equal what ``bench.baselines`` counts."""
+    elt = DTYPES[dtype].itemsize
+    for rank in range(world_size):
+        for algorithm, path in (
+            (flatten_torch_cat, "deepspeed_device"),
+            (flatten_legacy_cpu, "deepspeed_legacy"),
+        ):
+            groups = [
+                [p for _, p in g["params"]] for g in group_dicts(_model("moe", dtype), "decay")
+            ]
+            result = algorithm(groups, rank=rank, world_size=world_size, device="cpu")
+            numels = [g.param_numel for g in _layout("moe", dtype, "decay", world_size).groups]
+            assert tuple(numels) == result.group_numel
+            moved = deepspeed_bytes(numels, elt, rank, world_size, path=path)
+            master = sum(deepspeed_master_bytes(n, elt, rank, world_size) for n in numels)
+            assert result.paths == (("device",) if path == "deepspeed_device" else ("host",)) * 2
+            assert sum(moved.values()) == result.bytes_moved
+            assert master == result.master_bytes
+
+
+@pytest.mark.parametrize("params_on", ["device", "host"])
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_auto_tier_agrees_with_choose_tier(params_on, world_size, monkeypatch):
+    """For every free-memory value around the thresholds, the planner's decision is the
+    library's ``choose_tier`` (run with its free-memory measurement stubbed)."""
+    import flatzero.memory as memory
+
+    sizes = {"largest_bucket_bytes": 300, "total_bytes": 1000, "shard_bytes": 120}
+    thresholds = {0, 120, 420, 1120}
+    for free in sorted({t + d for t in thresholds for d in (-1, 0, 1)} - {-1}):
+        monkeypatch.setattr(memory, "free_bytes", lambda device, free=free: free)
+        for device_type in ("cuda", "cpu"):
+            mine = auto_tier(
+                params_on=params_on,
+                device_type=device_type,
+                world_size=world_size,
+                min_free=free,
+                **sizes,
+            )
+            try:
+                theirs = memory.choose_tier(
+                    "auto",
+                    params_on=params_on,
+                    device=torch.device(device_type),
+                    world_size=world_size,
+                    group=None,
+                    **sizes,
+                ).tier
+            except MemoryError:
+                theirs = None
+            assert mine.tier == theirs, (free, device_type)
+
+
+def _hf_config(kind: str) -> dict:
+    common = {
+        "vocab_size": 61,
+        "hidden_size": 24,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+    }
+    if kind == "llama":
+        return {
+            "model_type": "llama",
+            "intermediate_size": 40,
+            "tie_word_embeddings": True,
+            **common,
+        }
+    return {
+        "model_type": "qwen3_moe",
+        "head_dim": 8,
+        "moe_intermediate_size": 12,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 40,
+        **common,
+    }
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_hf_config_gives_the_params_transformers_builds(kind, tmp_path):
+    """A config.json (file or directory) plans the params transformers would build."""
+    data = _hf_config(kind)
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    for text in (str(tmp_path / "config.json"), str(tmp_path)):
+        source = resolve_model(text)
+        specs = {(s.name, s.shape) for g in param_groups(source, "bfloat16") for s in g}
+        assert source.tie_embeddings == (kind == "llama")
+        transformers = pytest.importorskip("transformers")
+        config = transformers.AutoConfig.for_model(**data)
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(config)
+        assert specs == {(n, tuple(p.shape)) for n, p in hf.named_parameters()}
+    plan = make_plan(PlanSpec(model=source, gpus_per_node=2, gpu=get_gpu("a100-80g")))
+    assert plan.layout.param_numel == sum(p.numel() for p in hf.parameters())
+
+
+def test_hf_config_refuses_what_it_cannot_model(tmp_path):
+    data = {**_hf_config("llama"), "model_type": "gpt2"}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="gpt2"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(ValueError, match="neither"):
+        resolve_model(str(tmp_path / "missing.json"))
+
+
+@functools.cache
+def _issue_7677(gpus: int, gpu: str = "h100"):
+    """DeepSpeed #7677: Qwen3-30B-A3B cut to 16 layers, transformers 4.x (unfused experts),
+    ``AutoModel`` (no lm_head), bf16, ZeRO-2, AdamW, params loaded in host memory."""
+    source = resolve_model("qwen3-30b-a3b", layers=16, expert_layout="unfused", with_lm_head=False)
+    return make_plan(PlanSpec(model=source, gpus_per_node=gpus, gpu=get_gpu(gpu)))
+
+
+def test_issue_7677_shape_at_eight_gpus():
+    plan = _issue_7677(8)
+    meta = build_model(plan.spec.model.config, with_lm_head=False)
+    assert plan.layout.num_params == len(list(meta.parameters()))
+    assert plan.layout.param_numel == sum(p.numel() for p in meta.parameters())
+    buckets = sum(g.numel for g in plan.layout.groups) * 2
+    assert plan.states.params == buckets and plan.states.master * 8 == buckets * 2
+    assert plan.decision.tier == "sharded"
+    sharded = plan.methods["sharded"].bytes_moved
+    assert sharded["h2d"] * 8 == buckets  # each rank uploads its slice of every bucket
+    assert sharded["all_gather"] == buckets - sharded["h2d"]
+    assert plan.methods["host"].bytes_moved["h2d"] == buckets
+    assert plan.deepspeed_019[0] == "deepspeed_device"
+    device_path = plan.methods["deepspeed_device"]
+    assert device_path.memory.device_peak >= 2 * plan.layout.param_numel * 2  # the 2x peak
+    times = {name: m.time.seconds for name, m in plan.methods.items()}
+    assert times["sharded"] < times["deepspeed_device"] < times["deepspeed_legacy"]
+    assert plan.states.total < plan.free_bytes
+
+
+def test_issue_7677_shape_at_one_gpu():
+    """At one GPU the init needs master and gradient shards of the whole model: more than
+    an 80 GB GPU has, so #7677's one-GPU run needed a bigger one (an H200 fits)."""
+    small, big = _issue_7677(1), _issue_7677(1, "h200")
+    assert small.decision.tier is None and big.decision.tier == "host"
+    assert small.methods["deepspeed_device"].memory.device_peak > small.free_bytes
+    assert big.methods["deepspeed_device"].memory.device_peak <= big.free_bytes
+    assert big.methods["host"].bytes_moved["all_gather"] == 0
+
+
+def _calibration(scale: float = 1.0) -> Calibration:
+    return Calibration(
+        cores=4,
+        memory_bytes=2**34,
+        memcpy_gbps=10 * scale,
+        thread_memcpy_gbps=5 * scale,
+        first_touch_gbps=2 * scale,
+        thread_first_touch_gbps=1 * scale,
+        cast_gbps=1.5 * scale,
+        thread_cast_gbps=1 * scale,
+        tensor_seconds=dict.fromkeys(("flatzero", "torch_cat", "legacy_cpu"), 0.0),
+    )
+
+
+def test_calibration_reaches_the_time_model():
+    """A CPU job's predicted init is its new bytes at the calibrated rates, each rank with
+    its share of the cores (4 cores, 2 ranks: 2 threads each, half the node's rate)."""
+    source = _source("llama")
+    plans = [
+        make_plan(
+            PlanSpec(
+                model=source,
+                gpus_per_node=2,
+                gpu=None,
+                bucket_numel=BUCKET,
+                calibration=_calibration(scale),
+            )
+        )
+        for scale in (1.0, 2.0)
+    ]
+    rates = plans[0].rates
+    assert (rates.first_touch_gbps, rates.cast_gbps) == (1.0, 0.75)
+    assert rates.origin["first_touch"] == "measured"
+    layout = plans[0].layout
+    buckets = sum(g.numel for g in layout.groups) * 2
+    master = sum(g.shard_numel for g in layout.groups) * 4
+    want = buckets / 1.0e9 + master / 0.75e9
+    assert plans[0].methods["cpu"].time.seconds == pytest.approx(want, rel=1e-12)
+    for name in ("cpu", "deepspeed_device", "deepspeed_legacy"):
+        assert plans[1].methods[name].time.seconds == pytest.approx(
+            plans[0].methods[name].time.seconds / 2, rel=1e-12
+        )
+
+
+def _plan_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_calibration_file_and_host_bandwidth_reach_the_plan(tmp_path, capsys):
+    from flatzero.bench.plan_bench import PlanBenchSpec, predict
+    from flatzero.cli import main
+
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(_calibration().to_dict()))
+    assert Calibration.from_dict(json.loads(path.read_text())) == _calibration()
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "tiny",
+                "--gpu",
+                "none",
+                "--gpus-per-node",
+                "2",
+                "--calibration",
+                str(path),
+                "--json",
+            ]
+        )
+        == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data["rates"]["first_touch_gbps"] == 1.0 and data["calibration"]["cast_gbps"] == 1.5
+    spec = PlanBenchSpec("tiny", "bf16", 2**26, 1, 0, 0.0, ("flatzero", "legacy_cpu"))
+    guess = predict(spec, 2, _calibration())
+    assert guess["flatzero"]["seconds"] == data["methods"]["cpu"]["time"]["seconds"]
+    assert guess["legacy_cpu"]["seconds"] == data["methods"]["deepspeed_legacy"]["time"]["seconds"]
+    spec = spec_from_args(
+        _plan_args("--model", "tiny", "--host-bandwidth", "64", "--gpus-per-node", "4")
+    )
+    assert make_plan(spec).rates.host_copy_gbps == 64 / 4
+
+
+def test_info_measure_writes_a_calibration(tmp_path, capsys):
+    from flatzero.cli import main
+
+    path = tmp_path / "cal.json"
+    assert main(["info", "--measure", "--measure-mib", "4", "--json", str(path)]) == 0
+    cal = Calibration.from_dict(json.loads(path.read_text()))
+    assert (
+        cal.memcpy_gbps > 0
+        and cal.cast_gbps > 0
+        and set(cal.tensor_seconds) == {"flatzero", "torch_cat", "legacy_cpu"}
+    )
+    assert "cast" in capsys.readouterr().out
+
+
+def test_plan_cli_table_and_json(tmp_path, capsys):
+    from flatzero.cli import main
+
+    out = tmp_path / "plan.json"
+    argv = [
+        "plan",
+        "--model",
+        "qwen3-moe-narrow-unfused",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "4",
+        "--gpu",
+        "h200",
+        "--stage",
+        "1",
+        "--grad-accum",
+        "4",
+        "--json",
+        str(out),
+    ]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["auto"]["tier"] == "sharded" and "flatzero auto -> sharded" in text
+    assert data["spec"]["world_size"] == 8
+    step = data["step"]
+    # stage 1 reduces once per step whatever the accumulation; 2 nodes: a NIC carries 1/4
+    assert step["reduce_scatter_bytes"] == step["all_gather_bytes"] * 2  # fp32 vs bf16
+    assert step["network_bytes"] == (step["reduce_scatter_bytes"] + step["all_gather_bytes"]) // 4
+    with pytest.raises(SystemExit, match="neither"):
+        main(["plan", "--model", "no-such-model"])
