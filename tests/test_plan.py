@@ -31,7 +31,6 @@ from flatzero.models import LlamaConfig, Qwen3MoeConfig, build_model, save_model
 from flatzero.optim import ZeroConfig, ZeroOptimizer
 from flatzero.plan import Calibration, PlanSpec, get_gpu, make_plan, model_states, resolve_model
 from flatzero.plan.cli import add_arguments, spec_from_args
-from flatzero.plan.decision import auto_tier
 from flatzero.plan.model_source import ModelSource, group_dicts, param_groups
 from flatzero.plan.traffic import deepspeed_bytes, deepspeed_master_bytes, flatzero_bytes
 from flatzero.safetensors_index import SafetensorsCheckpoint
@@ -233,7 +232,8 @@ def test_auto_tier_agrees_with_choose_tier(params_on, world_size, monkeypatch):
     for free in sorted({t + d for t in thresholds for d in (-1, 0, 1)} - {-1}):
         monkeypatch.setattr(memory, "free_bytes", lambda device, free=free: free)
         for device_type in ("cuda", "cpu"):
-            mine = auto_tier(
+            mine = memory.decide_tier(
+                "auto",
                 params_on=params_on,
                 device_type=device_type,
                 world_size=world_size,

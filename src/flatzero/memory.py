@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from .comm import all_reduce_min
 
-__all__ = ["TierDecision", "choose_tier", "free_bytes", "is_oom"]
+__all__ = ["TierDecision", "choose_tier", "decide_tier", "free_bytes", "is_oom"]
 
 
 def free_bytes(device: torch.device) -> int:
@@ -47,14 +47,75 @@ class TierDecision:
     """The tier every rank will use, and why.
 
     Attributes:
-        tier: the chosen tier.
-        reason: one sentence for the init report.
+        tier: the chosen tier; None when nothing fits (``choose_tier`` raises then).
+        reason: one sentence for the init report (or the error).
         min_free_bytes: minimum free memory on the target device over all ranks (bytes).
+        need_bytes: free device memory the tier needs per rank (bytes; 0 when the tier
+            was requested rather than chosen).
     """
 
-    tier: str
+    tier: str | None
     reason: str
     min_free_bytes: int
+    need_bytes: int = 0
+
+
+def decide_tier(
+    requested: str,
+    *,
+    params_on: str,
+    device_type: str,
+    world_size: int,
+    min_free: int,
+    largest_bucket_bytes: int,
+    total_bytes: int,
+    shard_bytes: int,
+) -> TierDecision:
+    """The tier for ``min_free`` bytes free on the rank with the least: pure (no
+    measurement, no process group), so ``flatzero plan`` decides as the library does.
+
+    Args: as ``choose_tier``, with ``device_type`` (``"cuda"``, ``"cpu"``) for the device
+    and the measured ``min_free`` (bytes).
+    """
+    # Imported here: the flatten package, which holds the registry, imports this module.
+    from .flatten.registry import spec
+
+    if requested != "auto":
+        return TierDecision(requested, f"tier {requested!r} was requested", min_free)
+    if device_type == "cpu":
+        return TierDecision("cpu", "no accelerator: flat buffers in host memory", min_free)
+
+    def need(tier: str) -> int:
+        return spec(tier).peak_device_bytes(largest_bucket_bytes, total_bytes, shard_bytes)
+
+    def decision(tier: str | None, reason: str, need_bytes: int) -> TierDecision:
+        return TierDecision(tier, reason, min_free, need_bytes)
+
+    if params_on == "device":
+        if min_free >= need("device"):
+            return decision(
+                "device",
+                f"params on {device_type}; {_gib(min_free)} free >= one bucket and the fp32 "
+                f"shards ({_gib(need('device'))})",
+                need("device"),
+            )
+        if min_free >= need("offload"):
+            return decision(
+                "offload",
+                f"params on {device_type} but only {_gib(min_free)} free, less than one bucket "
+                f"and the fp32 shards ({_gib(need('device'))})",
+                need("offload"),
+            )
+        what = "the fp32 master and gradient shards"
+        return decision(None, _too_small(device_type, min_free, need("offload"), what), 0)
+    upload = "host" if world_size == 1 else "sharded"
+    if min_free < need(upload):
+        what = "the flat buffers and fp32 shards"
+        return decision(None, _too_small(device_type, min_free, need(upload), what), 0)
+    if world_size == 1:
+        return decision("host", "params in host memory, one rank", need(upload))
+    reason = f"params in host memory, {world_size} ranks share the upload"
+    return decision("sharded", reason, need(upload))
 
 
 def choose_tier(
@@ -86,51 +147,28 @@ def choose_tier(
             and shards on the GPU of the rank with the least free memory (nothing has been
             touched yet).
     """
-    # Imported here: the flatten package, which holds the registry, imports this module.
-    from .flatten.registry import spec
-
-    min_free = all_reduce_min(free_bytes(device), group)
-    if requested != "auto":
-        return TierDecision(requested, f"tier {requested!r} was requested", min_free)
-    if device.type == "cpu":
-        return TierDecision("cpu", "no accelerator: flat buffers in host memory", min_free)
-
-    def need(tier: str) -> int:
-        return spec(tier).peak_device_bytes(largest_bucket_bytes, total_bytes, shard_bytes)
-
-    if params_on == "device":
-        if min_free >= need("device"):
-            return TierDecision(
-                "device",
-                f"params on {device.type}; {_gib(min_free)} free >= one bucket and the fp32 "
-                f"shards ({_gib(need('device'))})",
-                min_free,
-            )
-        if min_free >= need("offload"):
-            return TierDecision(
-                "offload",
-                f"params on {device.type} but only {_gib(min_free)} free, less than one bucket "
-                f"and the fp32 shards ({_gib(need('device'))})",
-                min_free,
-            )
-        raise _too_small(device, min_free, need("offload"), "the fp32 master and gradient shards")
-    upload = "host" if world_size == 1 else "sharded"
-    if min_free < need(upload):
-        raise _too_small(device, min_free, need(upload), "the flat buffers and fp32 shards")
-    if world_size == 1:
-        return TierDecision("host", "params in host memory, one rank", min_free)
-    return TierDecision(
-        "sharded", f"params in host memory, {world_size} ranks share the upload", min_free
+    decision = decide_tier(
+        requested,
+        params_on=params_on,
+        device_type=device.type,
+        world_size=world_size,
+        min_free=all_reduce_min(free_bytes(device), group),
+        largest_bucket_bytes=largest_bucket_bytes,
+        total_bytes=total_bytes,
+        shard_bytes=shard_bytes,
     )
+    if decision.tier is None:
+        raise MemoryError(decision.reason)
+    return decision
 
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
 
-def _too_small(device: torch.device, free: int, need: int, what: str) -> MemoryError:
-    return MemoryError(
-        f"{what} need {_gib(need)} per rank on {device.type} but the rank with the least free "
+def _too_small(device_type: str, free: int, need: int, what: str) -> str:
+    return (
+        f"{what} need {_gib(need)} per rank on {device_type} but the rank with the least free "
         f"memory has {_gib(free)}; nothing was changed. Use more ranks (the shards shrink with "
         "them), free memory on the GPU, or bf16 params"
     )

@@ -142,34 +142,31 @@ def measure_fresh_write(
 ) -> float:
     """GB/s written copying a ``src_dtype`` tensor into a new ``hostmem.empty_host`` buffer
     of ``nbytes`` in ``dst_dtype`` (what filling a new host bucket, or casting into a new
-    fp32 master shard, costs), with ``threads`` threads: the median of ``passes`` passes.
-
-    Every pass writes a buffer of its own, all kept until the end, so no pass reuses pages
-    another one freed; ``settle_s`` is slept once first (3 s: memory freed before is cold
-    again on a VM that hands freed pages back, as at a job's start).
-    """
+    fp32 master shard, costs), with ``threads`` threads: the median of ``passes`` passes,
+    each on a new buffer, freed after it, and each after sleeping ``settle_s`` (3 s: the
+    memory freed before is cold again on a VM that hands freed pages back, as at a job's
+    start; 0: back to back, pages just freed may still be backed)."""
     from ..hostmem import empty_host
 
     numel = max(1, nbytes // dst_dtype.itemsize)
     src = torch.ones(numel, dtype=src_dtype)
-    kept: list[torch.Tensor] = []
 
     def one() -> float:
+        time.sleep(settle_s)
         t0 = time.perf_counter()
         buf = empty_host(numel, dst_dtype)
         buf.copy_(src)
-        kept.append(buf)
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        del buf
+        return seconds
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        time.sleep(settle_s)
         seconds = statistics.median(one() for _ in range(passes))
         return numel * dst_dtype.itemsize / seconds / 1e9
     finally:
         torch.set_num_threads(before)
-        kept.clear()
 
 
 def _tiny_params(count: int, numel: int) -> list[nn.Parameter]:
@@ -243,7 +240,7 @@ def measure(
     nbytes: int = 512 * 2**20, *, settle_s: float = 0.0, tensors: int = 2000
 ) -> Calibration:
     """Measure this machine (see the module docstring); takes a few seconds (plus
-    ``settle_s`` before each of the 4 measurements that write new memory)."""
+    ``settle_s`` before each of the 12 passes that write new memory)."""
     import platform
 
     from ..bench import limits

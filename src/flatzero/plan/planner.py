@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from ..bench.baselines import deepspeed_padded_numel
 from ..config import DEFAULT_BUCKET_NUMEL
 from ..layout import DEFAULT_ALIGNMENT, Layout, plan_layout
+from ..memory import TierDecision, decide_tier
 from .calibration import Calibration
-from .decision import PlanDecision, auto_tier, deepspeed_path, free_at_init
+from .decision import deepspeed_path, free_at_init
 from .hardware import GpuSpec, HostSpec, get_host
 from .memory_model import (
     InitMemory,
@@ -171,7 +172,7 @@ class Plan:
     spec: PlanSpec
     layout: Layout
     states: ModelStates
-    decision: PlanDecision
+    decision: TierDecision
     free_bytes: int
     methods: dict[str, MethodPlan]
     deepspeed_019: tuple[str, str]
@@ -288,17 +289,16 @@ def _free(spec: PlanSpec, on_device: int) -> int:
     return free_at_init(spec.gpu.memory_bytes, spec.reserved_bytes, on_device)
 
 
-def _decide(spec: PlanSpec, layout: Layout, states: ModelStates, free: int) -> PlanDecision:
+def _decide(spec: PlanSpec, layout: Layout, states: ModelStates, free: int) -> TierDecision:
     """The tier ``auto`` takes (``memory.choose_tier``'s rules), or the requested one."""
-    if spec.tier != "auto":
-        if spec.tier not in tiers_for(spec):
-            raise ValueError(
-                f"tier {spec.tier!r} cannot run this job (params on {spec.params_on}, "
-                f"{'a GPU' if spec.gpu else 'no GPU'}); choose auto or one of {tiers_for(spec)}"
-            )
-        return PlanDecision(spec.tier, f"tier {spec.tier!r} was requested", 0, free)
+    if spec.tier != "auto" and spec.tier not in tiers_for(spec):
+        raise ValueError(
+            f"tier {spec.tier!r} cannot run this job (params on {spec.params_on}, "
+            f"{'a GPU' if spec.gpu else 'no GPU'}); choose auto or one of {tiers_for(spec)}"
+        )
     bucket_bytes = [b.numel * itemsize(g.dtype) for g in layout.groups for b in g.buckets]
-    return auto_tier(
+    return decide_tier(
+        spec.tier,
         params_on="device" if spec.params_on == "device" else "host",
         device_type="cpu" if spec.gpu is None else "cuda",
         world_size=spec.world_size,
