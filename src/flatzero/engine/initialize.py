@@ -35,6 +35,7 @@ from torch import nn
 from ..comm import rank_of, world_size_of
 from ..config import FlattenConfig
 from ..devices import activate, resolve_device
+from ..flatten.registry import gathering_tier
 from ..gcpause import paused_gc
 from ..optim import ZeroOptimizer
 from ..params import collect_param_groups
@@ -122,7 +123,7 @@ def _gathering_tier(
         and not stage0
         and world_size > 1
     )
-    return dataclasses.replace(config, tier="sharded") if sharded else config
+    return dataclasses.replace(config, tier=gathering_tier()) if sharded else config
 
 
 def _flatten_config(cfg: EngineConfig) -> FlattenConfig:

@@ -14,6 +14,7 @@ from ..comm import all_gather_buckets_from_own_slices, world_size_of
 from ..devices import collective_device
 from ..dtypes import int_of_width
 from ..flatten import FlatParams
+from ..flatten.registry import spec
 
 __all__ = ["bitwise_sum", "place_rest", "sync_params"]
 
@@ -71,8 +72,9 @@ def sync_params(flat: FlatParams, mode: str, group: Any, replicated: bool) -> st
         return _check_equal(flat, group)
     if replicated:
         return _broadcast_from_rank0(flat, group)
-    if all(t == "sharded" for g in flat.report.groups for t in g.bucket_tiers):
-        return "the sharded tier's all-gather"
+    tiers = {t for g in flat.report.groups for t in g.bucket_tiers}
+    if all(spec(t).fill_is_collective(world_size_of(group)) for t in tiers):
+        return f"the {'/'.join(sorted(tiers))} tier's all-gather"
     all_gather_buckets_from_own_slices(
         [b for g in flat.groups for b in g.buckets],
         [g.bucket_shard(b) for g in flat.groups for b in range(len(g.buckets))],

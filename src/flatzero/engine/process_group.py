@@ -19,6 +19,30 @@ logger = logging.getLogger(__name__)
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
+_LAUNCHER_SIZES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+"""Variables in which a launcher that is not torchrun (``srun``, ``mpirun``) gives the
+number of processes it started."""
+
+
+def _check_not_one_of_many() -> None:
+    """Refuse to make a world of one process when a launcher started several: each task
+    would train alone, silently.
+
+    Raises:
+        ValueError: naming the launcher's variable and the torchrun variables missing.
+    """
+    for name in _LAUNCHER_SIZES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
+            raise ValueError(
+                f"{name}={value} says this is one of {value} processes, but "
+                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set, so "
+                "every process would train alone; launch with torchrun (srun torchrun ...), "
+                "or export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from the "
+                "launcher's variables (docs/multinode.md)"
+            )
+
 
 def _single_process_env() -> None:
     """torchrun's environment for a world of one process (not launched by torchrun,
@@ -36,7 +60,8 @@ def ensure_process_group(dist_init_required: bool | None) -> None:
     environment (NCCL with CUDA, gloo without), else a one-process gloo group.
 
     Raises:
-        ValueError: ``dist_init_required`` is False and no group is initialized.
+        ValueError: ``dist_init_required`` is False and no group is initialized; or a
+            launcher started several processes without torchrun's environment.
     """
     if dist.is_initialized():
         return
@@ -47,6 +72,7 @@ def ensure_process_group(dist_init_required: bool | None) -> None:
         )
     cuda = torch.cuda.is_available()
     if not all(k in os.environ for k in _TORCHRUN_ENV):
+        _check_not_one_of_many()
         _single_process_env()
     if cuda:
         torch.cuda.set_device(local_cuda_index())

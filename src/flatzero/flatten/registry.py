@@ -36,6 +36,7 @@ __all__ = [
     "TIERS",
     "TierSpec",
     "chain",
+    "gathering_tier",
     "make_tier",
     "next_tier_down",
     "spec",
@@ -215,3 +216,11 @@ def chain(name: str, device: torch.device) -> tuple[str, ...]:
     while (lower := spec(names[-1]).fallback(device)) is not None:
         names.append(lower)
     return tuple(names)
+
+
+def gathering_tier() -> str:
+    """The tier whose fill leaves every bucket all-gathered from each rank's own slice
+    (its fill is collective): initial weights are then equal on every rank by
+    construction."""
+    (name,) = (s.name for s in REGISTRY.values() if s.collective_fill)
+    return name
