@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from .comm import all_reduce_min
 
-__all__ = ["TierDecision", "choose_tier", "decide_tier", "free_bytes", "is_oom"]
+__all__ = ["TierDecision", "choose_tier", "decide_tier", "free_bytes", "is_oom", "meminfo_bytes"]
 
 
 def free_bytes(device: torch.device) -> int:
@@ -22,14 +22,21 @@ def free_bytes(device: torch.device) -> int:
         free, _total = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return int(free + cached)
+    available = meminfo_bytes("MemAvailable")
+    return 2**62 if available is None else available  # unknown: never block the CPU tier
+
+
+def meminfo_bytes(field: str) -> int | None:
+    """A field of /proc/meminfo (``"MemAvailable"``, ``"MemTotal"``) in bytes; None when
+    it cannot be read."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 2**62  # unknown: do not let an unreadable /proc block the CPU tier
+    return None
 
 
 def is_oom(error: BaseException) -> bool:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..memory import meminfo_bytes
 from .hardware import HostSpec
 
 __all__ = [
@@ -202,17 +203,6 @@ def measure_tensor_seconds(
     return out
 
 
-def _mem_total() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def _cores() -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, cores or 1)
@@ -256,7 +246,7 @@ def measure(
         h2d = pinned.gbps if pinned is not None else None
     return Calibration(
         cores=cores,
-        memory_bytes=_mem_total(),
+        memory_bytes=meminfo_bytes("MemTotal") or 0,
         memcpy_gbps=limits.memcpy_seconds(nbytes, threads=cores).gbps,
         thread_memcpy_gbps=limits.memcpy_seconds(nbytes, threads=1).gbps,
         **measure_new_memory(nbytes, settle_s=settle_s),
