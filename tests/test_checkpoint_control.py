@@ -170,6 +170,8 @@ def _slow_stage0_save(rank: int, ws: int, root: str, delay_s: float) -> dict[str
             "flatzero": {"progress": False},
         },
     )
+    # Both ranks start timing together: rank 1's wait is then measured from rank 0's start.
+    dist.barrier()
     # The process group's timeout (NCCL's watchdog) is shorter than rank 0's write.
     _set_pg_timeout(timedelta(seconds=delay_s / 2))
 
