@@ -43,6 +43,7 @@ from ..plan.planner import PlanSpec, make_plan
 from .baselines import flatten_legacy_cpu, flatten_torch_cat
 from .procmem import trim_host_memory
 from .provenance import command_line, utc_timestamp
+from .settings import add_settle_argument
 
 __all__ = ["METHODS", "add_arguments", "predict", "run"]
 
@@ -218,12 +219,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-sizes", default="1,2")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument(
-        "--settle-s",
-        type=float,
-        default=0.0,
-        help="sleep before every trial (and calibration pass)",
-    )
+    add_settle_argument(parser, "sleep before every trial (and calibration pass)")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--calibration", help="use these measured rates instead of measuring")
     parser.add_argument(

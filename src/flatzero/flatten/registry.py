@@ -4,7 +4,7 @@ Each tier is one ``TierSpec``: how it is built, what it can read, where its buff
 live, how much accelerator memory it needs, whether its fill is a collective, where it
 goes when memory runs out, and how many host threads it may use. Everything that asks a
 question about tiers (``FlattenConfig`` validation, ``memory.choose_tier``, the
-fallback driver in ``flatten.api``, the DeepSpeed door, the planner) reads it here.
+fallback driver in ``flatten.driver``, the DeepSpeed door, the planner) reads it here.
 Adding a tier is one entry in ``REGISTRY`` plus its class in ``flatten.tiers``.
 
 Fallback chains (out of memory moves the remaining buckets one step down)::

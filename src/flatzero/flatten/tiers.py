@@ -1,7 +1,7 @@
 """The flatten tiers: how one bucket's buffer gets filled.
 
 A tier fills an already allocated bucket buffer and returns a ``Fill`` telling when
-the copy has completed; the driver (``flatten.api``) allocates, agrees with the other
+the copy has completed; the driver (``flatten.driver``) allocates, agrees with the other
 ranks, rebinds params once their bucket is complete, and falls back to the next tier
 down when memory runs out. Tiers never rebind a param to a partially filled bucket.
 

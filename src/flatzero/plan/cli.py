@@ -7,6 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from ..bench.settings import add_settle_argument
 from ..config import DEFAULT_BUCKET_NUMEL
 from .calibration import Calibration, measure
 from .hardware import GPUS, HOSTS, GpuSpec, get_gpu, get_host
@@ -168,11 +169,9 @@ def add_info_arguments(parser: argparse.ArgumentParser) -> None:
         help="measure this machine's copy rates (for flatzero plan)",
     )
     parser.add_argument("--measure-mib", type=int, default=512, help="bytes per measurement")
-    parser.add_argument(
-        "--settle-s",
-        type=float,
-        default=0.0,
-        help="sleep before each write of new memory (3: cold, as at a job's "
+    add_settle_argument(
+        parser,
+        "sleep before each write of new memory (3: cold, as at a job's "
         "start on a VM that hands freed pages back)",
     )
     parser.add_argument("--json", help="with --measure: also write the rates to this file")
