@@ -51,12 +51,14 @@ class _Plan:
         layout: the layout of every (group, dtype).
         params_on: ``"device"``, ``"host"`` (also a checkpoint) or ``"meta"``.
         keys: checkpoint key of every trainable param (None without a checkpoint).
+        sizes: bytes of the layout's buffers.
     """
 
     groups: list[ParamGroup]
     layout: Layout
     params_on: str
     keys: dict[str, str] | None
+    sizes: _Sizes
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,7 @@ def _plan(
     layout = plan_layout(
         specs, world_size=world_size, bucket_numel=config.bucket_numel, alignment=config.alignment
     )
-    return _Plan(groups, layout, params_on, keys)
+    return _Plan(groups, layout, params_on, keys, _Sizes.of(layout))
 
 
 def _decide(
@@ -196,7 +198,7 @@ def _decide(
             },
             control,
         )
-    sizes = _Sizes.of(layout)
+    sizes = plan.sizes
     return choose_tier(
         config.tier,
         params_on=plan.params_on,
@@ -245,7 +247,7 @@ def _tier_context(
     report: ReportBuilder,
 ) -> TierContext:
     """What every tier of this call shares (staging rings sized from the layout)."""
-    sizes = _Sizes.of(plan.layout)
+    sizes = plan.sizes
     return TierContext(
         device=device,
         rank=rank_of(group),
@@ -400,7 +402,7 @@ def flatten_parameters(
 
     ctx = _tier_context(plan, config, device, process_group, report)
     progress = tqdm(
-        total=_Sizes.of(plan.layout).buckets,
+        total=plan.sizes.buckets,
         desc="flatzero init",
         unit="bucket",
         disable=not config.progress or rank != 0,
