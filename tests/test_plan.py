@@ -17,6 +17,7 @@ alignment, buckets not multiples of the world size, an embedding is bigger than 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 
@@ -25,6 +26,7 @@ import torch
 
 from flatzero import FlattenConfig, flatten_parameters
 from flatzero.bench.baselines import flatten_legacy_cpu, flatten_torch_cat
+from flatzero.flatten.threads import usable_cores
 from flatzero.launch import run_ranks
 from flatzero.layout import plan_layout
 from flatzero.models import LlamaConfig, Qwen3MoeConfig, build_model, save_model_safetensors
@@ -32,6 +34,7 @@ from flatzero.optim import ZeroConfig, ZeroOptimizer
 from flatzero.plan import Calibration, PlanSpec, get_gpu, make_plan, model_states, resolve_model
 from flatzero.plan.cli import add_arguments, spec_from_args
 from flatzero.plan.model_source import ModelSource, group_dicts, param_groups
+from flatzero.plan.planner import new_memory_sizes
 from flatzero.plan.traffic import deepspeed_bytes, deepspeed_master_bytes, flatzero_bytes
 from flatzero.safetensors_index import SafetensorsCheckpoint
 
@@ -346,7 +349,7 @@ def test_issue_7677_shape_at_one_gpu():
     assert big.methods["host"].bytes_moved["all_gather"] == 0
 
 
-def _calibration(scale: float = 1.0) -> Calibration:
+def _calibration(scale: float = 1.0, *, plain: bool = True) -> Calibration:
     return Calibration(
         cores=4,
         memory_bytes=2**34,
@@ -356,6 +359,8 @@ def _calibration(scale: float = 1.0) -> Calibration:
         thread_first_touch_gbps=1 * scale,
         cast_gbps=1.5 * scale,
         thread_cast_gbps=1 * scale,
+        plain_first_touch_gbps=4 * scale if plain else None,
+        plain_cast_gbps=3 * scale if plain else None,
         tensor_seconds=dict.fromkeys(("flatzero", "torch_cat", "legacy_cpu"), 0.0),
     )
 
@@ -377,17 +382,86 @@ def test_calibration_reaches_the_time_model():
         for scale in (1.0, 2.0)
     ]
     rates = plans[0].rates
-    assert (rates.first_touch_gbps, rates.cast_gbps) == (1.0, 0.75)
+    assert (rates.first_touch_gbps, rates.host_cast_gbps) == (1.0, 0.75)
     assert rates.origin["first_touch"] == "measured"
     layout = plans[0].layout
     buckets = sum(g.numel for g in layout.groups) * 2
     master = sum(g.shard_numel for g in layout.groups) * 4
     want = buckets / 1.0e9 + master / 0.75e9
     assert plans[0].methods["cpu"].time.seconds == pytest.approx(want, rel=1e-12)
+    # DeepSpeed's buffers come from torch's allocator, every core of the node shared by
+    # its ranks: 4 and 3 GB/s over 2 ranks; a copy of the flat buffer, a clone of this
+    # rank's partition, then its fp32 cast.
+    assert (rates.device_copy_gbps, rates.cast_gbps) == (2.0, 1.5)
+    assert rates.all_cores_first_touch_gbps == 2.0
+    params = [g.param_numel for g in layout.groups]
+    partition = sum(deepspeed_master_bytes(n, 2, 0, 2) for n in params) // 6  # 2 + 4 bytes
+    device = plans[0].methods["deepspeed_device"].time.phases
+    assert device["cat"] == pytest.approx(sum(params) * 2 / 2.0e9, rel=1e-12)
+    assert device["master"] == pytest.approx(partition * 2 / 2.0e9 + partition * 4 / 1.5e9)
     for name in ("cpu", "deepspeed_device", "deepspeed_legacy"):
         assert plans[1].methods[name].time.seconds == pytest.approx(
             plans[0].methods[name].time.seconds / 2, rel=1e-12
         )
+
+
+def test_a_calibration_without_the_plain_rates_uses_flatzeros_for_them():
+    """A calibration file written before torch's allocator was measured still loads; the
+    plan then takes flatzero's new-memory rates for both allocators."""
+    old = _calibration(plain=False).to_dict()
+    for key in ("plain_first_touch_gbps", "plain_cast_gbps", "fill_bytes", "cast_bytes"):
+        del old[key]
+    rates = make_plan(
+        PlanSpec(
+            model=_source("llama"),
+            gpus_per_node=2,
+            gpu=None,
+            bucket_numel=BUCKET,
+            calibration=Calibration.from_dict(old),
+        )
+    ).rates
+    assert (rates.device_copy_gbps, rates.cast_gbps) == (2 / 2, 1.5 / 2)
+
+
+def test_a_calibration_in_the_jobs_shape_is_used_as_measured():
+    """New-memory rates measured with as many processes as the node has ranks give each
+    rank the node's rate over its ranks; measured in another shape, a rank gets its threads
+    at the one-thread rate, capped by its share of the node's."""
+    source = _source("llama")
+
+    def rates(ranks: int, measured_with: int):
+        calibration = dataclasses.replace(_calibration(), ranks=measured_with)
+        spec = PlanSpec(
+            model=source,
+            gpus_per_node=ranks,
+            gpu=None,
+            bucket_numel=BUCKET,
+            calibration=calibration,
+        )
+        r = make_plan(spec).rates
+        return r.first_touch_gbps, r.host_cast_gbps
+
+    # 4 cores; the node writes 2 GB/s (copy) and casts 1.5 GB/s, one thread 1 and 1.
+    assert rates(4, measured_with=4) == (2 / 4, 1.5 / 4)
+    assert rates(2, measured_with=2) == (2 / 2, 1.5 / 2)
+    assert rates(4, measured_with=1) == (min(1 * 1, 2 / 4), min(1 * 1, 1.5 / 4))
+    assert rates(1, measured_with=2) == (min(1 * 4, 2), min(1 * 4, 1.5))
+    with pytest.raises(ValueError, match="ranks"):
+        dataclasses.replace(_calibration(), ranks=5)
+
+
+def test_calibration_sizes_are_the_jobs_bucket_and_master_shard():
+    """``--calibrate`` writes new memory at the sizes the job does: its largest bucket and
+    its fp32 master shard."""
+    plan = make_plan(
+        PlanSpec(model=_source("llama"), gpus_per_node=3, gpu=None, bucket_numel=BUCKET)
+    )
+    sizes = new_memory_sizes(plan)
+    buckets = [b.numel * 2 for g in plan.layout.groups for b in g.buckets]
+    assert sizes == {
+        "fill_bytes": max(buckets),
+        "cast_bytes": 4 * sum(g.shard_numel for g in plan.layout.groups),
+    }
 
 
 def _plan_args(*argv: str) -> argparse.Namespace:
@@ -436,11 +510,15 @@ def test_info_measure_writes_a_calibration(tmp_path, capsys):
     from flatzero.cli import main
 
     path = tmp_path / "cal.json"
-    assert main(["info", "--measure", "--measure-mib", "4", "--json", str(path)]) == 0
+    ranks = min(2, usable_cores())
+    argv = ["info", "--measure", "--measure-mib", "4", "--fill-mib", "8", "--ranks", str(ranks)]
+    assert main([*argv, "--json", str(path)]) == 0
     cal = Calibration.from_dict(json.loads(path.read_text()))
     assert (
         cal.memcpy_gbps > 0
         and cal.cast_gbps > 0
+        and cal.plain_first_touch_gbps > 0
+        and (cal.fill_bytes, cal.cast_bytes, cal.ranks) == (8 * 2**20, 4 * 2**20, ranks)
         and set(cal.tensor_seconds) == {"flatzero", "torch_cat", "legacy_cpu"}
     )
     assert "cast" in capsys.readouterr().out

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .flatten.threads import usable_cores
 from .ports import free_port
 
 __all__ = ["free_port", "run_ranks"]
@@ -41,8 +42,7 @@ def _rank_main(
     os.environ.update(env)
     if "OMP_NUM_THREADS" not in env:
         # As torchrun does: ranks of a node share its cores instead of oversubscribing them.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        torch.set_num_threads(max(1, cores // world_size))
+        torch.set_num_threads(max(1, usable_cores() // world_size))
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

@@ -8,13 +8,9 @@ from typing import Any
 
 import torch
 
+from ..flatten.threads import usable_cores
+
 __all__ = ["cpu_name", "describe_host", "device_name", "usable_cores", "versions"]
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity where the OS has one), at least 1."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, cores or 1)
 
 
 def cpu_name() -> str:

@@ -1,25 +1,20 @@
 """Plan benchmark: ``flatzero plan``'s predicted CPU init time against a measured one.
 
-One run: measure this machine's rates (``plan.calibration.measure``, what ``flatzero info
---measure`` does), then, per world size, one launch of fresh rank processes
+One run, per world size: measure this machine's rates (``plan.calibration.measure``, what
+``flatzero info --measure`` does) at the sizes of that world size's largest bucket and
+master shard, with as many processes writing new memory at once as there are ranks; then
+one launch of fresh rank processes
 (``launch.run_ranks``) that build the model on the host and time, alternately and in
 rotating order, ``flatten_parameters`` (tier ``cpu``, with the fp32 master) and the two
 DeepSpeed algorithms of ``bench.baselines``. The prediction is ``make_plan`` of a CPU-only
 job with the measured rates; a figure is the slowest rank's time. The result is the median
 over rounds of predicted / measured; the target is flatzero within 25%. The DeepSpeed rows
 show how far the same model carries.
-
-With ``--recalibrate-mib N``, rank 0 also measures the rates of writing new memory again
-before every round (``calibration.measure_new_memory``, N MiB) while the other ranks wait,
-and that round is predicted from them: on a shared VM the rates drift with the load within
-minutes. On the development VM these short probes scattered more than the drift they were
-meant to follow (docs/plan.md), so it is off by default.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -36,10 +31,10 @@ from ..dtypes import SHORT_DTYPES, dtype_name
 from ..flatten import flatten_parameters
 from ..launch import run_ranks
 from ..models import build_model
-from ..plan.calibration import Calibration, measure, measure_new_memory
+from ..plan.calibration import Calibration, measure
 from ..plan.hardware import get_host
 from ..plan.model_source import resolve_model
-from ..plan.planner import PlanSpec, make_plan
+from ..plan.planner import Plan, PlanSpec, make_plan, new_memory_sizes
 from .baselines import flatten_legacy_cpu, flatten_torch_cat
 from .procmem import trim_host_memory
 from .provenance import command_line, utc_timestamp
@@ -65,10 +60,8 @@ class PlanBenchSpec:
         bucket_numel: ``FlattenConfig.bucket_numel``.
         trials: timed rounds (each: every method once).
         warmup: untimed rounds first.
-        settle_s: seconds slept before each trial and each calibration pass (3: cold).
+        settle_s: seconds slept before each trial and each calibration pass (10: cold).
         methods: keys of ``METHODS``.
-        recalibrate_mib: bytes per new-memory pass measured again before every round
-            (MiB); 0 keeps the run's first calibration.
     """
 
     model: str
@@ -78,15 +71,11 @@ class PlanBenchSpec:
     warmup: int
     settle_s: float
     methods: tuple[str, ...]
-    recalibrate_mib: int = 0
 
 
-def predict(
-    spec: PlanBenchSpec, world_size: int, calibration: Calibration
-) -> dict[str, dict[str, Any]]:
-    """Predicted seconds (and phases) of each method at ``world_size`` ranks on this
-    machine, from ``calibration``: a CPU-only plan of one node with ``world_size`` ranks."""
-    plan = make_plan(
+def _plan(spec: PlanBenchSpec, world_size: int, calibration: Calibration | None) -> Plan:
+    """A CPU-only plan of one node with ``world_size`` ranks."""
+    return make_plan(
         PlanSpec(
             model=resolve_model(spec.model),
             nodes=1,
@@ -99,6 +88,14 @@ def predict(
             calibration=calibration,
         )
     )
+
+
+def predict(
+    spec: PlanBenchSpec, world_size: int, calibration: Calibration
+) -> dict[str, dict[str, Any]]:
+    """Predicted seconds (and phases) of each method at ``world_size`` ranks on this
+    machine, from ``calibration``."""
+    plan = _plan(spec, world_size, calibration)
     return {
         method: {
             "seconds": plan.methods[name].time.seconds,
@@ -132,17 +129,11 @@ def _time_one(
 
 
 def _rank_main(rank: int, ws: int, spec: PlanBenchSpec) -> list[dict[str, Any]]:
-    """Every timed round of this rank: the rates rank 0 measured before it, and each
-    method's (seconds, phases)."""
+    """Every timed round of this rank: each method's (seconds, phases)."""
     config = resolve_model(spec.model).config
     dtype = _DTYPES[spec.dtype]
     rounds = []
     for trial in range(spec.warmup + spec.trials):
-        memory = None
-        dist.barrier()
-        if rank == 0 and spec.recalibrate_mib and trial >= spec.warmup:
-            memory = measure_new_memory(spec.recalibrate_mib * 2**20, settle_s=spec.settle_s)
-        dist.barrier()
         times = {}
         shift = trial % len(spec.methods)
         for method in spec.methods[shift:] + spec.methods[:shift]:
@@ -153,42 +144,35 @@ def _rank_main(rank: int, ws: int, spec: PlanBenchSpec) -> list[dict[str, Any]]:
             del model
             trim_host_memory()
         if trial >= spec.warmup:
-            rounds.append({"memory": memory, "times": times})
+            rounds.append(times)
     return rounds
 
 
 def _rows(
-    ws: int, ranks: list[list[dict[str, Any]]], spec: PlanBenchSpec, base: Calibration
+    ws: int, ranks: list[list[dict[str, Any]]], spec: PlanBenchSpec, calibration: Calibration
 ) -> list[dict[str, Any]]:
-    """One row per method: medians over rounds of predicted, measured and their ratio."""
-    per_round = []
-    for i, first in enumerate(ranks[0]):
-        memory = first["memory"] or {}
-        guess = predict(spec, ws, dataclasses.replace(base, **memory))
-        slowest = {m: max((r[i]["times"][m] for r in ranks), key=lambda t: t[0]) for m in guess}
-        per_round.append((memory, guess, slowest))
+    """One row per method: the prediction, the median over rounds of the measured time
+    (the slowest rank's) and of predicted / measured."""
+    guess = predict(spec, ws, calibration)
     rows = []
     for method in spec.methods:
-        predicted = [g[method]["seconds"] for _, g, _ in per_round]
-        measured = [s[method][0] for _, _, s in per_round]
-        ratios = [p / m for p, m in zip(predicted, measured, strict=True)]
+        slowest = [
+            max((r[i][method] for r in ranks), key=lambda t: t[0]) for i in range(len(ranks[0]))
+        ]
+        predicted = guess[method]["seconds"]
+        ratios = [predicted / seconds for seconds, _ in slowest]
         rows.append(
             {
                 "world_size": ws,
                 "method": method,
-                "predicted_s": statistics.median(predicted),
-                "measured_s": statistics.median(measured),
+                "predicted_s": predicted,
+                "predicted_phases": guess[method]["phases"],
+                "measured_s": statistics.median(seconds for seconds, _ in slowest),
                 "predicted_over_measured": statistics.median(ratios),
                 "ratio_range": [min(ratios), max(ratios)],
                 "rounds": [
-                    {
-                        "rates": mem,
-                        "predicted_s": g[method]["seconds"],
-                        "predicted_phases": g[method]["phases"],
-                        "measured_s": s[method][0],
-                        "measured_phases": s[method][1],
-                    }
-                    for mem, g, s in per_round
+                    {"measured_s": seconds, "measured_phases": phases}
+                    for seconds, phases in slowest
                 ],
             }
         )
@@ -221,13 +205,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     add_settle_argument(parser, "sleep before every trial (and calibration pass)")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--calibration", help="use these measured rates instead of measuring")
     parser.add_argument(
-        "--recalibrate-mib",
-        type=int,
-        default=0,
-        help="re-measure the new-memory rates before every round with this many MiB "
-        "(default 0: keep the first calibration)",
+        "--calibration",
+        help="use these measured rates (flatzero info --measure --json) at every world size "
+        "instead of measuring",
     )
     parser.add_argument("--json", help="also write the result JSON to this path")
 
@@ -240,18 +221,22 @@ def run(args: argparse.Namespace) -> int:
     spec = PlanBenchSpec(
         args.model, args.dtype, args.bucket_numel, args.trials, args.warmup, args.settle_s, methods
     )
+    world_sizes = [int(w) for w in args.world_sizes.split(",")]
+    given = None
     if args.calibration:
         with open(args.calibration) as f:
-            calibration = Calibration.from_dict(json.load(f))
-    else:
-        calibration = measure(settle_s=args.settle_s)
-    rows = []
+            given = Calibration.from_dict(json.load(f))
+    rows, calibrations = [], {}
     load_before = os.getloadavg()
-    for ws in (int(w) for w in args.world_sizes.split(",")):
+    for ws in world_sizes:
+        calibration = given or measure(
+            ranks=ws, settle_s=args.settle_s, **new_memory_sizes(_plan(spec, ws, None))
+        )
+        calibrations[str(ws)] = calibration.to_dict()
         ranks = run_ranks(_rank_main, ws, spec, timeout_s=1800)
         rows.extend(_rows(ws, ranks, spec, calibration))
     print(
-        f"model {spec.model} ({spec.dtype}) on {platform.node()}, {calibration.cores} cores, "
+        f"model {spec.model} ({spec.dtype}) on {platform.node()}, {os.cpu_count()} cores, "
         f"1-minute load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
     )
     print(_table(rows))
@@ -270,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
             "load_average_after": os.getloadavg(),
         },
         "spec": asdict(spec),
-        "calibration": calibration.to_dict(),
+        "calibrations": calibrations,
         "rows": rows,
         "target": TARGET,
         "flatzero_within_target": within,

@@ -19,13 +19,18 @@ import torch
 from ..comm import local_world_size
 from ..config import FlattenConfig
 
-__all__ = ["capped_threads", "cores_per_rank", "host_threads"]
+__all__ = ["capped_threads", "cores_per_rank", "host_threads", "usable_cores"]
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS has one), at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, cores or 1)
 
 
 def cores_per_rank() -> int:
     """This process's usable cores divided by the ranks on this node (at least 1)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // local_world_size())
+    return max(1, usable_cores() // local_world_size())
 
 
 def host_threads(config: FlattenConfig) -> int:

@@ -1,27 +1,35 @@
 """This machine's measured rates, for the planner: ``flatzero info --measure``.
 
-``measure()`` times, with ``bench.limits`` and the library's own host allocator:
+``measure()`` times, with ``bench.limits`` and the allocators the job uses:
 
 - host memcpy with one thread and with every core (``limits.memcpy_seconds``);
-- writing new host memory allocated as flatzero allocates its host buffers
-  (``hostmem.empty_host``: 2 MiB pages where the OS allows), by a copy of the same dtype
-  (filling a bucket) and by a bf16 -> fp32 cast (building the master shard), one thread and
-  every core: page faults included, so on a VM this also measures the host backing the
-  guest's pages (cold or warm: ``settle_s``);
+- writing new host memory, page faults included (so on a VM this also measures the host
+  backing the guest's pages), with both allocators an init uses:
+
+  - flatzero's (``hostmem.empty_host``: 2 MiB pages where the OS allows), by a copy of
+    the same dtype at the size of one bucket (filling a bucket) and by a bf16 -> fp32 cast
+    at the size of the master shard, one thread and every core;
+  - torch's own (``torch.empty``: what ``torch.cat``, ``clone`` and ``.to`` allocate, so
+    DeepSpeed's buffers), the same copy and cast with every core.
+
+  Each pass writes a buffer of its own after sleeping ``settle_s`` (cold or warm, below);
 - with CUDA: a device-to-device copy and a pinned upload (``limits.device_copy_seconds``,
   ``limits.pinned_h2d_seconds``);
 - the per-tensor cost of each flatten method: ``flatten_parameters`` (``cpu`` tier) and the
   two DeepSpeed algorithms of ``bench.baselines`` on many tiny tensors, whose bytes are
   negligible.
 
-The result is a ``Calibration``; ``to_dict``/``from_dict`` store it as JSON for
-``flatzero plan --calibration FILE``.
+Measure at the sizes the job allocates and in the regime it runs in: on the development VM
+the two allocators differ by 2x, the rate of 2 MiB pages depends on the buffer's size, and
+memory freed a few seconds earlier is still backed and written several times faster
+(docs/plan.md). The result is a ``Calibration``; ``to_dict``/``from_dict`` store it as JSON
+for ``flatzero plan --calibration FILE``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import multiprocessing as mp
 import statistics
 import time
 from collections.abc import Callable
@@ -31,10 +39,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import DEFAULT_BUCKET_NUMEL
+from ..flatten.threads import usable_cores
+from ..hostmem import empty_host
 from ..memory import meminfo_bytes
 from .hardware import HostSpec
 
+DEFAULT_FILL_BYTES = DEFAULT_BUCKET_NUMEL * 2
+"""One default bucket of bf16 params (bytes): the size flatzero's fill writes at a time."""
+
 __all__ = [
+    "ALLOCATORS",
+    "DEFAULT_FILL_BYTES",
     "Calibration",
     "measure",
     "measure_fresh_write",
@@ -54,9 +70,19 @@ class Calibration:
         thread_memcpy_gbps: host copy, one thread (GB/s).
         first_touch_gbps: writing new host memory (flatzero's host allocator), every core.
         thread_first_touch_gbps: the same, one thread (GB/s).
-        cast_gbps: a bf16 -> fp32 cast into new host memory, every core (GB/s of fp32
-            written).
+        cast_gbps: a bf16 -> fp32 cast into new host memory (flatzero's allocator), every
+            core (GB/s of fp32 written).
         thread_cast_gbps: the same, one thread (GB/s).
+        plain_first_touch_gbps: writing new host memory from torch's allocator, every core
+            (GB/s); None in a calibration from before it was measured (the plan then uses
+            ``first_touch_gbps``).
+        plain_cast_gbps: a bf16 -> fp32 cast into such memory, every core (GB/s); None
+            likewise (``cast_gbps``).
+        fill_bytes: the size of each copy into new memory, bytes (0: not recorded).
+        cast_bytes: the size of each cast into new memory, bytes (0: not recorded).
+        ranks: the processes that wrote new memory at once for the every-core figures,
+            each with ``cores // ranks`` threads, as the ranks of a node do; the plan of a
+            node with that many ranks uses those figures as they are.
         device_copy_gbps: device-to-device copy (GB/s); None without CUDA.
         h2d_gbps: pinned host-to-device copy (GB/s); None without CUDA.
         tensor_seconds: per-tensor seconds of ``flatzero``, ``torch_cat``, ``legacy_cpu``.
@@ -71,6 +97,11 @@ class Calibration:
     thread_first_touch_gbps: float
     cast_gbps: float
     thread_cast_gbps: float
+    plain_first_touch_gbps: float | None = None
+    plain_cast_gbps: float | None = None
+    fill_bytes: int = 0
+    cast_bytes: int = 0
+    ranks: int = 1
     device_copy_gbps: float | None = None
     h2d_gbps: float | None = None
     tensor_seconds: dict[str, float] = field(default_factory=dict)
@@ -79,6 +110,10 @@ class Calibration:
     def __post_init__(self) -> None:
         if not isinstance(self.cores, int) or self.cores < 1:
             raise ValueError(f"Calibration.cores must be a positive int, got {self.cores!r}")
+        if not isinstance(self.ranks, int) or not 1 <= self.ranks <= self.cores:
+            raise ValueError(
+                f"Calibration.ranks must be an int in [1, cores={self.cores}], got {self.ranks!r}"
+            )
         if not isinstance(self.memory_bytes, int) or self.memory_bytes < 0:
             raise ValueError(
                 f"Calibration.memory_bytes must be an int >= 0, got {self.memory_bytes!r}"
@@ -90,6 +125,8 @@ class Calibration:
             "thread_first_touch_gbps",
             "cast_gbps",
             "thread_cast_gbps",
+            "plain_first_touch_gbps",
+            "plain_cast_gbps",
             "device_copy_gbps",
             "h2d_gbps",
         ):
@@ -98,7 +135,8 @@ class Calibration:
                 raise ValueError(f"Calibration.{name} must be > 0 GB/s, got {value!r}")
 
     def host_spec(self, base: HostSpec) -> HostSpec:
-        """``base`` with this machine's measured host figures (cores, copy, first touch)."""
+        """``base`` with this machine's measured host figures (cores, copy, new memory by
+        both allocators)."""
         return dataclasses.replace(
             base,
             name="measured",
@@ -110,6 +148,8 @@ class Calibration:
             thread_first_touch_gbps=self.thread_first_touch_gbps,
             cast_gbps=self.cast_gbps,
             thread_cast_gbps=self.thread_cast_gbps,
+            plain_first_touch_gbps=self.plain_first_touch_gbps or self.first_touch_gbps,
+            plain_cast_gbps=self.plain_cast_gbps or self.cast_gbps,
             source=f"measured on {self.machine.get('host', 'this machine')}",
         )
 
@@ -132,42 +172,91 @@ def _best(run: Callable[[], float], repeats: int) -> float:
     return min(run() for _ in range(repeats))
 
 
+ALLOCATORS: dict[str, Callable[[int, torch.dtype], torch.Tensor]] = {
+    "flatzero": empty_host,
+    "torch": lambda numel, dtype: torch.empty(numel, dtype=dtype),
+}
+"""The host allocators an init uses: flatzero's buffers and torch's own (DeepSpeed's)."""
+
+
+def _timed_writes(
+    nbytes: int,
+    threads: int,
+    src_dtype: torch.dtype,
+    dst_dtype: torch.dtype,
+    allocator: str,
+    passes: int,
+    settle_s: float,
+    barrier: Any = None,
+) -> list[float]:
+    """Seconds of each of ``passes`` writes of a new buffer (see ``measure_fresh_write``);
+    with ``barrier``, every process starts each pass together."""
+    alloc = ALLOCATORS[allocator]
+    numel = max(1, nbytes // dst_dtype.itemsize)
+    src = torch.ones(numel, dtype=src_dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    seconds = []
+    try:
+        for _ in range(passes):
+            if barrier is not None:
+                barrier.wait()
+            time.sleep(settle_s)
+            t0 = time.perf_counter()
+            buf = alloc(numel, dst_dtype)
+            buf.copy_(src)
+            seconds.append(time.perf_counter() - t0)
+            del buf
+    finally:
+        torch.set_num_threads(before)
+    return seconds
+
+
+def _writer(queue: Any, barrier: Any, args: tuple) -> None:
+    queue.put(_timed_writes(*args, barrier=barrier))
+
+
 def measure_fresh_write(
     nbytes: int,
     threads: int,
     *,
     src_dtype: torch.dtype = torch.bfloat16,
     dst_dtype: torch.dtype = torch.bfloat16,
+    allocator: str = "flatzero",
+    processes: int = 1,
     passes: int = 3,
     settle_s: float = 0.0,
 ) -> float:
-    """GB/s written copying a ``src_dtype`` tensor into a new ``hostmem.empty_host`` buffer
-    of ``nbytes`` in ``dst_dtype`` (what filling a new host bucket, or casting into a new
-    fp32 master shard, costs), with ``threads`` threads: the median of ``passes`` passes,
-    each on a new buffer, freed after it, and each after sleeping ``settle_s`` (3 s: the
-    memory freed before is cold again on a VM that hands freed pages back, as at a job's
-    start; 0: back to back, pages just freed may still be backed)."""
-    from ..hostmem import empty_host
-
+    """GB/s written copying a ``src_dtype`` tensor into a new buffer of ``nbytes`` in
+    ``dst_dtype`` from ``allocator`` (a key of ``ALLOCATORS``): what filling a new host
+    bucket, or casting into a new fp32 master shard, costs, with ``threads`` threads in
+    each of ``processes`` processes writing at once (as the ranks of a node do: page
+    faults of separate processes contend less than those of one process's threads). The
+    rate is all processes' bytes over the slowest one's seconds, the median of ``passes``
+    passes, each on a new buffer, freed after it, and each after sleeping ``settle_s`` (10 s
+    on the development VM: memory freed before is handed back to the host and cold again,
+    as at a job's start; 0: back to back, pages just freed are still backed)."""
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator must be one of {sorted(ALLOCATORS)}, got {allocator!r}")
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
+    args = (nbytes, threads, src_dtype, dst_dtype, allocator, passes, settle_s)
+    if processes == 1:
+        slowest = _timed_writes(*args)
+    else:
+        ctx = mp.get_context("spawn")
+        queue, barrier = ctx.Queue(), ctx.Barrier(processes)
+        workers = [
+            ctx.Process(target=_writer, args=(queue, barrier, args)) for _ in range(processes)
+        ]
+        for worker in workers:
+            worker.start()
+        per_process = [queue.get(timeout=600 + passes * settle_s) for _ in workers]
+        for worker in workers:
+            worker.join()
+        slowest = [max(times) for times in zip(*per_process, strict=True)]
     numel = max(1, nbytes // dst_dtype.itemsize)
-    src = torch.ones(numel, dtype=src_dtype)
-
-    def one() -> float:
-        time.sleep(settle_s)
-        t0 = time.perf_counter()
-        buf = empty_host(numel, dst_dtype)
-        buf.copy_(src)
-        seconds = time.perf_counter() - t0
-        del buf
-        return seconds
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        seconds = statistics.median(one() for _ in range(passes))
-        return numel * dst_dtype.itemsize / seconds / 1e9
-    finally:
-        torch.set_num_threads(before)
+    return processes * numel * dst_dtype.itemsize / statistics.median(slowest) / 1e9
 
 
 def _tiny_params(count: int, numel: int) -> list[nn.Parameter]:
@@ -203,39 +292,66 @@ def measure_tensor_seconds(
     return out
 
 
-def _cores() -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, cores or 1)
-
-
 def measure_new_memory(
-    nbytes: int = 512 * 2**20, *, settle_s: float = 0.0, passes: int = 3
-) -> dict[str, float]:
-    """The four rates of writing new host memory (``Calibration`` field names: copy and
-    cast, every core and one thread), each the median of ``passes`` passes."""
-    cores = _cores()
+    fill_bytes: int = DEFAULT_FILL_BYTES,
+    cast_bytes: int = 512 * 2**20,
+    *,
+    ranks: int = 1,
+    settle_s: float = 0.0,
+    passes: int = 3,
+) -> dict[str, float | int]:
+    """The six rates of writing new host memory (``Calibration`` field names, with the
+    sizes and ``ranks``): with flatzero's allocator a copy of ``fill_bytes`` (a bucket) and
+    a cast into ``cast_bytes`` of fp32 (a master shard), by every core (``ranks``
+    processes with ``cores // ranks`` threads each, at once) and by one thread alone; with
+    torch's, the copy and the cast of ``cast_bytes`` (DeepSpeed's flat buffer and master)
+    by every core. Each rate is the median of ``passes`` passes."""
+    cores = usable_cores()
+    if not 1 <= ranks <= cores:
+        raise ValueError(f"ranks must be in [1, {cores}] (this machine's cores), got {ranks}")
 
-    def write(threads: int, dst: torch.dtype) -> float:
-        return measure_fresh_write(nbytes, threads, dst_dtype=dst, passes=passes, settle_s=settle_s)
+    def write(nbytes: int, dst: torch.dtype, *, alone: bool, allocator: str = "flatzero") -> float:
+        return measure_fresh_write(
+            nbytes,
+            1 if alone else cores // ranks,
+            dst_dtype=dst,
+            allocator=allocator,
+            processes=1 if alone else ranks,
+            passes=passes,
+            settle_s=settle_s,
+        )
 
     return {
-        "first_touch_gbps": write(cores, torch.bfloat16),
-        "thread_first_touch_gbps": write(1, torch.bfloat16),
-        "cast_gbps": write(cores, torch.float32),
-        "thread_cast_gbps": write(1, torch.float32),
+        "first_touch_gbps": write(fill_bytes, torch.bfloat16, alone=False),
+        "thread_first_touch_gbps": write(fill_bytes, torch.bfloat16, alone=True),
+        "cast_gbps": write(cast_bytes, torch.float32, alone=False),
+        "thread_cast_gbps": write(cast_bytes, torch.float32, alone=True),
+        "plain_first_touch_gbps": write(cast_bytes, torch.bfloat16, alone=False, allocator="torch"),
+        "plain_cast_gbps": write(cast_bytes, torch.float32, alone=False, allocator="torch"),
+        "fill_bytes": fill_bytes,
+        "cast_bytes": cast_bytes,
+        "ranks": ranks,
     }
 
 
 def measure(
-    nbytes: int = 512 * 2**20, *, settle_s: float = 0.0, tensors: int = 2000
+    nbytes: int = 512 * 2**20,
+    *,
+    fill_bytes: int = DEFAULT_FILL_BYTES,
+    cast_bytes: int | None = None,
+    ranks: int = 1,
+    settle_s: float = 0.0,
+    tensors: int = 2000,
 ) -> Calibration:
-    """Measure this machine (see the module docstring); takes a few seconds (plus
-    ``settle_s`` before each of the 12 passes that write new memory)."""
+    """Measure this machine (see the module docstring): copies of ``nbytes``, new memory
+    filled ``fill_bytes`` (a bucket) and cast ``cast_bytes`` (a master shard; default
+    ``nbytes``) at a time by ``ranks`` processes at once (``measure_new_memory``). Takes a
+    few seconds, plus ``settle_s`` before each of the 18 passes that write new memory."""
     import platform
 
     from ..bench import limits
 
-    cores = _cores()
+    cores = usable_cores()
     device_copy = h2d = None
     device = "cpu"
     if torch.cuda.is_available():
@@ -249,7 +365,7 @@ def measure(
         memory_bytes=meminfo_bytes("MemTotal") or 0,
         memcpy_gbps=limits.memcpy_seconds(nbytes, threads=cores).gbps,
         thread_memcpy_gbps=limits.memcpy_seconds(nbytes, threads=1).gbps,
-        **measure_new_memory(nbytes, settle_s=settle_s),
+        **measure_new_memory(fill_bytes, cast_bytes or nbytes, ranks=ranks, settle_s=settle_s),
         device_copy_gbps=device_copy,
         h2d_gbps=h2d,
         tensor_seconds=measure_tensor_seconds(tensors) if tensors else {},

@@ -9,11 +9,12 @@ from pathlib import Path
 
 from ..bench.settings import add_settle_argument
 from ..config import DEFAULT_BUCKET_NUMEL
-from .calibration import Calibration, measure
+from ..flatten.threads import usable_cores
+from .calibration import DEFAULT_FILL_BYTES, Calibration, measure
 from .hardware import GPUS, HOSTS, GpuSpec, get_gpu, get_host
 from .memory_model import OPTIMIZER_STATES
 from .model_source import GROUPINGS, resolve_model
-from .planner import PARAMS_ON, PlanSpec, make_plan
+from .planner import PARAMS_ON, PlanSpec, make_plan, new_memory_sizes
 from .report import format_plan, plan_to_dict
 
 __all__ = ["add_arguments", "add_info_arguments", "run", "run_measure", "spec_from_args"]
@@ -78,7 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--calibrate",
         action="store_true",
-        help="measure this machine's host rates first and use them",
+        help="measure this machine's host rates first, writing new memory at this job's "
+        "sizes (a bucket, the master shard) with one process per rank of a node, and use them",
+    )
+    add_settle_argument(
+        parser, "with --calibrate: sleep before each write of new memory (10: cold on a VM)"
     )
     parser.add_argument(
         "--calibration", help="use rates measured by flatzero info --measure --json FILE"
@@ -105,9 +110,12 @@ def _gpu(args: argparse.Namespace) -> GpuSpec | None:
     return gpu
 
 
-def _calibration(args: argparse.Namespace) -> Calibration | None:
+def _calibration(args: argparse.Namespace, spec: PlanSpec) -> Calibration | None:
+    """The rates ``--calibrate`` measures (at the sizes of ``spec``'s writes into new
+    memory) or ``--calibration`` reads; None for neither."""
     if args.calibrate:
-        return measure()
+        ranks = min(spec.gpus_per_node, usable_cores())
+        return measure(ranks=ranks, settle_s=args.settle_s, **new_memory_sizes(make_plan(spec)))
     if args.calibration:
         return Calibration.from_dict(json.loads(Path(args.calibration).read_text()))
     return None
@@ -125,7 +133,7 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
     if args.host_bandwidth is not None:
         host = dataclasses.replace(host, memcpy_gbps=args.host_bandwidth, source="--host-bandwidth")
     gpu = _gpu(args)
-    return PlanSpec(
+    spec = PlanSpec(
         model=model,
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
@@ -141,8 +149,8 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         host_ram_bytes=None if args.host_ram_gib is None else int(args.host_ram_gib * 2**30),
         reserved_bytes=int(args.reserved_gib * 2**30),
         grad_accum=args.grad_accum,
-        calibration=_calibration(args),
     )
+    return dataclasses.replace(spec, calibration=_calibration(args, spec))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,10 +176,27 @@ def add_info_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="measure this machine's copy rates (for flatzero plan)",
     )
-    parser.add_argument("--measure-mib", type=int, default=512, help="bytes per measurement")
+    parser.add_argument(
+        "--measure-mib",
+        type=int,
+        default=512,
+        help="MiB per copy, and per cast into new memory (a master shard)",
+    )
+    parser.add_argument(
+        "--fill-mib",
+        type=int,
+        default=DEFAULT_FILL_BYTES // 2**20,
+        help="MiB per fill of new memory (a bucket; default: the default bucket in bf16)",
+    )
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="processes writing new memory at once, as the ranks of a node (default 1)",
+    )
     add_settle_argument(
         parser,
-        "sleep before each write of new memory (3: cold, as at a job's "
+        "sleep before each write of new memory (10: cold, as at a job's "
         "start on a VM that hands freed pages back)",
     )
     parser.add_argument("--json", help="with --measure: also write the rates to this file")
@@ -179,15 +204,28 @@ def add_info_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_measure(args: argparse.Namespace) -> None:
     """Measure and print this machine's rates; write them as JSON with ``--json``."""
-    cal = measure(args.measure_mib * 2**20, settle_s=args.settle_s)
+    cal = measure(
+        args.measure_mib * 2**20,
+        fill_bytes=args.fill_mib * 2**20,
+        ranks=args.ranks,
+        settle_s=args.settle_s,
+    )
+    fill, cast = f"{cal.fill_bytes / 2**20:.0f} MiB", f"{cal.cast_bytes / 2**20:.0f} MiB"
     rows = [
         ("memcpy", cal.memcpy_gbps, cal.thread_memcpy_gbps, ""),
-        ("new memory", cal.first_touch_gbps, cal.thread_first_touch_gbps, " (copy into it)"),
-        ("cast", cal.cast_gbps, cal.thread_cast_gbps, " (bf16 -> new fp32)"),
+        ("new memory", cal.first_touch_gbps, cal.thread_first_touch_gbps, f" ({fill} fills)"),
+        ("cast", cal.cast_gbps, cal.thread_cast_gbps, f" (bf16 -> {cast} of new fp32)"),
     ]
-    print(f"host: {cal.cores} cores")
+    print(
+        f"host: {cal.cores} cores; new memory as flatzero allocates it (2 MiB pages), "
+        f"{cal.ranks} process(es) at once for all cores"
+    )
     for name, every, one, what in rows:
         print(f"  {name:<12} {every:7.2f} GB/s all cores, {one:6.2f} one thread{what}")
+    print(
+        f"  torch's allocator: new memory {cal.plain_first_touch_gbps:.2f} GB/s, "
+        f"cast {cal.plain_cast_gbps:.2f} GB/s, all cores ({cast})"
+    )
     if cal.device_copy_gbps is not None:
         print(
             f"  device copy  {cal.device_copy_gbps:7.2f} GB/s; pinned H2D {cal.h2d_gbps or 0:.2f}"

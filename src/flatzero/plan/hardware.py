@@ -67,12 +67,19 @@ class HostSpec:
             cores of the node together (a copy reads and writes each byte: about half the
             memory system's bandwidth), GB/s.
         thread_memcpy_gbps: the same, one thread, GB/s.
-        first_touch_gbps: bytes written per second into host memory the process has
-            never touched (page faults, the kernel zeroing pages), all cores, GB/s.
+        first_touch_gbps: bytes written per second into new host memory allocated as
+            flatzero allocates its host buffers (``hostmem.empty_host``: 2 MiB pages where
+            the OS allows; page faults and the kernel zeroing pages included), all cores,
+            GB/s.
         thread_first_touch_gbps: the same, one thread, GB/s.
-        cast_gbps: fp32 bytes written per second casting bf16/fp16 into new host memory, all
-            cores (the master shard of the ``cpu`` tier), GB/s.
+        cast_gbps: fp32 bytes written per second casting bf16/fp16 into such new host
+            memory, all cores (the master shard of the ``cpu`` tier), GB/s.
         thread_cast_gbps: the same, one thread, GB/s.
+        plain_first_touch_gbps: bytes written per second into new host memory from
+            torch's own allocator (4 KiB pages: what ``torch.cat``, ``clone`` and ``.to``
+            allocate, so DeepSpeed's host buffers), all cores, GB/s.
+        plain_cast_gbps: fp32 bytes written per second casting bf16/fp16 into such memory,
+            all cores, GB/s.
         pageable_h2d_gbps: host-to-device bandwidth from pageable (not pinned) memory per
             GPU, GB/s: the driver stages it through its own pinned buffer. Also used for
             device-to-pageable-host copies.
@@ -89,6 +96,8 @@ class HostSpec:
     thread_first_touch_gbps: float
     cast_gbps: float
     thread_cast_gbps: float
+    plain_first_touch_gbps: float
+    plain_cast_gbps: float
     pageable_h2d_gbps: float
     disk_gbps: float
     source: str = "explicit"
@@ -136,7 +145,8 @@ GPUS: dict[str, GpuSpec] = {
 #     ~180 GB/s of bytes copied per node (assumed). One core copies ~10 GB/s (assumed).
 #     First touch on bare metal is bound by the kernel's page zeroing and faults, ~4 GB/s
 #     per thread with 4 KiB pages (assumed), scaling to ~100 GB/s for the node (assumed);
-#     a bf16 -> fp32 cast into new memory the same (assumed: bound by the faults).
+#     a bf16 -> fp32 cast into new memory the same (assumed: bound by the faults). The
+#     same figures for flatzero's 2 MiB pages (assumed: no better, though fewer faults).
 #     Pageable host-to-device copies: ~20 GB/s per GPU (assumed; the driver copies through
 #     its own pinned buffer). Local NVMe RAID: ~25 GB/s per node (assumed).
 #   dgx-a100: 2x AMD EPYC 7742, 128 cores, 1 TiB DDR4-3200: 2 x 8 x 25.6 = 410 GB/s peak,
@@ -152,6 +162,8 @@ HOSTS: dict[str, HostSpec] = {
         thread_first_touch_gbps=4,
         cast_gbps=100,
         thread_cast_gbps=4,
+        plain_first_touch_gbps=100,
+        plain_cast_gbps=100,
         pageable_h2d_gbps=20,
         disk_gbps=25,
         source="assumed (see flatzero/plan/hardware.py)",
@@ -166,6 +178,8 @@ HOSTS: dict[str, HostSpec] = {
         thread_first_touch_gbps=4,
         cast_gbps=80,
         thread_cast_gbps=4,
+        plain_first_touch_gbps=80,
+        plain_cast_gbps=80,
         pageable_h2d_gbps=12,
         disk_gbps=20,
         source="assumed (see flatzero/plan/hardware.py)",

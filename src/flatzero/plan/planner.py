@@ -37,7 +37,15 @@ from .time_model import (
 )
 from .traffic import KINDS, deepspeed_bytes, deepspeed_master_bytes, flatzero_bytes, links
 
-__all__ = ["PARAMS_ON", "MethodPlan", "Plan", "PlanSpec", "make_plan", "tiers_for"]
+__all__ = [
+    "PARAMS_ON",
+    "MethodPlan",
+    "Plan",
+    "PlanSpec",
+    "make_plan",
+    "new_memory_sizes",
+    "tiers_for",
+]
 
 PARAMS_ON = ("device", "host", "checkpoint")
 """Where the params are when init starts: on the GPU, in host memory, or on the meta
@@ -321,6 +329,14 @@ def _step(spec: PlanSpec, layout: Layout, rates: Rates) -> StepComm:
         gpus_per_node=spec.gpus_per_node,
         rates=rates,
     )
+
+
+def new_memory_sizes(plan: Plan) -> dict[str, int]:
+    """The sizes of one rank's writes into new host memory, as ``calibration.measure``
+    takes them: ``fill_bytes`` the largest bucket, ``cast_bytes`` the fp32 master shard."""
+    layout = plan.layout
+    buckets = [b.numel * itemsize(g.dtype) for g in layout.groups for b in g.buckets]
+    return {"fill_bytes": max(buckets), "cast_bytes": _work(layout).master_bytes}
 
 
 def make_plan(spec: PlanSpec) -> Plan:

@@ -31,13 +31,17 @@ class Rates:
         h2d_pageable_gbps: pageable host memory to the device (and back).
         host_copy_gbps: bytes copied per second between host buffers already in memory,
             with the rank's share of the cores and of the memory system.
-        first_touch_gbps: bytes written per second into new host memory, same share.
-        cast_gbps: fp32 bytes written per second by the master shard's cast from the
-            params' dtype: into new host memory, same share, on a CPU-only job; on a GPU
-            the device's copy bandwidth counted in fp32 bytes written (a cast from
-            2-byte params reads 2 and writes 4 bytes per element).
-        all_cores_first_touch_gbps: the same when every rank of the node uses every core
-            (DeepSpeed's host ``torch.cat``): the node's rate shared by its ranks.
+        first_touch_gbps: bytes written per second into new host memory from flatzero's
+            host allocator (``hostmem.empty_host``), same share.
+        host_cast_gbps: fp32 bytes written per second by a cast from the params' dtype
+            into such memory (the ``cpu`` tier's master shard), same share.
+        cast_gbps: fp32 bytes written per second by a cast from the params' dtype on the
+            device: the device's copy bandwidth counted in fp32 bytes written (a cast from
+            2-byte params reads 2 and writes 4 bytes per element); on a CPU-only job, into
+            new memory from torch's allocator, every core of the node shared by its ranks.
+        all_cores_first_touch_gbps: bytes written per second into new memory from torch's
+            allocator when every rank of the node uses every core (DeepSpeed's host
+            ``torch.cat``): the node's rate shared by its ranks.
         collective_gbps: bus bandwidth of an all-gather or reduce-scatter over all ranks.
         disk_gbps: the rank's share of the checkpoint storage's read bandwidth.
         tensor_seconds: per-tensor cost of each flatten method (``flatzero``,
@@ -50,6 +54,7 @@ class Rates:
     h2d_pageable_gbps: float
     host_copy_gbps: float
     first_touch_gbps: float
+    host_cast_gbps: float
     cast_gbps: float
     all_cores_first_touch_gbps: float
     collective_gbps: float
@@ -118,8 +123,12 @@ def node_rates(
 ) -> Rates:
     """The rates of one rank of a ``nodes`` x ``ranks_per_node`` job.
 
-    Without a GPU (``gpu=None``) every tier is ``cpu`` and what would be device memory is new
-    host memory: the device rates are the rank's first-touch rate.
+    Without a GPU (``gpu=None``) flatzero's only tier is ``cpu``, and what DeepSpeed puts
+    in device memory is new host memory from torch's allocator, written with every core:
+    the device rates are that allocator's rates, the node's shared by its ranks.
+    A calibration measured with as many ranks as the node has (``Calibration.ranks``) gives
+    each rank its share of the node's measured new-memory rates; otherwise a rank's rate is
+    its threads at the one-thread rate, at most its share of the node's.
     A pinned upload reads host memory at up to twice the node's copy rate (a copy reads and
     writes each byte), shared by the node's GPUs; a pageable one is a host copy into the
     driver's pinned buffer, so it is also capped by the rank's share of the copy rate.
@@ -128,19 +137,27 @@ def node_rates(
         host = calibration.host_spec(host)
     ranks = ranks_per_node
     threads = max(1, host.cores // ranks)
+    if calibration is not None and calibration.ranks == ranks:
+        # Measured in this node's shape: every rank writing new memory at once.
+        first_touch, host_cast = host.first_touch_gbps / ranks, host.cast_gbps / ranks
+    else:
+        first_touch = _share(host.thread_first_touch_gbps, threads, host.first_touch_gbps, ranks)
+        host_cast = _share(host.thread_cast_gbps, threads, host.cast_gbps, ranks)
     rates = {
         "host_copy": _share(host.thread_memcpy_gbps, threads, host.memcpy_gbps, ranks),
-        "first_touch": _share(host.thread_first_touch_gbps, threads, host.first_touch_gbps, ranks),
-        "cast": _share(host.thread_cast_gbps, threads, host.cast_gbps, ranks),
-        "all_cores_first_touch": host.first_touch_gbps / ranks,
+        "first_touch": first_touch,
+        "host_cast": host_cast,
+        "all_cores_first_touch": host.plain_first_touch_gbps / ranks,
         "disk": host.disk_gbps / ranks,
     }
     host_origin = "measured" if calibration is not None else "assumed"
     origin = dict.fromkeys(rates, host_origin)
     if gpu is None:
-        # No accelerator: every "device" buffer and copy is new host memory; gloo
-        # collectives on one node go through host memory.
-        device = dict.fromkeys(("device_copy", "h2d_pinned", "h2d_pageable"), rates["first_touch"])
+        # No accelerator: every "device" buffer and copy is new host memory from torch's
+        # allocator; gloo collectives on one node go through host memory.
+        plain = rates["all_cores_first_touch"]
+        device = dict.fromkeys(("device_copy", "h2d_pinned", "h2d_pageable"), plain)
+        device["cast"] = host.plain_cast_gbps / ranks
         device["collective"] = rates["host_copy"]
         origin |= dict.fromkeys(device, host_origin)
     else:

@@ -10,10 +10,10 @@ link (``rates.Rates``), plus a per-tensor cost, combined as the code runs them:
   then the master. A checkpoint source is read at the rank's share of the disk.
 - ``offload``: a bucket's params go to a host image before its upload starts:
   ``d2h + max(fill, upload, tensors)``, then the master.
-- ``cpu``: every bucket and the master are new host memory: the buckets at the rate of
-  copying into new memory, the master at the rate of casting into it (a bf16 -> fp32 cast
-  on a CPU without bf16 instructions is compute-bound), plus the per-tensor work (one
-  thread of control, nothing overlaps).
+- ``cpu``: every bucket and the master are new host memory from flatzero's allocator: the
+  buckets at the rate of copying into it, the master at the rate of casting into it (a
+  bf16 -> fp32 cast on a CPU without bf16 instructions is compute-bound), plus the
+  per-tensor work (one thread of control, nothing overlaps).
 - DeepSpeed ``deepspeed_device``: one ``torch.cat`` of each group on the GPU, the master
   partition (a clone, then an fp32 copy) and DeepSpeed's per-tensor work.
 - DeepSpeed ``deepspeed_legacy``: every param to pageable host memory, ``torch.cat`` into
@@ -25,8 +25,8 @@ link (``rates.Rates``), plus a per-tensor cost, combined as the code runs them:
 
 Copies on a GPU are counted in bytes copied (a device copy rate already counts each byte
 once though it is read and written); a cast is counted in fp32 bytes written at the cast
-rate. On a machine without a GPU every "device" buffer is new host memory, so device rates
-are the first-touch rate (``rates.node_rates``).
+rate. On a machine without a GPU every DeepSpeed "device" buffer is new host memory from
+torch's allocator, so device rates are that allocator's (``rates.node_rates``).
 """
 
 from __future__ import annotations
@@ -96,10 +96,10 @@ class InitTime:
 
 def _master_seconds(work: Work, rates: Rates, *, on_host: bool) -> float:
     """The fp32 master: a cast of this rank's slices (bf16/fp16 params) or a plain copy
-    (fp32 params) into new memory (host) or the device's."""
+    (fp32 params) into flatzero's new host memory (``on_host``) or the device's."""
     copied = work.master_bytes - work.master_cast_bytes
     copy = rates.seconds(copied, "first_touch" if on_host else "device_copy")
-    return copy + rates.seconds(work.master_cast_bytes, "cast")
+    return copy + rates.seconds(work.master_cast_bytes, "host_cast" if on_host else "cast")
 
 
 def flatzero_time(
