@@ -48,9 +48,14 @@ from .hardware import HostSpec
 DEFAULT_FILL_BYTES = DEFAULT_BUCKET_NUMEL * 2
 """One default bucket of bf16 params (bytes): the size flatzero's fill writes at a time."""
 
+MAX_PROBE_BYTES = 2 * 2**30
+"""The largest write of new memory a calibration makes (bytes): a job's master shard can be
+tens of GB, and every rank's process writes one at once."""
+
 __all__ = [
     "ALLOCATORS",
     "DEFAULT_FILL_BYTES",
+    "MAX_PROBE_BYTES",
     "Calibration",
     "measure",
     "measure_fresh_write",
@@ -305,8 +310,10 @@ def measure_new_memory(
     a cast into ``cast_bytes`` of fp32 (a master shard), by every core (``ranks``
     processes with ``cores // ranks`` threads each, at once) and by one thread alone; with
     torch's, the copy and the cast of ``cast_bytes`` (DeepSpeed's flat buffer and master)
-    by every core. Each rate is the median of ``passes`` passes."""
+    by every core. Each rate is the median of ``passes`` passes; sizes above
+    ``MAX_PROBE_BYTES`` are measured at that size."""
     cores = usable_cores()
+    fill_bytes, cast_bytes = min(fill_bytes, MAX_PROBE_BYTES), min(cast_bytes, MAX_PROBE_BYTES)
     if not 1 <= ranks <= cores:
         raise ValueError(f"ranks must be in [1, {cores}] (this machine's cores), got {ranks}")
 
