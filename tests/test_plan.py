@@ -20,6 +20,8 @@ import argparse
 import dataclasses
 import functools
 import json
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ from flatzero.layout import plan_layout
 from flatzero.models import LlamaConfig, Qwen3MoeConfig, build_model, save_model_safetensors
 from flatzero.optim import ZeroConfig, ZeroOptimizer
 from flatzero.plan import Calibration, PlanSpec, get_gpu, make_plan, model_states, resolve_model
+from flatzero.plan.calibration import measure_fresh_write
 from flatzero.plan.cli import add_arguments, spec_from_args
 from flatzero.plan.model_source import ModelSource, group_dicts, param_groups
 from flatzero.plan.planner import new_memory_sizes
@@ -406,21 +409,27 @@ def test_calibration_reaches_the_time_model():
 
 
 def test_a_calibration_without_the_plain_rates_uses_flatzeros_for_them():
-    """A calibration file written before torch's allocator was measured still loads; the
-    plan then takes flatzero's new-memory rates for both allocators."""
-    old = _calibration(plain=False).to_dict()
-    for key in ("plain_first_touch_gbps", "plain_cast_gbps", "fill_bytes", "cast_bytes"):
-        del old[key]
+    """A calibration written before torch's allocator was measured (the committed result
+    of an earlier benchmark) still loads; the plan then takes flatzero's new-memory rates
+    for both allocators. A bench result with one calibration per world size is refused by
+    name."""
+    results = Path(__file__).parents[1] / "benchmarks" / "results"
+    old = Calibration.from_dict(json.loads((results / "plan_cpu_llama-0.4b_cold.json").read_text()))
+    assert old.plain_first_touch_gbps is None and old.ranks == 1
     rates = make_plan(
         PlanSpec(
-            model=_source("llama"),
-            gpus_per_node=2,
-            gpu=None,
-            bucket_numel=BUCKET,
-            calibration=Calibration.from_dict(old),
+            model=_source("llama"), gpus_per_node=2, gpu=None, bucket_numel=BUCKET,
+            calibration=old,
         )
-    ).rates
-    assert (rates.device_copy_gbps, rates.cast_gbps) == (2 / 2, 1.5 / 2)
+    ).rates  # fmt: skip
+    assert (rates.device_copy_gbps, rates.cast_gbps) == (
+        old.first_touch_gbps / 2,
+        old.cast_gbps / 2,
+    )
+    new = json.loads((results / "plan_cpu_llama-0.4b_settled10.json").read_text())
+    with pytest.raises(ValueError, match="one calibration per world size"):
+        Calibration.from_dict(new)
+    assert Calibration.from_dict(new["calibrations"]["2"]).ranks == 2
 
 
 def test_a_calibration_in_the_jobs_shape_is_used_as_measured():
@@ -428,9 +437,12 @@ def test_a_calibration_in_the_jobs_shape_is_used_as_measured():
     rank the node's rate over its ranks; measured in another shape, a rank gets its threads
     at the one-thread rate, capped by its share of the node's."""
     source = _source("llama")
+    slow_thread = dataclasses.replace(
+        _calibration(), thread_first_touch_gbps=0.1, thread_cast_gbps=0.05
+    )
 
     def rates(ranks: int, measured_with: int):
-        calibration = dataclasses.replace(_calibration(), ranks=measured_with)
+        calibration = dataclasses.replace(slow_thread, ranks=measured_with)
         spec = PlanSpec(
             model=source,
             gpus_per_node=ranks,
@@ -441,13 +453,45 @@ def test_a_calibration_in_the_jobs_shape_is_used_as_measured():
         r = make_plan(spec).rates
         return r.first_touch_gbps, r.host_cast_gbps
 
-    # 4 cores; the node writes 2 GB/s (copy) and casts 1.5 GB/s, one thread 1 and 1.
+    # 4 cores; the node writes 2 GB/s (copy) and casts 1.5 GB/s; one thread 0.1 and 0.05.
     assert rates(4, measured_with=4) == (2 / 4, 1.5 / 4)
     assert rates(2, measured_with=2) == (2 / 2, 1.5 / 2)
-    assert rates(4, measured_with=1) == (min(1 * 1, 2 / 4), min(1 * 1, 1.5 / 4))
-    assert rates(1, measured_with=2) == (min(1 * 4, 2), min(1 * 4, 1.5))
+    assert rates(2, measured_with=1) == pytest.approx((0.1 * 2, 0.05 * 2))
+    assert rates(4, measured_with=2) == pytest.approx((0.1, 0.05))
     with pytest.raises(ValueError, match="ranks"):
         dataclasses.replace(_calibration(), ranks=5)
+
+
+def test_concurrent_calibration_fails_fast_when_a_process_fails():
+    """A process of a concurrent measurement that runs out of memory fails the measurement
+    at once on the caller, naming the error, and leaves no process waiting behind it."""
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"calibration process failed.*allocate"):
+        measure_fresh_write(1 << 50, 1, processes=2, passes=1)
+    assert time.monotonic() - t0 < 120
+    assert measure_fresh_write(2**20, 1, processes=2, passes=1) > 0
+
+
+def test_calibrate_measures_at_the_jobs_sizes_in_its_shape(monkeypatch):
+    """``flatzero plan --calibrate`` measures new memory at the job's largest bucket and
+    master shard, with one process per rank (at most the cores), after ``--settle-s``."""
+    import flatzero.plan.cli as plan_cli
+
+    seen = {}
+
+    def fake_measure(**kwargs):
+        seen.update(kwargs)
+        return _calibration()
+
+    monkeypatch.setattr(plan_cli, "measure", fake_measure)
+    args = _plan_args(
+        "--model", "tiny", "--gpu", "none", "--gpus-per-node", "2", "--calibrate",
+        "--settle-s", "7",
+    )  # fmt: skip
+    spec = spec_from_args(args)
+    assert spec.calibration == _calibration()
+    want = new_memory_sizes(make_plan(dataclasses.replace(spec, calibration=None)))
+    assert seen == {"ranks": min(2, usable_cores()), "settle_s": 7.0, **want}
 
 
 def test_calibration_sizes_are_the_jobs_bucket_and_master_shard():

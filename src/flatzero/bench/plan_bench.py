@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ..config import DEFAULT_BUCKET_NUMEL, FlattenConfig
 from ..dtypes import SHORT_DTYPES, dtype_name
 from ..flatten import flatten_parameters
+from ..flatten.threads import usable_cores
 from ..launch import run_ranks
 from ..models import build_model
 from ..plan.calibration import Calibration, measure
@@ -230,13 +231,15 @@ def run(args: argparse.Namespace) -> int:
     load_before = os.getloadavg()
     for ws in world_sizes:
         calibration = given or measure(
-            ranks=ws, settle_s=args.settle_s, **new_memory_sizes(_plan(spec, ws, None))
+            ranks=min(ws, usable_cores()),
+            settle_s=args.settle_s,
+            **new_memory_sizes(_plan(spec, ws, None)),
         )
         calibrations[str(ws)] = calibration.to_dict()
         ranks = run_ranks(_rank_main, ws, spec, timeout_s=1800)
         rows.extend(_rows(ws, ranks, spec, calibration))
     print(
-        f"model {spec.model} ({spec.dtype}) on {platform.node()}, {os.cpu_count()} cores, "
+        f"model {spec.model} ({spec.dtype}) on {platform.node()}, {usable_cores()} cores, "
         f"1-minute load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
     )
     print(_table(rows))
@@ -249,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
         "date": utc_timestamp(),
         "machine": {
             "host": platform.node(),
-            "cpus": os.cpu_count(),
+            "cpus": usable_cores(),
             "torch": torch.__version__,
             "load_average_before": load_before,
             "load_average_after": os.getloadavg(),

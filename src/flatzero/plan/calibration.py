@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import queue as queue_module
 import statistics
 import time
 from collections.abc import Callable
@@ -164,8 +165,19 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Calibration:
-        """Rebuild from ``to_dict`` (or the ``calibration`` entry of a plan or bench JSON)."""
-        data = data.get("calibration", data)
+        """Rebuild from ``to_dict`` (or the ``calibration`` entry of a plan JSON).
+
+        Raises:
+            ValueError: unknown fields, or a ``flatzero bench plan`` result, which holds
+                one calibration per world size (``calibrations``): pass one of those.
+        """
+        if "calibrations" in data:
+            raise ValueError(
+                "this is a flatzero bench plan result, with one calibration per world size "
+                f"({', '.join(sorted(data['calibrations']))}); pass one of its "
+                "'calibrations' entries, or a flatzero info --measure --json file"
+            )
+        data = data.get("calibration") or data
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - names
         if unknown:
@@ -217,8 +229,53 @@ def _timed_writes(
     return seconds
 
 
+_WRITER_TIMEOUT_S = 600.0
+"""Seconds a pass of concurrent writes may take beyond its settling before it is abandoned."""
+
+
 def _writer(queue: Any, barrier: Any, args: tuple) -> None:
-    queue.put(_timed_writes(*args, barrier=barrier))
+    """A process of ``measure_fresh_write``: its seconds per pass, or its error (after
+    breaking the barrier, so that the other processes stop waiting for it)."""
+    try:
+        queue.put(_timed_writes(*args, barrier=barrier))
+    except BaseException as error:
+        barrier.abort()
+        queue.put(RuntimeError(f"a calibration process failed: {error!r}"))
+
+
+def _concurrent_writes(processes: int, args: tuple, passes: int, settle_s: float) -> list[float]:
+    """The slowest process's seconds of each pass, ``processes`` processes writing at once;
+    a process that fails or does not report in time fails the measurement, and no process
+    is left behind."""
+    ctx = mp.get_context("spawn")
+    queue, barrier = ctx.Queue(), ctx.Barrier(processes, timeout=settle_s + _WRITER_TIMEOUT_S)
+    workers = [
+        ctx.Process(target=_writer, args=(queue, barrier, args), daemon=True)
+        for _ in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    deadline = time.monotonic() + passes * (settle_s + _WRITER_TIMEOUT_S)
+    per_process: list[Any] = []
+    try:
+        while len(per_process) < processes:
+            try:
+                per_process.append(queue.get(timeout=1.0))
+            except queue_module.Empty:
+                dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    why = f"exit codes {dead}" if dead else "no report in time"
+                    raise RuntimeError(f"a calibration process failed ({why})") from None
+    finally:
+        barrier.abort()  # a process still waiting for a failed one stops waiting
+        for worker in workers:
+            worker.join(timeout=5)
+            if worker.is_alive():
+                worker.terminate()
+    failed = [r for r in per_process if isinstance(r, BaseException)]
+    if failed:  # the process that failed first, not one the broken barrier released
+        raise min(failed, key=lambda e: "BrokenBarrierError" in str(e))
+    return [max(times) for times in zip(*per_process, strict=True)]
 
 
 def measure_fresh_write(
@@ -249,17 +306,7 @@ def measure_fresh_write(
     if processes == 1:
         slowest = _timed_writes(*args)
     else:
-        ctx = mp.get_context("spawn")
-        queue, barrier = ctx.Queue(), ctx.Barrier(processes)
-        workers = [
-            ctx.Process(target=_writer, args=(queue, barrier, args)) for _ in range(processes)
-        ]
-        for worker in workers:
-            worker.start()
-        per_process = [queue.get(timeout=600 + passes * settle_s) for _ in workers]
-        for worker in workers:
-            worker.join()
-        slowest = [max(times) for times in zip(*per_process, strict=True)]
+        slowest = _concurrent_writes(processes, args, passes, settle_s)
     numel = max(1, nbytes // dst_dtype.itemsize)
     return processes * numel * dst_dtype.itemsize / statistics.median(slowest) / 1e9
 
