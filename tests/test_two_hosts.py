@@ -18,6 +18,9 @@ saving a checkpoint with all four ranks. Then, on the normal host:
   the script too), flatzero's per-node rank count and core share come from the local
   world size, and the control group agrees across hosts.
 
+A launch that fails ends the wait at once (its peers would wait on it); when a rank died
+of gloo's own abort while connecting (``GLOO_ABORT``), the runs are made once more.
+
 Skipped where network namespaces cannot be made (not root, no ``ip``, ``ip netns add``
 refused). Namespaces are named after the pid and deleted (with their veths) even when
 the run fails.
@@ -34,6 +37,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,22 +140,40 @@ def _launch(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen
         return subprocess.Popen(args, env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
-def _wait_all(procs: list[tuple[subprocess.Popen, Path]], what: str) -> None:
-    """Wait for every launch; past ``RUN_TIMEOUT_S`` kill what is left (a hang fails
-    instead of blocking); fail with the logs when any launch did not succeed."""
+GLOO_ABORT = "terminate called without an active exception"
+"""What a rank prints when gloo's transport thread dies on an exception while connecting
+(pytorch/gloo#162); seen once in this test on the loaded 2-core VM, 6 s into a run."""
+
+
+def _wait_all(procs: list[tuple[subprocess.Popen, Path]], what: str) -> str | None:
+    """Wait for every launch. The first one to fail, or ``RUN_TIMEOUT_S`` passing, ends
+    the wait and kills what is left (a rank that died leaves its peers waiting on it).
+    Returns None when all succeeded, else what happened and every launch's log."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    try:
-        for proc, _ in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p, _ in procs]
+        if any(code not in (None, 0) for code in codes) or None not in codes:
+            break
+        time.sleep(0.5)
     hung = [p for p, _ in procs if p.poll() is None]
     for p in hung:
         _kill_tree(p)
-    if hung or any(p.returncode != 0 for p, _ in procs):
-        logs = "\n".join(f"--- {log.name}\n{log.read_text()[-4000:]}" for _, log in procs)
-        state = f"hung past {RUN_TIMEOUT_S:.0f} s" if hung else "failed"
-        pytest.fail(f"{what} {state}:\n{logs}")
+    if not hung and all(p.returncode == 0 for p, _ in procs):
+        return None
+    logs = "\n".join(f"--- {log.name}\n{log.read_text()[-4000:]}" for _, log in procs)
+    timed_out = time.monotonic() >= deadline
+    state = f"hung past {RUN_TIMEOUT_S:.0f} s" if timed_out else "failed"
+    return f"{what} {state}:\n{logs}"
+
+
+def _run_all(launch: Callable[[], list[tuple[subprocess.Popen, Path]]], what: str) -> None:
+    """``launch()`` and wait; once more if a rank died of gloo's connect-time abort
+    (``GLOO_ABORT``), which is gloo's, not flatzero's; fail with the logs otherwise."""
+    failure = _wait_all(launch(), what)
+    if failure is not None and GLOO_ABORT in failure:
+        failure = _wait_all(launch(), what + " (run again after gloo aborted a rank)")
+    if failure is not None:
+        pytest.fail(failure)
 
 
 def _script_args(mode: str, out: Path, ckpt: Path) -> list[str]:
@@ -187,37 +209,48 @@ def runs(hosts, tmp_path_factory):
         return _launch(cmd, {**env, **extra}, log), log
 
     two_ckpt = root / "two_hosts_ckpt"
-    launches = [
-        torchrun(
-            f"host_{h.label}",
-            [
-                "--nnodes", "2", "--nproc-per-node", "2",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{a.addr}:{RDZV_PORT}",
-                "--rdzv-id", f"flatzero-two-hosts-{os.getpid()}",
-                "--rdzv-conf", f"is_host={int(h is a)},join_timeout=120",
-                "--local-addr", h.addr, "--max-restarts", "0",
-                *_script_args("train", root / "two_hosts", two_ckpt),
-            ],
-            prefix=("ip", "netns", "exec", h.netns),
-            GLOO_SOCKET_IFNAME=h.veth,
-            FLATZERO_TEST_HOST=h.label,
-        )
-        for h in (a, b)
-    ]  # fmt: skip
-    launches.append(
-        torchrun(
-            "one_host",
-            ["--standalone", "--nproc-per-node", "4",
-             *_script_args("train", root / "one_host", root / "one_host_ckpt")],
-        )
+
+    def side_by_side():
+        for path in ("two_hosts", "one_host", "one_host_ckpt", two_ckpt):
+            shutil.rmtree(root / path, ignore_errors=True)
+        rdzv_id = f"flatzero-two-hosts-{os.getpid()}-{time.monotonic_ns()}"  # fresh per try
+        launches = [
+            torchrun(
+                f"host_{h.label}",
+                [
+                    "--nnodes", "2", "--nproc-per-node", "2",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{a.addr}:{RDZV_PORT}",
+                    "--rdzv-id", rdzv_id,
+                    "--rdzv-conf", f"is_host={int(h is a)},join_timeout=120",
+                    "--local-addr", h.addr, "--max-restarts", "0",
+                    *_script_args("train", root / "two_hosts", two_ckpt),
+                ],
+                prefix=("ip", "netns", "exec", h.netns),
+                GLOO_SOCKET_IFNAME=h.veth,
+                FLATZERO_TEST_HOST=h.label,
+            )
+            for h in (a, b)
+        ]  # fmt: skip
+        launches.append(
+            torchrun(
+                "one_host",
+                ["--standalone", "--nproc-per-node", "4",
+                 *_script_args("train", root / "one_host", root / "one_host_ckpt")],
+            )
+        )  # fmt: skip
+        return launches
+
+    _run_all(side_by_side, "the two-host run and the one-host run at world size 4")
+    _run_all(
+        lambda: [
+            torchrun(
+                "reload",
+                ["--standalone", "--nproc-per-node", "2",
+                 *_script_args("reload", root / "reload", two_ckpt)],
+            )
+        ],
+        "the reload at world size 2",
     )  # fmt: skip
-    _wait_all(launches, "the two-host run and the one-host run at world size 4")
-    reload = torchrun(
-        "reload",
-        ["--standalone", "--nproc-per-node", "2",
-         *_script_args("reload", root / "reload", two_ckpt)],
-    )  # fmt: skip
-    _wait_all([reload], "the reload at world size 2")
     return {
         "hosts": (a, b),
         "two": _records(root / "two_hosts", 4),
