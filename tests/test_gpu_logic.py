@@ -186,10 +186,10 @@ def _master_oom_worker(rank: int, world_size: int) -> str:
     if rank == 1:
         original = flatten_alloc.empty
 
-        def failing(numel, dtype, device):
+        def failing(numel, dtype, device, **kwargs):
             if dtype == torch.float32:
                 raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-            return original(numel, dtype, device)
+            return original(numel, dtype, device, **kwargs)
 
         flatten_alloc.empty = failing
     try:

@@ -33,11 +33,19 @@ from flatzero.launch import run_ranks
 from flatzero.layout import plan_layout
 from flatzero.models import LlamaConfig, Qwen3MoeConfig, build_model, save_model_safetensors
 from flatzero.optim import ZeroConfig, ZeroOptimizer
-from flatzero.plan import Calibration, PlanSpec, get_gpu, make_plan, model_states, resolve_model
+from flatzero.plan import (
+    Calibration,
+    PlanSpec,
+    format_plan,
+    get_gpu,
+    make_plan,
+    model_states,
+    resolve_model,
+)
 from flatzero.plan.calibration import measure_fresh_write
 from flatzero.plan.cli import add_arguments, spec_from_args
 from flatzero.plan.model_source import ModelSource, group_dicts, param_groups
-from flatzero.plan.planner import new_memory_sizes
+from flatzero.plan.planner import huge_pages_advice, new_memory_sizes
 from flatzero.plan.traffic import deepspeed_bytes, deepspeed_master_bytes, flatzero_bytes
 from flatzero.safetensors_index import SafetensorsCheckpoint
 
@@ -492,6 +500,36 @@ def test_calibrate_measures_at_the_jobs_sizes_in_its_shape(monkeypatch):
     assert spec.calibration == _calibration()
     want = new_memory_sizes(make_plan(dataclasses.replace(spec, calibration=None)))
     assert seen == {"ranks": min(2, usable_cores()), "settle_s": 7.0, **want}
+
+
+def test_host_huge_pages_off_plans_with_torchs_allocator_and_advice_follows_the_rates():
+    """``host_huge_pages=False`` gives the ``cpu`` tier torch's new-memory rates; the plan
+    advises the allocator that the calibration measured faster, and nothing when they are
+    close."""
+    source = _source("llama")
+
+    def plan(calibration: Calibration, huge_pages: bool):
+        spec = PlanSpec(
+            model=source, gpus_per_node=2, gpu=None, bucket_numel=BUCKET,
+            calibration=calibration, host_huge_pages=huge_pages,
+        )  # fmt: skip
+        return make_plan(spec)
+
+    cal = _calibration()  # 2 MiB pages: 2 / 1.5 GB/s; torch's allocator: 4 / 3 GB/s
+    off = plan(cal, False)
+    assert (off.rates.first_touch_gbps, off.rates.host_cast_gbps) == (4 / 2, 3 / 2)
+    on = plan(cal, True)
+    assert on.methods["cpu"].time.seconds > off.methods["cpu"].time.seconds
+    assert "host_huge_pages=False" in huge_pages_advice(on)
+    assert "host_huge_pages=False" in format_plan(on)
+    assert huge_pages_advice(off) == ""
+    faster_huge = dataclasses.replace(cal, plain_cast_gbps=1.0)
+    assert "host_huge_pages=True" in huge_pages_advice(plan(faster_huge, False))
+    close = dataclasses.replace(cal, plain_cast_gbps=1.6)
+    assert huge_pages_advice(plan(close, True)) == huge_pages_advice(plan(close, False)) == ""
+    args = _plan_args("--model", "tiny", "--gpu", "none", "--no-host-huge-pages")
+    assert spec_from_args(args).host_huge_pages is False
+    assert spec_from_args(_plan_args("--model", "tiny")).host_huge_pages is True
 
 
 def test_calibration_sizes_are_the_jobs_bucket_and_master_shard():

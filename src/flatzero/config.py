@@ -41,6 +41,10 @@ class FlattenConfig:
             ``torch.dtype``, ...) as it is copied into its bucket: no separate cast pass, and
             in the ``sharded`` tier each rank casts only its own slices. ``None`` keeps each
             param's dtype.
+        host_huge_pages: ask the OS for 2 MiB pages for the flat buffers and master
+            shards in host memory (tier ``cpu``) and the ``offload`` tier's host images;
+            ``False`` takes torch's allocator. Which writes new memory faster depends on
+            the machine: ``flatzero info --measure`` shows both.
     """
 
     tier: str = "auto"
@@ -52,6 +56,7 @@ class FlattenConfig:
     build_master: bool = True
     progress: bool = True
     dtype: str | None = None
+    host_huge_pages: bool = True
 
     def __post_init__(self) -> None:
         # Imported here: the registry imports the tiers, which take this config.
@@ -66,6 +71,10 @@ class FlattenConfig:
         _check_positive_int("alignment", self.alignment)
         _check_positive_int("staging_buffers", self.staging_buffers)
         _check_positive_int("host_threads", self.host_threads, allow_none=True)
+        if not isinstance(self.host_huge_pages, bool):
+            raise ValueError(
+                f"FlattenConfig.host_huge_pages must be True or False, got {self.host_huge_pages!r}"
+            )
         if self.device is not None and not isinstance(self.device, str):
             object.__setattr__(self, "device", str(self.device))
         if self.dtype is not None:

@@ -43,14 +43,18 @@ def _madvise():
     return fn
 
 
-def empty_host(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized 1-D host tensor, on huge pages when the OS allows.
+def empty_host(numel: int, dtype: torch.dtype, *, huge_pages: bool = True) -> torch.Tensor:
+    """An uninitialized 1-D host tensor, on huge pages when ``huge_pages`` and the OS
+    allows (else ``torch.empty``).
 
     The result is a view starting on a 2 MiB boundary of a slightly larger buffer;
-    it behaves like ``torch.empty(numel, dtype=dtype)`` in every other way.
+    it behaves like ``torch.empty(numel, dtype=dtype)`` in every other way. Whether huge
+    pages are written faster the first time depends on the machine: on bare metal they
+    save 511 of 512 page faults; on the development VM they were sometimes twice as slow
+    (docs/flattening.md). ``flatzero info --measure`` measures both.
     """
     nbytes = numel * dtype.itemsize
-    madvise = _madvise()
+    madvise = _madvise() if huge_pages else None
     if madvise is None or nbytes < _MIN_BYTES:
         return torch.empty(numel, dtype=dtype)
     raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)

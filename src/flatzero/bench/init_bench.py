@@ -107,7 +107,9 @@ MODELS = {
 }
 """Benchmark models by name: functions returning a model config."""
 
-METHODS = ("flatzero", "torch_cat", "legacy_cpu", "deepspeed")
+METHODS = ("flatzero", "flatzero_4k", "torch_cat", "legacy_cpu", "deepspeed")
+"""``flatzero_4k``: flatzero with ``FlattenConfig(host_huge_pages=False)``."""
+DEFAULT_METHODS = ("flatzero", "torch_cat", "legacy_cpu", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -172,9 +174,13 @@ def _time_method(method: str, model: nn.Module, spec: BenchSpec, rank: int, ws: 
     dist.barrier()
     t0, c0 = time.perf_counter(), cpu_seconds()
     tier = method
-    if method == "flatzero":
+    if method in ("flatzero", "flatzero_4k"):
         config = FlattenConfig(
-            tier=spec.tier, device=str(device), bucket_numel=spec.bucket_numel, progress=False
+            tier=spec.tier,
+            device=str(device),
+            bucket_numel=spec.bucket_numel,
+            progress=False,
+            host_huge_pages=method == "flatzero",
         )
         flat = flatten_parameters(model, config=config)
         tier = "+".join(flat.report.tiers)
@@ -352,7 +358,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="untimed rounds of every method first (a VM backs fresh memory on first touch)",
     )
     parser.add_argument(
-        "--methods", default=",".join(METHODS), help=f"comma-separated of {', '.join(METHODS)}"
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help=f"comma-separated of {', '.join(METHODS)}",
     )
     parser.add_argument("--bucket-numel", type=int, default=FlattenConfig().bucket_numel)
     parser.add_argument("--tier", default="auto", help="flatzero's tier (default: auto)")
@@ -369,7 +377,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settle_argument(
         parser,
         "seconds to sleep before every trial so each starts from cold memory, as at a "
-        "job's start (3 is enough for a VM's free page reporting); default: back to back",
+        "job's start (10 on the development VM, docs/plan.md); default: back to back",
     )
     parser.add_argument("--json", help="also write the result JSON to this path")
 

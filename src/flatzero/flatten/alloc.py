@@ -72,12 +72,20 @@ def allocate_agreed(
 
 
 def allocate_masters(
-    layout: Layout, device: torch.device, control: dist.ProcessGroup | None
+    layout: Layout,
+    device: torch.device,
+    control: dist.ProcessGroup | None,
+    *,
+    huge_pages: bool = True,
 ) -> list[torch.Tensor]:
     """This rank's empty fp32 master shard of every group, on ``device``, allocated
-    before any bucket so that running out of memory here changes nothing."""
+    before any bucket so that running out of memory here changes nothing (in host memory
+    on huge pages if ``huge_pages``)."""
     return allocate_agreed(
-        [lambda g=g: empty(g.shard_numel, torch.float32, device) for g in layout.groups],
+        [
+            lambda g=g: empty(g.shard_numel, torch.float32, device, huge_pages=huge_pages)
+            for g in layout.groups
+        ],
         device,
         control,
         what="the fp32 master shards",
@@ -86,8 +94,10 @@ def allocate_masters(
     )
 
 
-def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def empty(
+    numel: int, dtype: torch.dtype, device: torch.device, *, huge_pages: bool = True
+) -> torch.Tensor:
     """An uninitialized 1-D tensor on ``device`` (host memory via ``empty_host``)."""
     if device.type == "cpu":
-        return empty_host(numel, dtype)
+        return empty_host(numel, dtype, huge_pages=huge_pages)
     return torch.empty(numel, dtype=dtype, device=device)

@@ -257,6 +257,7 @@ def _tier_context(
         staging_slots=config.staging_buffers,
         largest_bucket_bytes=sizes.largest_bucket,
         largest_slice_bytes=sizes.largest_slice,
+        huge_pages=config.host_huge_pages,
     )
 
 
@@ -398,7 +399,11 @@ def flatten_parameters(
         master_device = torch.device("cpu") if spec(decision.tier).buffers_on_host else device
         masters: list[torch.Tensor | None] = [None] * len(plan.layout.groups)
         if config.build_master:
-            masters = list(allocate_masters(plan.layout, master_device, control))
+            masters = list(
+                allocate_masters(
+                    plan.layout, master_device, control, huge_pages=config.host_huge_pages
+                )
+            )
 
     ctx = _tier_context(plan, config, device, process_group, report)
     progress = tqdm(

@@ -140,7 +140,12 @@ class GroupFlattener:
         ordinal = self.first_ordinal + bucket
         return allocate_or_oom(
             lambda: allocate_bucket(
-                numel, dtype, tier.bucket_device, ordinal=ordinal, tier=tier.name
+                numel,
+                dtype,
+                tier.bucket_device,
+                ordinal=ordinal,
+                tier=tier.name,
+                huge_pages=self.ctx.huge_pages,
             ),
             tier.bucket_device,
         )

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..hostmem import empty_host
+from .alloc import empty
 
 __all__ = ["allocate_bucket", "inject_oom"]
 
@@ -42,7 +42,13 @@ def inject_oom(*, at_bucket: int, tier: str | None = None, times: int = 1) -> It
 
 
 def allocate_bucket(
-    numel: int, dtype: torch.dtype, device: torch.device, *, ordinal: int, tier: str
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    ordinal: int,
+    tier: str,
+    huge_pages: bool = True,
 ) -> torch.Tensor:
     """Allocate an uninitialized 1-D bucket buffer (where injected faults fire)."""
     for fault in _faults:
@@ -51,6 +57,4 @@ def allocate_bucket(
             raise torch.OutOfMemoryError(
                 f"injected out-of-memory error at bucket {ordinal} in tier {tier!r}"
             )
-    if device.type == "cpu":
-        return empty_host(numel, dtype)
-    return torch.empty(numel, dtype=dtype, device=device)
+    return empty(numel, dtype, device, huge_pages=huge_pages)

@@ -154,6 +154,8 @@ class TierContext:
         staging_slots: number of staging buffers for the upload tiers.
         largest_bucket_bytes: bytes of the largest bucket (what ``host`` stages).
         largest_slice_bytes: bytes of the largest rank slice (what ``sharded`` stages).
+        huge_pages: host buffers (buckets, offload images) on 2 MiB pages
+            (``FlattenConfig.host_huge_pages``).
     """
 
     device: torch.device
@@ -164,6 +166,7 @@ class TierContext:
     staging_slots: int
     largest_bucket_bytes: int
     largest_slice_bytes: int
+    huge_pages: bool = True
     _rings: dict[int, StagingRing] = field(default_factory=dict, repr=False)
     _copy_stream: torch.cuda.Stream | None = field(default=None, repr=False)
 
@@ -357,7 +360,7 @@ class OffloadTier(UploadTier):
 
     def _offload(self, layout: GroupLayout, source: ParamSource, bucket: int) -> None:
         numel = layout.buckets[bucket].numel
-        image = empty_host(numel, getattr(torch, layout.dtype))
+        image = empty_host(numel, getattr(torch, layout.dtype), huge_pages=self.ctx.huge_pages)
         pieces = list(layout.bucket_pieces_all(bucket))
         _zero_gaps(layout, bucket, image, 0, numel)
         kind = copy_kind(source.device_of(pieces) or image.device, image.device)

@@ -86,6 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser, "with --calibrate: sleep before each write of new memory (10: cold on a VM)"
     )
     parser.add_argument(
+        "--no-host-huge-pages",
+        dest="host_huge_pages",
+        action="store_false",
+        help="plan FlattenConfig(host_huge_pages=False): host buffers from torch's allocator",
+    )
+    parser.add_argument(
         "--calibration", help="use rates measured by flatzero info --measure --json FILE"
     )
     parser.add_argument(
@@ -149,6 +155,7 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         host_ram_bytes=None if args.host_ram_gib is None else int(args.host_ram_gib * 2**30),
         reserved_bytes=int(args.reserved_gib * 2**30),
         grad_accum=args.grad_accum,
+        host_huge_pages=args.host_huge_pages,
     )
     return dataclasses.replace(spec, calibration=_calibration(args, spec))
 

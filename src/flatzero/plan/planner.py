@@ -42,6 +42,7 @@ __all__ = [
     "MethodPlan",
     "Plan",
     "PlanSpec",
+    "huge_pages_advice",
     "make_plan",
     "new_memory_sizes",
     "tiers_for",
@@ -81,6 +82,8 @@ class PlanSpec:
         reduce_dtype: ``ZeroConfig.reduce_dtype``.
         grad_accum: micro-batches per optimizer step.
         calibration: measured rates of a machine, replacing the host's figures.
+        host_huge_pages: ``FlattenConfig.host_huge_pages``: flatzero's host buffers on
+            2 MiB pages (their own new-memory rates) or from torch's allocator.
     """
 
     model: ModelSource
@@ -102,6 +105,7 @@ class PlanSpec:
     reduce_dtype: str = "float32"
     grad_accum: int = 1
     calibration: Calibration | None = None
+    host_huge_pages: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -331,6 +335,32 @@ def _step(spec: PlanSpec, layout: Layout, rates: Rates) -> StepComm:
     )
 
 
+HUGE_PAGES_ADVICE_RATIO = 1.25
+"""``huge_pages_advice`` speaks when one allocator's measured rate is this many times the
+other's."""
+
+
+def huge_pages_advice(plan: Plan) -> str:
+    """Which host allocator a CPU-only job should use, from measured rates: the advice
+    when flatzero's 2 MiB pages and torch's allocator differ by ``HUGE_PAGES_ADVICE_RATIO``
+    in the master's cast (the larger write), else ``""``."""
+    cal = plan.spec.calibration
+    if plan.spec.gpu is not None or cal is None or cal.plain_cast_gbps is None:
+        return ""
+    huge, plain = cal.cast_gbps, cal.plain_cast_gbps
+    if plain >= huge * HUGE_PAGES_ADVICE_RATIO and plan.spec.host_huge_pages:
+        return (
+            f"torch's allocator wrote new memory faster here ({plain:.2f} against {huge:.2f} "
+            "GB/s for 2 MiB pages): FlattenConfig(host_huge_pages=False)"
+        )
+    if huge >= plain * HUGE_PAGES_ADVICE_RATIO and not plan.spec.host_huge_pages:
+        return (
+            f"2 MiB pages wrote new memory faster here ({huge:.2f} against {plain:.2f} GB/s "
+            "for torch's allocator): FlattenConfig(host_huge_pages=True)"
+        )
+    return ""
+
+
 def new_memory_sizes(plan: Plan) -> dict[str, int]:
     """The sizes of one rank's writes into new host memory, as ``calibration.measure``
     takes them: ``fill_bytes`` the largest bucket, ``cast_bytes`` the fp32 master shard."""
@@ -365,6 +395,7 @@ def make_plan(spec: PlanSpec) -> Plan:
         nodes=spec.nodes,
         ranks_per_node=spec.gpus_per_node,
         calibration=spec.calibration,
+        huge_pages=spec.host_huge_pages,
     )
     on_device = _work(layout).param_bytes if spec.params_on == "device" else 0
     free = 0 if spec.gpu is None else _free(spec, on_device)

@@ -120,15 +120,18 @@ def node_rates(
     nodes: int,
     ranks_per_node: int,
     calibration: Calibration | None = None,
+    huge_pages: bool = True,
 ) -> Rates:
     """The rates of one rank of a ``nodes`` x ``ranks_per_node`` job.
 
     Without a GPU (``gpu=None``) flatzero's only tier is ``cpu``, and what DeepSpeed puts
     in device memory is new host memory from torch's allocator, written with every core:
     the device rates are that allocator's rates, the node's shared by its ranks.
-    A calibration measured with as many ranks as the node has (``Calibration.ranks``) gives
-    each rank its share of the node's measured new-memory rates; otherwise a rank's rate is
-    its threads at the one-thread rate, at most its share of the node's.
+    With ``huge_pages=False`` flatzero's host buffers come from torch's allocator and take
+    its rates. A calibration measured with as many ranks as the node has
+    (``Calibration.ranks``) gives each rank its share of the node's measured new-memory
+    rates; otherwise a rank's rate is its threads at the one-thread rate, at most its share
+    of the node's.
     A pinned upload reads host memory at up to twice the node's copy rate (a copy reads and
     writes each byte), shared by the node's GPUs; a pageable one is a host copy into the
     driver's pinned buffer, so it is also capped by the rank's share of the copy rate.
@@ -137,7 +140,11 @@ def node_rates(
         host = calibration.host_spec(host)
     ranks = ranks_per_node
     threads = max(1, host.cores // ranks)
-    if calibration is not None and calibration.ranks == ranks:
+    if not huge_pages:
+        # flatzero's host buffers come from torch's allocator (host_huge_pages=False).
+        first_touch = host.plain_first_touch_gbps / ranks
+        host_cast = host.plain_cast_gbps / ranks
+    elif calibration is not None and calibration.ranks == ranks:
         # Measured in this node's shape: every rank writing new memory at once.
         first_touch, host_cast = host.first_touch_gbps / ranks, host.cast_gbps / ranks
     else:

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..models import Qwen3MoeConfig
 from .memory_model import itemsize
-from .planner import MethodPlan, Plan
+from .planner import MethodPlan, Plan, huge_pages_advice
 
 __all__ = ["format_plan", "plan_to_dict"]
 
@@ -136,6 +136,8 @@ def _step_and_rates(plan: Plan) -> list[str]:
     rates = ", ".join(f"{n} {v:.1f} ({r.origin.get(n, '?')})" for n, v in fields)
     tensor = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in r.tensor_seconds.items())
     lines.append(f"rates per rank, GB/s: {rates}; per tensor: {tensor}")
+    if advice := huge_pages_advice(plan):
+        lines.append(f"host memory: {advice}")
     return lines
 
 
@@ -218,4 +220,5 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "step": dataclasses.asdict(plan.step),
         "rates": dataclasses.asdict(plan.rates),
         "calibration": None if spec.calibration is None else spec.calibration.to_dict(),
+        "huge_pages_advice": huge_pages_advice(plan),
     }
