@@ -504,8 +504,8 @@ def test_calibrate_measures_at_the_jobs_sizes_in_its_shape(monkeypatch):
 
 def test_host_huge_pages_off_plans_with_torchs_allocator_and_advice_follows_the_rates():
     """``host_huge_pages=False`` gives the ``cpu`` tier torch's new-memory rates; the plan
-    advises the allocator that the calibration measured faster, and nothing when they are
-    close."""
+    advises the other allocator when its predicted init is a quarter faster or more, and
+    nothing when they are close."""
     source = _source("llama")
 
     def plan(calibration: Calibration, huge_pages: bool):
@@ -523,9 +523,11 @@ def test_host_huge_pages_off_plans_with_torchs_allocator_and_advice_follows_the_
     assert "host_huge_pages=False" in huge_pages_advice(on)
     assert "host_huge_pages=False" in format_plan(on)
     assert huge_pages_advice(off) == ""
-    faster_huge = dataclasses.replace(cal, plain_cast_gbps=1.0)
+    # The advice weighs the whole predicted init (buckets and master), not one rate.
+    faster_huge = dataclasses.replace(cal, plain_first_touch_gbps=0.5, plain_cast_gbps=0.5)
     assert "host_huge_pages=True" in huge_pages_advice(plan(faster_huge, False))
-    close = dataclasses.replace(cal, plain_cast_gbps=1.6)
+    assert huge_pages_advice(plan(faster_huge, True)) == ""
+    close = dataclasses.replace(cal, plain_first_touch_gbps=2.2, plain_cast_gbps=1.6)
     assert huge_pages_advice(plan(close, True)) == huge_pages_advice(plan(close, False)) == ""
     args = _plan_args("--model", "tiny", "--gpu", "none", "--no-host-huge-pages")
     assert spec_from_args(args).host_huge_pages is False

@@ -336,29 +336,40 @@ def _step(spec: PlanSpec, layout: Layout, rates: Rates) -> StepComm:
 
 
 HUGE_PAGES_ADVICE_RATIO = 1.25
-"""``huge_pages_advice`` speaks when one allocator's measured rate is this many times the
-other's."""
+"""``huge_pages_advice`` speaks when the other allocator's predicted init is this many
+times faster."""
 
 
 def huge_pages_advice(plan: Plan) -> str:
-    """Which host allocator a CPU-only job should use, from measured rates: the advice
-    when flatzero's 2 MiB pages and torch's allocator differ by ``HUGE_PAGES_ADVICE_RATIO``
-    in the master's cast (the larger write), else ``""``."""
-    cal = plan.spec.calibration
-    if plan.spec.gpu is not None or cal is None or cal.plain_cast_gbps is None:
+    """Which host allocator a CPU-only job should use: the ``cpu`` tier's predicted init
+    with flatzero's 2 MiB pages and with torch's allocator, each at its measured rates; the
+    advice when the other one is ``HUGE_PAGES_ADVICE_RATIO`` times faster than the one
+    ``spec.host_huge_pages`` asks for, else ``""`` (also without a calibration that has
+    both allocators' rates)."""
+    spec = plan.spec
+    cal = spec.calibration
+    if spec.gpu is not None or cal is None or cal.plain_cast_gbps is None:
         return ""
-    huge, plain = cal.cast_gbps, cal.plain_cast_gbps
-    if plain >= huge * HUGE_PAGES_ADVICE_RATIO and plan.spec.host_huge_pages:
-        return (
-            f"torch's allocator wrote new memory faster here ({plain:.2f} against {huge:.2f} "
-            "GB/s for 2 MiB pages): FlattenConfig(host_huge_pages=False)"
+
+    def seconds(huge_pages: bool) -> float:
+        rates = node_rates(
+            None,
+            spec.host,
+            nodes=spec.nodes,
+            ranks_per_node=spec.gpus_per_node,
+            calibration=cal,
+            huge_pages=huge_pages,
         )
-    if huge >= plain * HUGE_PAGES_ADVICE_RATIO and not plan.spec.host_huge_pages:
-        return (
-            f"2 MiB pages wrote new memory faster here ({huge:.2f} against {plain:.2f} GB/s "
-            "for torch's allocator): FlattenConfig(host_huge_pages=True)"
-        )
-    return ""
+        return flatzero_time("cpu", {}, _work(plan.layout), rates, params_on=spec.params_on).seconds
+
+    chosen, other = seconds(spec.host_huge_pages), seconds(not spec.host_huge_pages)
+    if chosen < other * HUGE_PAGES_ADVICE_RATIO:
+        return ""
+    pages = "2 MiB pages" if not spec.host_huge_pages else "torch's allocator"
+    return (
+        f"{pages} would be faster here by the measured rates ({other:.2f} s against "
+        f"{chosen:.2f} s): FlattenConfig(host_huge_pages={not spec.host_huge_pages})"
+    )
 
 
 def new_memory_sizes(plan: Plan) -> dict[str, int]:

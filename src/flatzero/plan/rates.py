@@ -128,10 +128,11 @@ def node_rates(
     in device memory is new host memory from torch's allocator, written with every core:
     the device rates are that allocator's rates, the node's shared by its ranks.
     With ``huge_pages=False`` flatzero's host buffers come from torch's allocator and take
-    its rates. A calibration measured with as many ranks as the node has
-    (``Calibration.ranks``) gives each rank its share of the node's measured new-memory
-    rates; otherwise a rank's rate is its threads at the one-thread rate, at most its share
-    of the node's.
+    its rates: the node's over its ranks (a calibration measures torch's allocator with
+    every core only, at the master shard's size). Otherwise a calibration measured with as
+    many ranks as the node has (``Calibration.ranks``) gives each rank its share of the
+    node's measured new-memory rates, and any other gives a rank its threads at the
+    one-thread rate, at most its share of the node's.
     A pinned upload reads host memory at up to twice the node's copy rate (a copy reads and
     writes each byte), shared by the node's GPUs; a pageable one is a host copy into the
     driver's pinned buffer, so it is also capped by the rank's share of the copy rate.
