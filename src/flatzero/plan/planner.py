@@ -350,6 +350,7 @@ def huge_pages_advice(plan: Plan) -> str:
     cal = spec.calibration
     if spec.gpu is not None or cal is None or cal.plain_cast_gbps is None:
         return ""
+    work = _work(plan.layout)
 
     def seconds(huge_pages: bool) -> float:
         rates = node_rates(
@@ -360,7 +361,7 @@ def huge_pages_advice(plan: Plan) -> str:
             calibration=cal,
             huge_pages=huge_pages,
         )
-        return flatzero_time("cpu", {}, _work(plan.layout), rates, params_on=spec.params_on).seconds
+        return flatzero_time("cpu", {}, work, rates, params_on=spec.params_on).seconds
 
     chosen, other = seconds(spec.host_huge_pages), seconds(not spec.host_huge_pages)
     if chosen < other * HUGE_PAGES_ADVICE_RATIO:
