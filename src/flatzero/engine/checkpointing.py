@@ -63,19 +63,33 @@ class EngineCheckpoints:
         save_filename: str = "pytorch_model.bin",
         exclude_frozen_parameters: bool = False,
     ) -> bool:
-        """Rank 0 writes the module's weights (in the training dtype) with ``torch.save``,
-        as DeepSpeed does for stages 0-2; returns True. Call it on every rank."""
-        if self.global_rank == 0:
-            state = {
-                k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                for k, v in self.module_state_dict(
-                    exclude_frozen_parameters=exclude_frozen_parameters
-                ).items()
-            }
-            Path(save_dir).mkdir(parents=True, exist_ok=True)
-            torch.save(state, Path(save_dir) / save_filename)
-        if dist.is_initialized() and self.world_size > 1:
-            dist.barrier(group=self._pg)
+        """Write the module's weights, in the training dtype, to ``save_dir/save_filename``
+        as DeepSpeed's engine does for stages 0-2; returns True.
+
+        Collective: call it on every rank. Rank 0 writes the file from its own flat
+        buffers (every rank holds all params), bucket by bucket through host memory: no
+        collective, no device memory, at most one bucket (or the largest tensor outside
+        the buckets) of extra host memory (``flatzero.checkpoint.weights16``). The other
+        ranks wait on the control group (gloo, no NCCL watchdog) until it is written; an
+        error on rank 0 is raised on every rank. The file appears only complete.
+
+        Args:
+            save_dir: the directory (created if needed).
+            save_filename: the file's name; ``*.safetensors`` is written as safetensors,
+                anything else in ``torch.save``'s format (what DeepSpeed writes).
+            exclude_frozen_parameters: leave out params with ``requires_grad=False``.
+        """
+        from ..checkpoint.weights16 import plan_weights, state_nbytes, write_weights
+
+        path = Path(save_dir) / save_filename
+        state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+        buckets = [b for group in self.optimizer.flat.groups for b in group.buckets]
+        self._save_on_rank0(
+            lambda: write_weights(path, plan_weights(state, buckets)),
+            state_nbytes(state),
+            f"save_16bit_model: rank 0 failed to write {path} (see its error); nothing was "
+            "written under that name",
+        )
         return True
 
     save_fp16_model = save_16bit_model
@@ -123,15 +137,17 @@ class EngineCheckpoints:
             self._save_on_rank0(
                 lambda: save_checkpoint(save_dir, self.optimizer, tag, **kwargs),
                 save_nbytes(self.optimizer, model),
+                "saving the checkpoint failed on rank 0 (see its error)",
             )
         else:
             save_checkpoint(save_dir, self.optimizer, tag, **kwargs)
         return True
 
-    def _save_on_rank0(self, save: Callable[[], Any], nbytes: int) -> None:
-        """Stage 0: every rank holds the same state; rank 0 writes a one-rank checkpoint
-        (``save``) while the others wait on the control group (gloo: no NCCL watchdog), as
-        long as writing ``nbytes`` may take; then every rank raises if it failed."""
+    def _save_on_rank0(self, save: Callable[[], Any], nbytes: int, elsewhere: str) -> None:
+        """Rank 0 runs ``save`` (what every rank holds alike: stage 0's one-rank
+        checkpoint, the weights) while the others wait on the control group (gloo: no NCCL
+        watchdog), as long as writing ``nbytes`` bytes may take; then every rank raises if
+        it failed (ranks other than 0 with ``RuntimeError(elsewhere)``)."""
         control_group(self._pg)  # created (collective) before rank 0 starts writing
         error: BaseException | None = None
         if self.global_rank == 0:
@@ -140,9 +156,7 @@ class EngineCheckpoints:
             except BaseException as e:
                 error = e
         wait_for_host_work(self._pg, nbytes)
-        raise_if_any_failed(
-            error, self._pg, "saving the checkpoint failed on rank 0 (see its error)"
-        )
+        raise_if_any_failed(error, self._pg, elsewhere)
 
     def load_checkpoint(
         self,
