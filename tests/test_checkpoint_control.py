@@ -8,7 +8,7 @@ group of its own, exactly as an NCCL group gets one; the tests then check which 
 every collective of a save and a load ran on, and that a stage-0 save survives a rank-0
 write longer than the process group's timeout. The chunk plan of the device-tensor writer
 is pure and tested here; its run on CPU must write the same bytes as the direct path; its
-CUDA path runs on CPU with ``torch.cuda``'s streams and events stubbed, and the log of
+streamed path runs on CPU with the device seam's streams and events stubbed, and the log of
 what it asked of the device shows each chunk written only after the event recorded after
 its copy was synchronized, and the side stream synchronized before the chunks are freed.
 """
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatzero import FlattenConfig
+from flatzero import FlattenConfig, accel
 from flatzero.launch import run_ranks
 
 _COLLECTIVES = (
@@ -312,7 +312,7 @@ def test_staged_writes_are_byte_identical(tmp_path: Path, monkeypatch) -> None:
 
 
 class _FakeCuda:
-    """Stand-ins for the ``torch.cuda`` calls of the staged writer that log, in order, what
+    """Stand-ins for the device seam's stream calls of the staged writer that log, in order, what
     a real device would be asked to do (copies happen at once on the CPU)."""
 
     def __init__(self) -> None:
@@ -359,16 +359,16 @@ class _FakeCuda:
                 if isinstance(self.what, Stream):
                     cuda.log.append(("off_stream", self.what.name))
 
-        monkeypatch.setattr(torch.cuda, "Stream", Stream)
-        monkeypatch.setattr(torch.cuda, "Event", Event)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "current")
-        monkeypatch.setattr(torch.cuda, "stream", Context)
-        monkeypatch.setattr(torch.cuda, "device", Context)
+        monkeypatch.setattr(accel, "new_stream", Stream)
+        monkeypatch.setattr(accel, "new_event", lambda device=None: Event())
+        monkeypatch.setattr(accel, "current_stream", lambda device=None: "current")
+        monkeypatch.setattr(accel, "use_stream", Context)
+        monkeypatch.setattr(accel, "on_device", Context)
 
 
 def _staged_on_fake_cuda(monkeypatch, fail_at_write: int | None = None):
-    """Route CPU tensors through the CUDA path of the staged writer with ``torch.cuda``
-    stubbed and pinned chunks; returns the fake and the log of writes and releases."""
+    """Route CPU tensors through the streamed path of the staged writer with the seam's
+    streams stubbed and pinned chunks; returns the fake and the log of writes and releases."""
     from flatzero.checkpoint import stfile
 
     cuda = _FakeCuda()
@@ -377,11 +377,11 @@ def _staged_on_fake_cuda(monkeypatch, fail_at_write: int | None = None):
     real_copy = torch.Tensor.copy_
     monkeypatch.setattr(stfile, "_CHUNK_BYTES", 16)
     monkeypatch.setattr(stfile, "_staged", lambda tensor: True)
-    monkeypatch.setattr(stfile, "_on_cuda", lambda tensor: True)
+    monkeypatch.setattr(stfile, "_streamed", lambda tensor: True)
     monkeypatch.setattr(
         stfile, "staging_buffer", lambda n, pin: (torch.empty(n, dtype=torch.uint8), pin)
     )
-    monkeypatch.setattr(stfile, "release_pinned_cache", lambda: cuda.log.append(("release",)))
+    monkeypatch.setattr(accel, "release_pinned_cache", lambda: cuda.log.append(("release",)))
     real_emit = stfile.SafetensorsWriter._emit
     writes = 0
 

@@ -1,7 +1,8 @@
 """The decisions around flatzero's GPU lines, tested on CPU (issue 11).
 
 Each test reproduces a multi-GPU failure found by review with gloo ranks and, where a
-device identity or a memory size is needed, with ``torch.cuda`` stubbed: which device a
+device identity or a memory size is needed, with the device seam answering for CUDA
+(``torch.cuda``'s queries stubbed): which device a
 rank uses, what ranks compare, which group agrees, how much memory a tier needs, how
 much staging memory a rank holds.
 """
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import flatzero.accel as accel
 import flatzero.control as control
 import flatzero.devices as devices
 import flatzero.flatten.alloc as flatten_alloc
@@ -272,6 +274,7 @@ def fake_gpus(monkeypatch):
     calls: list[int] = []
 
     def configure(count: int = 8, current: int = 0, local_rank: str | None = None) -> list[int]:
+        monkeypatch.setattr(accel, "accelerator_type", lambda: "cuda")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
@@ -287,19 +290,19 @@ def fake_gpus(monkeypatch):
 
 def test_local_rank_picks_the_gpu_unless_the_script_chose_one(fake_gpus):
     fake_gpus(count=8, current=0, local_rank="3")
-    assert devices.local_cuda_index() == 3
+    assert devices.local_device_index("cuda") == 3
     assert devices.resolve_device(None, None) == torch.device("cuda", 3)
     assert devices.resolve_device("cuda", None) == torch.device("cuda", 3)
     assert devices.resolve_device("cuda:5", None) == torch.device("cuda", 5)
     fake_gpus(count=8, current=5, local_rank="3")  # torch.cuda.set_device(5) by the script
-    assert devices.local_cuda_index() == 5
+    assert devices.local_device_index("cuda") == 5
     fake_gpus(count=1, current=0, local_rank="3")  # the launcher shows each rank one GPU
-    assert devices.local_cuda_index() == 0
+    assert devices.local_device_index("cuda") == 0
     fake_gpus(count=8, current=0, local_rank=None)
-    assert devices.local_cuda_index() == 0
+    assert devices.local_device_index("cuda") == 0
     fake_gpus(count=8, current=0, local_rank="9")
-    with pytest.raises(ValueError, match="LOCAL_RANK=9 but this process sees 8 CUDA devices"):
-        devices.local_cuda_index()
+    with pytest.raises(ValueError, match="LOCAL_RANK=9 but this process sees 8 cuda devices"):
+        devices.local_device_index("cuda")
 
 
 def test_activate_makes_the_ranks_gpu_current(fake_gpus):
@@ -318,7 +321,7 @@ def test_backends_decide_where_buffers_and_control_tensors_go(fake_gpus, monkeyp
     }
     for backend, (on_cuda, on_cpu, control_device) in cases.items():
         monkeypatch.setattr(devices, "backend_of", lambda group, b=backend: b)
-        assert devices.buckets_may_use_cuda(None) is on_cuda, backend
+        assert devices.buckets_may_use_accelerator(None) is on_cuda, backend
         assert devices.collectives_run_on_cpu(None) is on_cpu, backend
         assert devices.collective_device(None) == control_device, backend
     # A model placed on cuda:5 without set_device: its collectives go with the data.
@@ -328,12 +331,12 @@ def test_backends_decide_where_buffers_and_control_tensors_go(fake_gpus, monkeyp
     monkeypatch.setattr(devices, "backend_of", lambda group: "gloo")
     assert devices.collective_device(None, torch.device("cuda", 5)) == torch.device("cpu")
     assert devices.resolve_device(None, None) == torch.device("cpu")  # a gloo group, GPUs seen
-    with pytest.raises(ValueError, match="backend 'gloo' cannot reduce-scatter CUDA"):
+    with pytest.raises(ValueError, match="backend .gloo. cannot reduce-scatter cuda"):
         devices.resolve_device("cuda", None)
 
 
 def _gloo_on_a_gpu_machine_worker(rank: int, world_size: int) -> str:
-    torch.cuda.is_available = lambda: True  # a machine with GPUs; the group is gloo
+    accel.accelerator_type = lambda: "cuda"  # a machine with GPUs; the group is gloo
     flat = flatten_parameters(_net(), config=FlattenConfig(progress=False))
     return str(flat.groups[0].device)
 
@@ -464,7 +467,8 @@ def test_the_sharded_tier_stages_slices_not_buckets():
     assert ctx.staging_bytes == 0
 
 
-def test_failed_pinning_falls_back_to_pageable_staging(caplog):
+def test_failed_pinning_falls_back_to_pageable_staging(caplog, monkeypatch):
+    monkeypatch.setattr(accel, "accelerator_type", lambda: "cuda")
     with caplog.at_level(logging.WARNING):
         buffer, pinned = staging_buffer(4096, pin=True)  # no CUDA here: pinning fails
     assert buffer.numel() == 4096 and not pinned
@@ -563,10 +567,12 @@ def test_info_creates_a_cuda_context_on_this_ranks_gpu_only(fake_gpus, monkeypat
     monkeypatch.setattr(
         torch.cuda,
         "get_device_properties",
-        lambda i: SimpleNamespace(name="H100", total_memory=80 * 2**30),
+        lambda d: SimpleNamespace(name="H100", total_memory=80 * 2**30),
     )
     monkeypatch.setattr(
-        torch.cuda, "mem_get_info", lambda i: (queried.append(i), (2**30, 80 * 2**30))[1]
+        torch.cuda,
+        "mem_get_info",
+        lambda d: (queried.append(torch.device(d).index), (2**30, 80 * 2**30))[1],
     )
     assert main(["info"]) == 0
     assert queried == [2]

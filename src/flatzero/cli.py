@@ -14,22 +14,25 @@ def _info(_args: argparse.Namespace) -> int:
     import torch
 
     import flatzero
-    from flatzero.devices import local_cuda_index
+    from flatzero import accel
+    from flatzero.devices import local_device_index
 
     print(f"flatzero {flatzero.__version__}, torch {torch.__version__}")
-    if torch.cuda.is_available():
-        # Free memory needs a CUDA context: only on this rank's device, never on every GPU
-        # (a context costs each GPU ~500 MiB and would land in every other rank's way).
-        mine = local_cuda_index()
-        for i in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(i)
-            line = f"cuda:{i} {props.name}: {props.total_memory / 2**30:.1f} GiB"
+    device_type = accel.accelerator_type()
+    if device_type is not None:
+        # Free memory needs a device context: only on this rank's device, never on every
+        # one (a CUDA context costs each GPU ~500 MiB and would land in other ranks' way).
+        mine = local_device_index(device_type)
+        for i in range(accel.device_count(device_type)):
+            device = torch.device(device_type, i)
+            line = f"{device} {accel.device_name(device)}: "
+            line += f"{accel.total_memory(device) / 2**30:.1f} GiB"
             if i == mine:
-                free, _total = torch.cuda.mem_get_info(i)
+                free, _total = accel.mem_get_info(device)
                 line += f", {free / 2**30:.1f} GiB free (this rank's device)"
             print(line)
     else:
-        print("no CUDA device: flat buffers go to host memory (tier 'cpu')")
+        print("no accelerator: flat buffers go to host memory (tier 'cpu')")
     print(f"tiers: {', '.join(flatzero.TIERS)}")
     if getattr(_args, "measure", False):
         from .plan.cli import run_measure

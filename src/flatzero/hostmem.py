@@ -17,7 +17,9 @@ import sys
 
 import torch
 
-__all__ = ["empty_host", "release_pinned_cache", "staging_buffer"]
+from . import accel
+
+__all__ = ["empty_host", "staging_buffer"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,23 +76,7 @@ def staging_buffer(nbytes: int, *, pin: bool) -> tuple[torch.Tensor, bool]:
     limit), the buffer is pageable and its copies are synchronous: slower, never wrong.
     """
     if pin:
-        try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True
-        except RuntimeError as error:
-            logger.warning(
-                "could not pin %d bytes of staging memory (%s); uploads go through pageable "
-                "memory and are synchronous",
-                nbytes,
-                error,
-            )
+        pinned = accel.pinned_empty(nbytes)
+        if pinned is not None:
+            return pinned, True
     return empty_host(nbytes, torch.uint8), False
-
-
-def release_pinned_cache() -> None:
-    """Give the pinned blocks PyTorch's caching allocator keeps after they were freed back
-    to the system (a no-op without CUDA or on a PyTorch without the call)."""
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return
-    empty = getattr(torch._C, "_host_emptyCache", None)
-    if empty is not None:
-        empty()

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import accel
+from .devices import device_backends, local_device_index
 from .flatten.threads import usable_cores
 from .ports import free_port
 
@@ -38,6 +40,7 @@ def _rank_main(
     env: dict[str, str],
     results: Any,
     timeout_s: float,
+    prepare: Callable[[], Any] | None,
 ) -> None:
     os.environ.update(env)
     if "OMP_NUM_THREADS" not in env:
@@ -52,8 +55,11 @@ def _rank_main(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
+        if prepare is not None:
+            prepare()
+        device_type = accel.accelerator_type()
+        if device_type is not None and device_type in device_backends(backend):
+            accel.set_current(torch.device(device_type, local_device_index(device_type)))
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
@@ -99,6 +105,7 @@ def run_ranks(
     backend: str = "gloo",
     env: dict[str, str] | None = None,
     timeout_s: float = 300.0,
+    prepare: Callable[[], Any] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
 
@@ -108,9 +115,13 @@ def run_ranks(
         fn: the per-rank function; the default process group is initialized around it.
         world_size: number of ranks (>= 1).
         args: extra arguments passed to every rank.
-        backend: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank).
+        backend: ``"gloo"`` (CPU), ``"nccl"`` (one GPU per rank) or any backend string
+            (``"cpu:gloo,emu:emu-gloo"``); ranks whose accelerator the backend serves
+            make their local device current first.
         env: extra environment variables for every rank.
         timeout_s: collective timeout (seconds); a hung rank fails instead of hanging.
+        prepare: an importable function each rank calls before its process group is
+            made (e.g. installing an emulated accelerator and its backend).
 
     Returns:
         ``fn``'s return values, in rank order.
@@ -126,7 +137,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(r, world_size, port, backend, fn, args, env or {}, results, timeout_s),
+            args=(r, world_size, port, backend, fn, args, env or {}, results, timeout_s, prepare),
             daemon=False,
         )
         for r in range(world_size)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import accel
 from .comm import all_reduce_min
 
 __all__ = ["TierDecision", "choose_tier", "decide_tier", "free_bytes", "is_oom", "meminfo_bytes"]
@@ -15,13 +16,14 @@ __all__ = ["TierDecision", "choose_tier", "decide_tier", "free_bytes", "is_oom",
 def free_bytes(device: torch.device) -> int:
     """Bytes this process could still allocate on ``device``.
 
-    CUDA: the driver's free memory (``torch.cuda.mem_get_info``) plus what the caching
-    allocator has reserved but not handed out. CPU: ``MemAvailable`` of /proc/meminfo.
+    An accelerator: the runtime's free memory (``mem_get_info``: for CUDA the driver's,
+    never nvidia-smi's) plus what the caching allocator has reserved but not handed out.
+    The host: ``MemAvailable`` of /proc/meminfo.
     """
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return int(free + cached)
+    if accel.is_accelerator(device):
+        free, _total = accel.mem_get_info(device)
+        cached = accel.memory_reserved(device) - accel.memory_allocated(device)
+        return free + cached
     available = meminfo_bytes("MemAvailable")
     return 2**62 if available is None else available  # unknown: never block the CPU tier
 

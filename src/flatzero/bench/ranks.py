@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..devices import local_cuda_index
+from ..devices import local_device_index
 from .machine import usable_cores
 
 __all__ = ["backend_for", "rank_device", "sync", "threads_per_rank"]
@@ -14,7 +14,7 @@ __all__ = ["backend_for", "rank_device", "sync", "threads_per_rank"]
 def rank_device(kind: str) -> torch.device:
     """This rank's device for ``kind`` (``"cuda"``: the rank's own GPU; else the CPU)."""
     if kind == "cuda":
-        return torch.device("cuda", local_cuda_index())
+        return torch.device("cuda", local_device_index("cuda"))
     return torch.device("cpu")
 
 

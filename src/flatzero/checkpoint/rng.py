@@ -1,8 +1,8 @@
 """A rank's random number generator states: capture into a rank file, restore from it.
 
-Tensor states (torch's CPU generator, each CUDA device's) go into the rank file as uint8
-tensors ``rng.torch`` and ``rng.cuda.<i>``; Python's ``random`` and NumPy's global state go
-into its safetensors metadata as JSON.
+Tensor states (torch's CPU generator, each accelerator device's) go into the rank file as
+uint8 tensors ``rng.torch`` and ``rng.<device type>.<i>`` (``rng.cuda.0``); Python's
+``random`` and NumPy's global state go into its safetensors metadata as JSON.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .. import accel
+
 __all__ = ["capture_rng", "restore_rng"]
 
 logger = logging.getLogger(__name__)
@@ -23,9 +25,10 @@ logger = logging.getLogger(__name__)
 def capture_rng() -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
     """``(tensors, metadata)`` describing this process's RNG states."""
     tensors = [("rng.torch", torch.get_rng_state())]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors.append((f"rng.cuda.{i}", state))
+    device_states = accel.rng_states()
+    if device_states is not None:
+        device_type, states = device_states
+        tensors.extend((f"rng.{device_type}.{i}", state) for i, state in enumerate(states))
     version, internal, gauss = random.getstate()
     metadata = {"rng.python": json.dumps([version, list(internal), gauss])}
     np = sys.modules.get("numpy")
@@ -40,17 +43,19 @@ def restore_rng(handle: Any, metadata: dict[str, str]) -> None:
     keys = set(handle.keys())
     if "rng.torch" in keys:
         torch.set_rng_state(handle.get_tensor("rng.torch"))
-    cuda = sorted(k for k in keys if k.startswith("rng.cuda."))
-    if cuda and torch.cuda.is_available():
-        states = [handle.get_tensor(k) for k in cuda]
-        if len(states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(states)
-        else:
+    device_type = accel.accelerator_type()
+    prefix = f"rng.{device_type}."
+    names = sorted((k for k in keys if k.startswith(prefix)), key=lambda k: int(k[len(prefix) :]))
+    if device_type is not None and names:
+        states = [handle.get_tensor(k) for k in names]
+        if not accel.set_rng_states(device_type, states):
             logger.warning(
-                "checkpoint has RNG states of %d CUDA devices, this process sees %d; "
-                "CUDA RNG states not restored",
+                "checkpoint has RNG states of %d %s devices, this process sees %d; "
+                "%s RNG states not restored",
                 len(states),
-                torch.cuda.device_count(),
+                device_type,
+                accel.device_count(device_type),
+                device_type,
             )
     if "rng.python" in metadata:
         version, internal, gauss = json.loads(metadata["rng.python"])

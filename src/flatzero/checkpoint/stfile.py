@@ -24,8 +24,9 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import safe_open
 
+from .. import accel
 from ..dtypes import SAFETENSORS_NAMES
-from ..hostmem import release_pinned_cache, staging_buffer
+from ..hostmem import staging_buffer
 
 __all__ = [
     "ChunkOp",
@@ -100,10 +101,10 @@ def _staged(tensor: torch.Tensor) -> bool:
     return tensor.device.type != "cpu"
 
 
-def _on_cuda(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s chunks are copied with CUDA streams and events (a test seam:
-    CPU tests run the CUDA path with ``torch.cuda`` stubbed)."""
-    return tensor.device.type == "cuda"
+def _streamed(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s chunks are copied on a side stream with events (a test seam:
+    CPU tests run the streamed path with the device seam's streams stubbed)."""
+    return accel.is_accelerator(tensor.device)
 
 
 @dataclass(frozen=True)
@@ -218,18 +219,18 @@ class SafetensorsWriter:
         self.crc32[name] = crc if self.checksums else None
         self._next += 1
 
-    def _staging_slots(self, cuda: bool) -> list[torch.Tensor]:
+    def _staging_slots(self, pin: bool) -> list[torch.Tensor]:
         """The host chunks device tensors go through: allocated at the first device tensor
-        (pinned on CUDA when the system allows), as large as the largest entry needs, kept
-        until the file is closed."""
+        (pinned when ``pin`` and the system allows), as large as the largest entry needs,
+        kept until the file is closed."""
         if not self._slots:
             largest = max(e.nbytes for e in self.entries)
             size = max(1, min(_CHUNK_BYTES, largest))
             count = _SLOTS if largest > size else 1
-            self._pin_tried = cuda
-            pinned = cuda
+            self._pin_tried = pin
+            pinned = pin
             for _ in range(count):
-                buffer, ok = staging_buffer(size, pin=cuda)
+                buffer, ok = staging_buffer(size, pin=pin)
                 self._slots.append(buffer)
                 pinned = pinned and ok
             self._pinned = pinned
@@ -239,7 +240,7 @@ class SafetensorsWriter:
         """Write a device tensor's bytes through the host chunks; returns their crc32 (0
         without checksums).
 
-        On CUDA the copies run on a side stream that first waits for the current stream
+        On an accelerator the copies run on a side stream that first waits for the current stream
         (which produced the tensor); each chunk's copy is non-blocking into pinned memory and
         records an event, and the chunk is written only after its event completed, while
         the next chunk's copy runs (``staging_plan``). The side stream is synchronized
@@ -250,11 +251,11 @@ class SafetensorsWriter:
         data = tensor.reshape(-1).contiguous().view(torch.uint8)
         if data.numel() == 0:
             return 0
-        cuda = _on_cuda(data)
-        slots = self._staging_slots(cuda)
+        streamed = _streamed(data)
+        slots = self._staging_slots(streamed)
         ops = staging_plan(data.numel(), slots[0].numel(), len(slots))
         crc = 0
-        if not cuda:  # another accelerator: synchronous copies through the same chunks
+        if not streamed:  # not on an accelerator: synchronous copies through the chunks
             for op in ops:
                 host = slots[op.slot][: op.stop - op.start]
                 if op.kind == "copy":
@@ -262,15 +263,15 @@ class SafetensorsWriter:
                 else:
                     crc = self._emit(host, crc)
             return crc
-        with torch.cuda.device(data.device):
-            side = torch.cuda.Stream(data.device)
-            side.wait_stream(torch.cuda.current_stream(data.device))
-            events = [torch.cuda.Event() for _ in slots]
+        with accel.on_device(data.device):
+            side = accel.new_stream(data.device)
+            side.wait_stream(accel.current_stream(data.device))
+            events = [accel.new_event(data.device) for _ in slots]
             try:
                 for op in ops:
                     host = slots[op.slot][: op.stop - op.start]
                     if op.kind == "copy":
-                        with torch.cuda.stream(side):
+                        with accel.use_stream(side):
                             host.copy_(data[op.start : op.stop], non_blocking=self._pinned)
                         events[op.slot].record(side)
                     else:
@@ -307,7 +308,7 @@ class SafetensorsWriter:
         self._slots = []
         self._pinned = self._pin_tried = False
         if pinned:
-            release_pinned_cache()
+            accel.release_pinned_cache()
 
 
 def open_safetensors(path: str | os.PathLike[str]) -> Any:

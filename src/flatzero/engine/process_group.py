@@ -10,7 +10,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..devices import local_cuda_index
+from .. import accel
+from ..devices import local_device_index
 from ..ports import free_port
 
 __all__ = ["ensure_process_group"]
@@ -70,13 +71,15 @@ def ensure_process_group(dist_init_required: bool | None) -> None:
             "dist_init_required=False but torch.distributed is not initialized; call "
             "torch.distributed.init_process_group() first or drop dist_init_required"
         )
-    cuda = torch.cuda.is_available()
+    device_type = accel.accelerator_type()
     if not all(k in os.environ for k in _TORCHRUN_ENV):
         _check_not_one_of_many()
         _single_process_env()
-    if cuda:
-        torch.cuda.set_device(local_cuda_index())
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
+    backend = "gloo"
+    if device_type is not None:
+        accel.set_current(torch.device(device_type, local_device_index(device_type)))
+        backend = dist.get_default_backend_for_device(device_type)
+    dist.init_process_group(backend, timeout=timedelta(minutes=30))
     logger.info(
         "initialized torch.distributed (%s): rank %d of %d",
         dist.get_backend(),

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import accel
 from ..comm import any_rank_failed, rank_of
 from ..hostmem import empty_host
 from ..layout import Layout
@@ -26,9 +27,9 @@ def allocate_or_oom(
         except (torch.OutOfMemoryError, RuntimeError, MemoryError) as error:
             if not is_oom(error):
                 raise
-            if attempt or device.type != "cuda":
+            if attempt or not accel.is_accelerator(device):
                 return None, error
-            torch.cuda.empty_cache()
+            accel.empty_cache(device)
     raise AssertionError("unreachable")
 
 
@@ -98,6 +99,6 @@ def empty(
     numel: int, dtype: torch.dtype, device: torch.device, *, huge_pages: bool = True
 ) -> torch.Tensor:
     """An uninitialized 1-D tensor on ``device`` (host memory via ``empty_host``)."""
-    if device.type == "cpu":
+    if not accel.is_accelerator(device):
         return empty_host(numel, dtype, huge_pages=huge_pages)
     return torch.empty(numel, dtype=dtype, device=device)

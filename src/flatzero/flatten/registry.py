@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import accel
 from .threads import host_threads
 from .tiers import DirectTier, OffloadTier, Tier, TierContext, UploadTier
 
@@ -78,12 +79,15 @@ class TierSpec:
             tier's fallback has a higher level. Ranks agree on a bucket's tier by taking
             the highest level any rank reached.
         fallback_on_host: the next tier down when buffers are in host memory (None: last).
-        fallback_on_cuda: the next tier down when buffers are on a GPU (None: last).
+        fallback_on_accelerator: the next tier down when buffers are on an
+            accelerator (None: last).
         collective_fill: the fill all-gathers across the ranks at world size > 1, so
             every rank must allocate each bucket before any rank fills it.
         sources: what the tier may read bucket values from (see ``SOURCES``).
         buffers_on_host: the buckets live in host memory whatever the target device.
-        threads: intra-op host threads the tier may use per rank, from the config.
+        threads: ``(config, share) -> threads``: intra-op host threads the tier may use
+            per rank, from the config and the rank's share of the cores
+            (``CoreShare.threads``).
         peak_device_bytes: ``(largest_bucket, total_buckets, shards) -> bytes`` of free
             accelerator memory the tier needs on each rank (all arguments in bytes).
         build: ``TierContext -> Tier``: the tier object of one flatten call.
@@ -92,17 +96,19 @@ class TierSpec:
     name: str
     level: int
     fallback_on_host: str | None
-    fallback_on_cuda: str | None
+    fallback_on_accelerator: str | None
     collective_fill: bool
     sources: frozenset[str]
     buffers_on_host: bool
-    threads: Callable[[FlattenConfig], int]
+    threads: Callable[[FlattenConfig, int], int]
     peak_device_bytes: Callable[[int, int, int], int]
     build: Callable[[TierContext], Tier]
 
     def fallback(self, device: torch.device) -> str | None:
         """The next tier down for buffers on ``device``."""
-        return self.fallback_on_cuda if device.type == "cuda" else self.fallback_on_host
+        if accel.is_accelerator(device):
+            return self.fallback_on_accelerator
+        return self.fallback_on_host
 
     def fill_is_collective(self, world_size: int) -> bool:
         """Whether every rank takes part in each bucket's fill."""
@@ -116,7 +122,7 @@ REGISTRY: dict[str, TierSpec] = {
             name="device",
             level=0,
             fallback_on_host="offload",
-            fallback_on_cuda="offload",
+            fallback_on_accelerator="offload",
             collective_fill=False,
             sources=frozenset({"params", "nothing"}),
             buffers_on_host=False,
@@ -128,7 +134,7 @@ REGISTRY: dict[str, TierSpec] = {
             name="host",
             level=0,
             fallback_on_host="cpu",
-            fallback_on_cuda=None,
+            fallback_on_accelerator=None,
             collective_fill=False,
             sources=frozenset({"params", "checkpoint"}),
             buffers_on_host=False,
@@ -140,7 +146,7 @@ REGISTRY: dict[str, TierSpec] = {
             name="sharded",
             level=0,
             fallback_on_host="cpu",
-            fallback_on_cuda=None,
+            fallback_on_accelerator=None,
             collective_fill=True,
             sources=frozenset({"params", "checkpoint"}),
             buffers_on_host=False,
@@ -152,7 +158,7 @@ REGISTRY: dict[str, TierSpec] = {
             name="offload",
             level=1,
             fallback_on_host="cpu",
-            fallback_on_cuda=None,
+            fallback_on_accelerator=None,
             collective_fill=False,
             sources=frozenset({"params"}),
             buffers_on_host=False,
@@ -164,7 +170,7 @@ REGISTRY: dict[str, TierSpec] = {
             name="cpu",
             level=2,
             fallback_on_host=None,
-            fallback_on_cuda=None,
+            fallback_on_accelerator=None,
             collective_fill=False,
             sources=frozenset(SOURCES),
             buffers_on_host=True,

@@ -23,12 +23,14 @@ is a few slots of at most 64 MiB, released when the flatten call ends (``close``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .. import accel
 from ..comm import all_gather_into
-from ..hostmem import empty_host, release_pinned_cache, staging_buffer
+from ..hostmem import empty_host, staging_buffer
 from ..layout import GroupLayout
 from ..report import ReportBuilder
 from .source import ParamSource
@@ -51,18 +53,18 @@ class Fill:
 
     Attributes:
         buffer: the bucket buffer.
-        done: a CUDA event recorded after the last copy into it, or None when the copy
-            was synchronous or ordered on the current stream.
+        done: an event recorded on the copy stream after the last copy into it, or None
+            when the copy was synchronous or ordered on the current stream.
     """
 
     buffer: torch.Tensor
-    done: torch.cuda.Event | None = None
+    done: Any = None
 
     def wait(self) -> None:
         """Block until the copy has completed and order the current stream after it."""
         if self.done is not None:
             self.done.synchronize()
-            torch.cuda.current_stream(self.buffer.device).wait_event(self.done)
+            accel.current_stream(self.buffer.device).wait_event(self.done)
 
     def ready(self) -> bool:
         """True when the copy has completed (never blocks)."""
@@ -91,7 +93,7 @@ def chunks(lo: int, hi: int, numel: int) -> list[tuple[int, int]]:
 @dataclass
 class _Slot:
     buffer: torch.Tensor  # uint8, viewed as the bucket dtype
-    done: torch.cuda.Event | None = None
+    done: Any = None  # the device event of the upload reading the slot
 
 
 class StagingRing:
@@ -168,7 +170,7 @@ class TierContext:
     largest_slice_bytes: int
     huge_pages: bool = True
     _rings: dict[int, StagingRing] = field(default_factory=dict, repr=False)
-    _copy_stream: torch.cuda.Stream | None = field(default=None, repr=False)
+    _copy_stream: Any = field(default=None, repr=False)
 
     def ring(self, largest_staged_bytes: int) -> StagingRing:
         """A staging ring whose slots take chunks of ranges up to ``largest_staged_bytes``,
@@ -177,7 +179,8 @@ class TierContext:
         nbytes = staging_slot_bytes(largest_staged_bytes)
         ring = self._rings.get(nbytes)
         if ring is None:
-            ring = StagingRing(self.staging_slots, nbytes, pin=self.device.type == "cuda")
+            pin = accel.is_accelerator(self.device)
+            ring = StagingRing(self.staging_slots, nbytes, pin=pin)
             self._rings[nbytes] = ring
         return ring
 
@@ -187,10 +190,10 @@ class TierContext:
         return sum(r.nbytes for r in self._rings.values())
 
     @property
-    def copy_stream(self) -> torch.cuda.Stream | None:
-        """A side stream for host-to-device copies (None on CPU)."""
-        if self.device.type == "cuda" and self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
+    def copy_stream(self) -> Any:
+        """A side stream for host-to-device copies (None when buffers are on the host)."""
+        if accel.is_accelerator(self.device) and self._copy_stream is None:
+            self._copy_stream = accel.new_stream(self.device)
         return self._copy_stream
 
     def close(self) -> None:
@@ -201,7 +204,7 @@ class TierContext:
             ring.drain()
         self._rings.clear()
         if pinned:
-            release_pinned_cache()
+            accel.release_pinned_cache()
 
 
 def copy_kind(src: torch.device, dst: torch.device) -> str:
@@ -295,7 +298,7 @@ class UploadTier:
         stream = ctx.copy_stream
         ring = ctx.ring(largest) if stream is not None else None
         if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(buf.device))  # buf's allocation
+            stream.wait_stream(accel.current_stream(buf.device))  # buf's allocation
         done = None
         for start, end in chunks(lo, hi, chunk_numel):
             # Host buffers are filled in place; a GPU bucket through a staging slot.
@@ -306,9 +309,9 @@ class UploadTier:
             pieces = list(layout.pieces_between(bucket, start, end))
             ctx.report.moved("host_copy", source.copy_into(pieces, stage, start))
             if stream is not None and slot is not None:
-                with torch.cuda.stream(stream):
-                    buf[start:end].copy_(stage, non_blocking=True)
-                    done = torch.cuda.Event()
+                with accel.use_stream(stream):
+                    buf[start:end].copy_(stage, non_blocking=ring.pinned)
+                    done = accel.new_event(buf.device)
                     done.record(stream)
                 slot.done = done
                 ctx.report.moved("h2d", stage.nbytes)
@@ -316,7 +319,7 @@ class UploadTier:
             buf.record_stream(stream)
         if self.own_slice:
             if done is not None:
-                torch.cuda.current_stream(buf.device).wait_event(done)
+                accel.current_stream(buf.device).wait_event(done)
             all_gather_into(buf, buf[lo:hi], ctx.group)
             ctx.report.moved("all_gather", buf.nbytes - buf[lo:hi].nbytes)
         return Fill(buf, done)

@@ -20,7 +20,7 @@ from torch import nn
 from ..comm import check_same_everywhere
 from ..config import FlattenConfig
 from ..control import control_group
-from ..devices import backend_of, buckets_may_use_cuda, collectives_run_on_cpu
+from ..devices import backend_of, collectives_run_on
 from ..flatten import FlatParams, flatten_parameters
 from ..flatten.alloc import allocate_agreed
 from ..layout import GroupLayout
@@ -127,8 +127,7 @@ def check_buckets_usable(flat: FlatParams) -> None:
     if flat.world_size == 1:
         return
     pg = flat.process_group
-    usable = buckets_may_use_cuda(pg) if device.type == "cuda" else collectives_run_on_cpu(pg)
-    if not usable:
+    if not collectives_run_on(pg, device.type):
         raise ValueError(
             f"the flat buckets are on {device} but the process group's backend "
             f"{backend_of(pg)!r} cannot reduce-scatter {device.type} tensors; use a backend "

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import accel
 from ..config import DEFAULT_BUCKET_NUMEL
 from ..flatten.threads import usable_cores
 from ..hostmem import empty_host
@@ -408,9 +409,10 @@ def measure(
     cores = usable_cores()
     device_copy = h2d = None
     device = "cpu"
-    if torch.cuda.is_available():
-        dev = torch.device("cuda", torch.cuda.current_device())
-        device = torch.cuda.get_device_name(dev)
+    device_type = accel.accelerator_type()
+    if device_type is not None:
+        dev = torch.device(device_type, accel.current_index(device_type))
+        device = accel.device_name(dev)
         device_copy = limits.device_copy_seconds(nbytes, dev).gbps
         pinned = limits.pinned_h2d_seconds(nbytes, dev)
         h2d = pinned.gbps if pinned is not None else None

@@ -742,7 +742,7 @@ def install(name: str = "emu", *, capacity_bytes: int = 1 << 30) -> EmulatedDevi
             _setup_privateuseone_for_python_backend,
         )
     except ImportError as e:  # pragma: no cover - depends on the torch build
-        raise EmulationUnavailable(f"torch {torch.__version__} has no Python backends: {e}")
+        raise EmulationUnavailable(f"torch {torch.__version__} has no Python backends: {e}") from e
     if torch._C._get_privateuse1_backend_name() != "privateuseone":
         raise EmulationUnavailable(
             f"PrivateUse1 is already taken by {torch._C._get_privateuse1_backend_name()!r}"
@@ -763,9 +763,7 @@ def install(name: str = "emu", *, capacity_bytes: int = 1 << 30) -> EmulatedDevi
         fallback = torch.library.Library("_", "IMPL")
         fallback.fallback(_fallback, dispatch_key="PrivateUse1", with_keyset=True)
         _LIBRARIES.extend([impl, fallback])
-        dist.Backend.register_backend(
-            _STATE.backend_name, _GlooOverAliases, devices=[name]
-        )
+        dist.Backend.register_backend(_STATE.backend_name, _GlooOverAliases, devices=[name])
     except Exception as e:  # pragma: no cover - depends on the torch build
         _STATE = None
         raise EmulationUnavailable(

@@ -1,0 +1,280 @@
+"""The device seam: every call flatzero makes to an accelerator's runtime.
+
+One room talks to the device. Everything else asks here, in terms of ``torch.device``:
+how much memory is free, the allocator's counters, streams and events, pinned host
+memory, random-number states, which device is current. The calls go through what torch
+gives every backend, ``torch.get_device_module(device)`` (``torch.cuda`` on CUDA,
+``torch.xpu``, ``torch.npu`` from torch_npu, ``torch.hpu``, ``torch.mps``, or a
+PrivateUse1 backend's registered module) and ``torch.accelerator``, so CUDA, XPU, Ascend,
+Gaudi and any out-of-tree backend with a device module are served by the same lines.
+
+A function whose call the backend's module lacks (``memory_reserved`` on a backend
+without a caching allocator, say) answers what is true without it (0 cached bytes) rather
+than failing: every such default is stated in its docstring. Host tensors
+(``device.type == "cpu"``) are never passed to a device module: the functions that take a
+device return at once for the host.
+
+Which device a rank uses and which collectives a group runs where is policy, not a device
+call: that is ``devices.py``, built on this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = [
+    "accelerator_type",
+    "current_index",
+    "current_stream",
+    "device_count",
+    "device_module",
+    "device_name",
+    "empty_cache",
+    "is_accelerator",
+    "max_memory_allocated",
+    "mem_get_info",
+    "memory_allocated",
+    "memory_reserved",
+    "new_event",
+    "new_stream",
+    "on_device",
+    "pinned_empty",
+    "release_pinned_cache",
+    "reset_peak_memory_stats",
+    "rng_states",
+    "set_current",
+    "set_rng_states",
+    "synchronize",
+    "total_memory",
+    "use_stream",
+]
+
+logger = logging.getLogger(__name__)
+
+_HOST_TYPES = ("cpu", "meta")
+
+
+def accelerator_type() -> str | None:
+    """The device type of this process's accelerator (``"cuda"``, ``"xpu"``, ``"npu"``,
+    a PrivateUse1 backend's name, ...), or None when there is none available."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        if not accelerator.is_available():
+            return None
+        current = accelerator.current_accelerator()
+        return None if current is None else current.type
+    return "cuda" if torch.cuda.is_available() else None  # torch < 2.6: CUDA only
+
+
+def is_accelerator(device: torch.device | str) -> bool:
+    """Whether ``device`` is an accelerator (not host memory, not meta)."""
+    return torch.device(device).type not in _HOST_TYPES
+
+
+def device_module(device: torch.device | str) -> Any:
+    """The runtime module of ``device``'s type (``torch.cuda`` for CUDA)."""
+    return torch.get_device_module(torch.device(device).type)
+
+
+def _call(device: torch.device, name: str, *args: Any, default: Any = None) -> Any:
+    fn = getattr(device_module(device), name, None)
+    return default if fn is None else fn(*args)
+
+
+def device_count(device_type: str) -> int:
+    """How many devices of ``device_type`` this process sees."""
+    return int(device_module(device_type).device_count())
+
+
+def current_index(device_type: str) -> int:
+    """The index of this process's current ``device_type`` device."""
+    return int(device_module(device_type).current_device())
+
+
+def set_current(device: torch.device) -> None:
+    """Make ``device`` the current device of its type (a no-op for the host)."""
+    if not is_accelerator(device) or device.index is None:
+        return
+    if current_index(device.type) != device.index:
+        device_module(device).set_device(device)
+
+
+@contextlib.contextmanager
+def on_device(device: torch.device) -> Iterator[None]:
+    """Make ``device`` current for the block (kernels and streams default to it), when its
+    module has a device context (``torch.cuda.device``); else nothing changes."""
+    context = getattr(device_module(device), "device", None) if is_accelerator(device) else None
+    if context is None or device.index is None:
+        yield
+        return
+    with context(device):
+        yield
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for all work queued on ``device`` (a no-op for the host)."""
+    if is_accelerator(device):
+        _call(device, "synchronize", device)
+
+
+def mem_get_info(device: torch.device) -> tuple[int, int]:
+    """``(free, total)`` bytes of ``device`` as its runtime reports them (for CUDA: the
+    driver's view, which excludes what the caching allocator holds)."""
+    free, total = device_module(device).mem_get_info(device)
+    return int(free), int(total)
+
+
+def memory_allocated(device: torch.device) -> int:
+    """Bytes of ``device`` held by live tensors; 0 for the host."""
+    if not is_accelerator(device):
+        return 0
+    return int(_call(device, "memory_allocated", device, default=0))
+
+
+def max_memory_allocated(device: torch.device) -> int:
+    """Peak of ``memory_allocated`` since the last ``reset_peak_memory_stats`` (bytes);
+    0 for the host or a backend without the counter."""
+    if not is_accelerator(device):
+        return 0
+    return int(_call(device, "max_memory_allocated", device, default=0))
+
+
+def reset_peak_memory_stats(device: torch.device) -> None:
+    """Start a new peak for ``max_memory_allocated``."""
+    if is_accelerator(device):
+        _call(device, "reset_peak_memory_stats", device)
+
+
+def memory_reserved(device: torch.device) -> int:
+    """Bytes the caching allocator holds on ``device`` (live tensors included); equal to
+    ``memory_allocated`` for a backend without a caching allocator."""
+    if not is_accelerator(device):
+        return 0
+    fn = getattr(device_module(device), "memory_reserved", None)
+    return memory_allocated(device) if fn is None else int(fn(device))
+
+
+def empty_cache(device: torch.device) -> None:
+    """Return the caching allocator's unused blocks to the device (a no-op for the host).
+
+    The cache is per process and device type: torch's ``empty_cache`` takes no device."""
+    if is_accelerator(device):
+        _call(device, "empty_cache")
+
+
+def total_memory(device: torch.device) -> int:
+    """Total bytes of ``device`` (its properties, else ``mem_get_info``)."""
+    props = _call(device, "get_device_properties", device)
+    total = getattr(props, "total_memory", None)
+    return int(total) if total is not None else mem_get_info(device)[1]
+
+
+def device_name(device: torch.device) -> str:
+    """The product name of ``device`` (``"NVIDIA H100 80GB HBM3"``), else its type."""
+    props = _call(device, "get_device_properties", device)
+    return str(getattr(props, "name", device.type))
+
+
+# --- streams and events ---------------------------------------------------------------
+
+
+def new_stream(device: torch.device) -> Any:
+    """A new stream on accelerator ``device`` (``torch.cuda.Stream`` on CUDA)."""
+    return device_module(device).Stream(device)
+
+
+def current_stream(device: torch.device) -> Any:
+    """The stream kernels on ``device`` are queued on now."""
+    return device_module(device).current_stream(device)
+
+
+@contextlib.contextmanager
+def use_stream(stream: Any) -> Iterator[None]:
+    """Queue the block's kernels on ``stream`` (``torch.cuda.stream(s)`` on CUDA)."""
+    with device_module(stream.device).stream(stream):
+        yield
+
+
+def new_event(device: torch.device) -> Any:
+    """A new event for ``device``'s streams (no timing: cheaper to record)."""
+    return device_module(device).Event()
+
+
+# --- pinned host memory ---------------------------------------------------------------
+
+_pin_refused: set[str] = set()
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor | None:
+    """A page-locked 1-D uint8 host tensor of ``nbytes`` for copies to this process's
+    accelerator, or None where page-locked memory cannot be had: no accelerator, a
+    backend without a pinned allocator (warned once per process), or the system's
+    page-locked limit reached (warned each time, with the size). A caller falls back
+    to pageable memory: slower uploads, never wrong ones."""
+    device_type = accelerator_type()
+    if device_type is None or device_type in _pin_refused:
+        return None
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    except NotImplementedError as error:
+        _pin_refused.add(device_type)
+        logger.warning(
+            "%s has no pinned host memory (%s); uploads use pageable memory and are synchronous",
+            device_type,
+            str(error).splitlines()[0],
+        )
+    except RuntimeError as error:
+        logger.warning(
+            "could not pin %d bytes of host memory (%s); uploads use pageable memory and "
+            "are synchronous",
+            nbytes,
+            str(error).splitlines()[0],
+        )
+    return None
+
+
+def release_pinned_cache() -> None:
+    """Give the page-locked blocks torch's host caching allocator keeps after they were
+    freed back to the system (a no-op without an accelerator)."""
+    if accelerator_type() is None:
+        return
+    accelerator = getattr(torch, "accelerator", None)
+    empty_host = getattr(accelerator, "empty_host_cache", None)
+    if empty_host is not None:
+        with contextlib.suppress(RuntimeError, NotImplementedError):
+            empty_host()
+        return
+    legacy = getattr(torch._C, "_host_emptyCache", None)  # torch < 2.9
+    if legacy is not None:
+        legacy()
+
+
+# --- random-number states -------------------------------------------------------------
+
+
+def rng_states() -> tuple[str, list[torch.Tensor]] | None:
+    """``(device_type, [state per device])`` of this process's accelerator generators, or
+    None without an accelerator (or before its runtime was initialized: no state to keep)."""
+    device_type = accelerator_type()
+    if device_type is None:
+        return None
+    module = device_module(device_type)
+    initialized = getattr(module, "is_initialized", None)
+    if initialized is not None and not initialized():
+        return None
+    get_all = getattr(module, "get_rng_state_all", None)
+    return None if get_all is None else (device_type, list(get_all()))
+
+
+def set_rng_states(device_type: str, states: list[torch.Tensor]) -> bool:
+    """Restore the generators of ``device_type`` from ``states``; False (nothing changed)
+    when this process has no such accelerator or sees another number of devices."""
+    if accelerator_type() != device_type or len(states) != device_count(device_type):
+        return False
+    device_module(device_type).set_rng_state_all(states)
+    return True
