@@ -236,20 +236,6 @@ def test_bad_config_is_named(kwargs, message):
         FlattenConfig(**kwargs)
 
 
-def test_host_threads_never_exceed_the_ranks_share_of_cores(monkeypatch):
-    import os
-
-    from flatzero.flatten.threads import cores_per_rank, host_threads
-
-    cores = len(os.sched_getaffinity(0))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert cores_per_rank() == max(1, cores // 8)
-    assert host_threads(FlattenConfig()) == max(1, cores // 8)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert host_threads(FlattenConfig()) == cores
-    assert host_threads(FlattenConfig(host_threads=3)) == 3
-
-
 def test_thread_setting_is_restored_after_flattening():
     before = torch.get_num_threads()
     flatten_parameters(nn.Linear(10, 10), config=FlattenConfig(tier="cpu", progress=False))

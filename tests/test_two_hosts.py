@@ -15,8 +15,11 @@ saving a checkpoint with all four ranks. Then, on the normal host:
 - the two-host checkpoint, loaded at world size 2, gives bitwise the weights the
   one-host world-size-4 run ended with;
 - the ranks of ``B`` are global ranks 2 and 3 with local ranks 0 and 1 (asserted inside
-  the script too), flatzero's per-node rank count and core share come from the local
-  world size, and the control group agrees across hosts.
+  the script too), and the control group agrees across hosts;
+- flatzero counts the ranks sharing a machine's cores through the process group, not
+  from ``LOCAL_WORLD_SIZE``: the two "hosts" are network namespaces of one kernel (one
+  host name, one boot id) sharing its cores, so all four ranks are on one host for the
+  core share, though torchrun says two per node.
 
 A launch that fails ends the wait at once (its peers would wait on it); when a rank died
 of gloo's own abort while connecting (``GLOO_ABORT``), the runs are made once more.
@@ -279,14 +282,18 @@ def test_ranks_span_both_hosts_with_local_ranks(runs):
         assert r["gloo_ifname"] == host.veth
         assert r["master_addr"] == a.addr  # the store of node 0, reached across the veth
         assert (r["world_size"], r["local_world_size_env"]) == (4, 2)
-        # flatzero counts the ranks of its node, not of the job, and shares the cores out
-        # among them.
-        assert r["flatzero_local_world_size"] == 2
-        assert r["host_threads"] == max(1, r["cores"] // 2)
     for r in runs["one"]:
         assert r["local_rank"] == r["rank"]
-        assert r["flatzero_local_world_size"] == 4
-        assert r["host_threads"] == max(1, r["cores"] // 4)
+
+
+def test_core_share_counts_the_ranks_sharing_the_machine_not_the_launchers_variable(runs):
+    for run, local in (("two", 2), ("one", 4)):
+        for r in runs[run]:
+            share = r["core_share"]
+            assert share["launcher_says"] == f"LOCAL_WORLD_SIZE={local}"
+            # Namespaces of one kernel: every rank of the job shares this machine's cores.
+            assert (share["ranks_on_host"], share["ranks_sharing_cores"]) == (4, 4)
+            assert share["threads"] == r["init_threads"] == max(1, r["usable_cores"] // 4)
 
 
 def test_control_group_agrees_across_hosts(runs):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,7 +21,6 @@ __all__ = [
     "any_rank_failed",
     "check_same_everywhere",
     "describe_differences",
-    "local_world_size",
     "raise_if_any_failed",
     "rank_of",
     "reduce_scatter_into",
@@ -47,11 +45,6 @@ def world_size_of(group: dist.ProcessGroup | None) -> int:
 def rank_of(group: dist.ProcessGroup | None) -> int:
     """This process's rank in ``group``; 0 without any process group."""
     return dist.get_rank(group) if is_distributed(group) else 0
-
-
-def local_world_size() -> int:
-    """Ranks on this node, from torchrun's ``LOCAL_WORLD_SIZE`` (1 when unset)."""
-    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def _all_reduce_ints(

@@ -8,8 +8,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .flatten.threads import CoreShare
 
 __all__ = ["GroupReport", "InitReport", "ReportBuilder"]
 
@@ -66,6 +70,11 @@ class InitReport:
             the start, an upper bound.
         host_peak_rss_bytes: the process's peak resident set size so far (bytes).
         events: notable things that happened, e.g. an out-of-memory fallback.
+        core_share: this rank's share of its host's cores and what it was derived from
+            (affinity, cgroup quota, ranks on the host); None in a report built without
+            flattening.
+        host_threads: intra-op threads init ran with (torch's count inside init: the
+            share, or ``FlattenConfig.host_threads``); None as ``core_share``.
     """
 
     rank: int
@@ -80,6 +89,8 @@ class InitReport:
     peak_device_bytes: int | None
     host_peak_rss_bytes: int
     events: tuple[str, ...] = ()
+    core_share: CoreShare | None = None
+    host_threads: int | None = None
 
     @property
     def tiers(self) -> tuple[str, ...]:
@@ -106,10 +117,15 @@ class InitReport:
             else ""
         )
         events = f" events: {' | '.join(self.events)}" if self.events else ""
+        threads = (
+            f" threads={self.host_threads} (share: {self.core_share.describe()})"
+            if self.core_share is not None
+            else ""
+        )
         return (
             f"flatzero init {self.wall_seconds:.3f}s on {self.world_size} rank(s) "
             f"[{groups}] {phases} cpu={self.cpu_seconds:.2f}s moved: {moved}{peak} "
-            f"host_peak_rss={self.host_peak_rss_bytes / gib:.2f}GiB{events}"
+            f"host_peak_rss={self.host_peak_rss_bytes / gib:.2f}GiB{threads}{events}"
         )
 
 
@@ -136,6 +152,8 @@ class ReportBuilder:
         )
     )
     events: list[str] = field(default_factory=list)
+    core_share: CoreShare | None = None
+    host_threads: int | None = None
     _wall0: float = field(default_factory=time.perf_counter)
     _cpu0: float = field(default_factory=_cpu_seconds)
     _device_base: int = 0
@@ -160,6 +178,11 @@ class ReportBuilder:
         """Count ``nbytes`` copied of ``kind``."""
         self.bytes_moved[kind] += int(nbytes)
 
+    def threads(self, share: CoreShare, used: int) -> None:
+        """Record the rank's core ``share`` and the intra-op threads init ``used``."""
+        self.core_share = share
+        self.host_threads = used
+
     def build(self, tier_reason: str, groups: list[GroupReport]) -> InitReport:
         """Freeze the report."""
         peak = None
@@ -178,4 +201,6 @@ class ReportBuilder:
             peak_device_bytes=peak,
             host_peak_rss_bytes=_peak_rss_bytes(),
             events=tuple(self.events),
+            core_share=self.core_share,
+            host_threads=self.host_threads,
         )

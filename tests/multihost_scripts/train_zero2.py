@@ -1,7 +1,8 @@
 """A ZeRO-2 training script launched by ``torchrun``, on one host or several.
 
 Used by ``tests/test_two_hosts.py``. Every rank writes ``OUT/rank<RANK>.json`` with what
-it saw (global and local rank, its host, flatzero's per-rank core share, the losses);
+it saw (global and local rank, its host, flatzero's core share from the init report, the
+losses);
 rank 0 writes the final weights (fp32 masters, gathered) to ``OUT/weights.safetensors``.
 
 ``--mode train``: ``flatzero.initialize`` a tiny Llama whose sizes do not divide by the
@@ -15,6 +16,7 @@ control group across hosts, and save a checkpoint with every rank into ``--ckpt`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -24,10 +26,9 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import flatzero
-from flatzero.comm import local_world_size, raise_if_any_failed
-from flatzero.config import FlattenConfig
+from flatzero.comm import raise_if_any_failed
 from flatzero.control import control_group, wait_for_host_work
-from flatzero.flatten.threads import host_threads
+from flatzero.flatten.threads import usable_cores
 from flatzero.models import LlamaConfig, LlamaForCausalLM, materialize
 
 STEPS = 5
@@ -79,7 +80,6 @@ def batch_of(step: int, rank: int) -> torch.Tensor:
 
 def whoami() -> dict:
     env = os.environ
-    cores = len(os.sched_getaffinity(0))
     record = {
         "host": env.get("FLATZERO_TEST_HOST", "local"),
         "rank": int(env["RANK"]),
@@ -89,9 +89,7 @@ def whoami() -> dict:
         "local_world_size_env": int(env["LOCAL_WORLD_SIZE"]),
         "master_addr": env["MASTER_ADDR"],
         "gloo_ifname": env.get("GLOO_SOCKET_IFNAME"),
-        "cores": cores,
-        "flatzero_local_world_size": local_world_size(),
-        "host_threads": host_threads(FlattenConfig()),
+        "usable_cores": usable_cores(),
     }
     # torchrun numbers ranks node by node: global = node * ranks per node + local.
     node_base = record["group_rank"] * record["local_world_size_env"]
@@ -119,6 +117,8 @@ def train(args: argparse.Namespace, record: dict) -> None:
     model = make_model(seed=0)
     engine, opt, _, _ = flatzero.initialize(model=model, config=ds_config(record["world_size"]))
     record["tiers"] = list(opt.flat.report.tiers)
+    record["core_share"] = dataclasses.asdict(opt.flat.report.core_share)
+    record["init_threads"] = opt.flat.report.host_threads
     check_control_group(record)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     losses, mean_losses = [], []

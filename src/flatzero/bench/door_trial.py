@@ -174,14 +174,14 @@ def _limit(args: argparse.Namespace) -> dict[str, Any]:
     """The first touch of the bytes an init must write on this rank, all ranks at once."""
     import torch.distributed as dist
 
-    from ..flatten.threads import cores_per_rank
+    from ..flatten.threads import core_share
     from ..models import build_model, count_bytes, count_params
     from . import limits
     from .init_bench import MODELS
 
     meta = build_model(MODELS[args.model](), device="meta")
     nbytes = must_write_bytes(count_bytes(meta), count_params(meta), dist.get_world_size())
-    threads = cores_per_rank()
+    threads = core_share(None).threads
     settle = limits.SETTLE_SECONDS if args.limit_settle_s is None else args.limit_settle_s
     dist.barrier()
     lim = limits.first_touch_seconds(

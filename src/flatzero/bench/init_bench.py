@@ -39,7 +39,7 @@ from torch import nn
 
 from ..config import FlattenConfig
 from ..flatten import flatten_parameters
-from ..flatten.threads import cores_per_rank
+from ..flatten.threads import core_share
 from ..launch import run_ranks
 from ..models import build_model, count_bytes, count_params, count_tensors, scaled
 from . import limits
@@ -254,7 +254,7 @@ def _rank_main(rank: int, ws: int, spec: BenchSpec) -> dict[str, Any]:
     model_bytes = count_bytes(meta)
     shard_numel = count_params(meta) / ws
     must_write = model_bytes + int(shard_numel * 4)  # the buckets plus the fp32 master shard
-    threads = cores_per_rank()  # the limit may use every core a rank may use
+    threads = core_share(None).threads  # the limit may use every core a rank may use
     where = device if spec.params_on == "device" else torch.device("cpu")
     trials: list[Trial] = []
     limit_runs = [_limits(spec, must_write, threads, rank)]

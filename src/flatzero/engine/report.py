@@ -15,7 +15,8 @@ class EngineInitReport:
     """What ``flatzero.initialize`` did on this rank.
 
     Attributes:
-        flatten: the flatten report (tier, phases, bytes moved, peak memory).
+        flatten: the flatten report (tier, phases, bytes moved, peak memory, the rank's
+            core share and the threads init ran with).
         stage: ZeRO stage (0, 1, 2).
         dtype: training dtype of the params (``"bf16"``, ``"fp16"``, ``"fp32"``).
         world_size: data-parallel ranks.

@@ -34,7 +34,7 @@ from .buffers import FlatGroup, FlatParams
 from .driver import GroupFlattener
 from .registry import chain, spec, tiers_reading
 from .source import CheckpointSource, NoValues, ParamSource, TensorSource
-from .threads import capped_threads
+from .threads import core_share, init_threads
 from .tiers import TierContext
 
 __all__ = ["flatten_parameters"]
@@ -387,6 +387,7 @@ def flatten_parameters(
     with report.phase("sync"):
         # Every agreement runs on the gloo control group: no control tensor on a GPU.
         control = control_group(process_group if agreement_group is None else agreement_group)
+        share = core_share(control)  # one all-gather: the ranks on this host
         decision = _decide(
             plan,
             config,
@@ -413,8 +414,9 @@ def flatten_parameters(
         disable=not config.progress or rank != 0,
         delay=2.0,
     )
-    threads = max(spec(t).threads(config) for t in chain(decision.tier, device))
-    with capped_threads(threads), progress, closing(ctx):
+    threads = max(spec(t).threads(config, share.threads) for t in chain(decision.tier, device))
+    with init_threads(threads) as used, progress, closing(ctx):
+        report.threads(share, used)
         flat_groups, group_reports = _flatten_groups(
             plan, decision, masters, ctx, control, progress,
             checkpoint=checkpoint, allocate_only=allocate_only,
