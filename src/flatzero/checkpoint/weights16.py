@@ -6,12 +6,12 @@ of every load. So one rank writes the file from its own memory, with no collecti
 
 The file is written block by block. A block is one bucket (every param in it, one
 device-to-host copy) or one tensor outside the buckets (a frozen param, a buffer). A
-block in device memory is copied into a host tensor of its size, its tensors are
-written from that copy, and the copy is dropped before the next block is copied: the
-extra host memory of a save is the largest block, and nothing is allocated on the
-device (a non-contiguous tensor outside the buckets excepted: ``copy_`` makes it
+block in device memory is copied into a host buffer and its tensors are written from
+there; the buffer is allocated once, as large as the largest such block, and reused by
+every block. That buffer is the extra host memory of a save, and nothing is allocated on
+the device (a non-contiguous tensor outside the buckets excepted: ``copy_`` makes it
 contiguous on its device first). Blocks in host memory (the cpu tier) are written from
-where they are.
+where they are: no copy (a non-contiguous tensor outside the buckets excepted).
 
 The file appears only complete: it is written under a temporary name
 (``.tmp-<name>-<pid>-<random>``) in the same directory, fsynced, and renamed over the
@@ -130,11 +130,6 @@ class WeightsPlan:
         """Bytes of tensor data in the file (each tied tensor once)."""
         return sum(t.nbytes for t in self.tensors)
 
-    @property
-    def largest_block_nbytes(self) -> int:
-        """The most host memory one block's copy takes (bytes)."""
-        return max((b.nbytes for b in self.blocks), default=0)
-
 
 class _BucketFinder:
     """Which bucket a tensor's memory lies in, by address."""
@@ -245,11 +240,17 @@ def _in_host_memory(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu"
 
 
-def _host_block(source: torch.Tensor) -> torch.Tensor:
-    """``source`` in host memory, contiguous: itself when it is, else a copy."""
-    if _in_host_memory(source):
-        return source.contiguous()
-    host = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+def _staging_nbytes(plan: WeightsPlan) -> int:
+    """Bytes of the host buffer the blocks outside host memory are copied into: the
+    largest of them (0 when every block is in host memory)."""
+    return max((b.nbytes for b in plan.blocks if not _in_host_memory(b.source)), default=0)
+
+
+def _copy_to_host(source: torch.Tensor, staging: torch.Tensor) -> torch.Tensor:
+    """``source``'s values in the first bytes of the host buffer ``staging`` (uint8), as a
+    contiguous tensor of ``source``'s dtype and shape."""
+    nbytes = source.numel() * source.element_size()
+    host = staging[:nbytes].view(source.dtype).view(source.shape)
     host.copy_(source)
     return host
 
@@ -258,13 +259,19 @@ def _each_host_tensor(
     plan: WeightsPlan, write: Callable[[WeightTensor, torch.Tensor], None]
 ) -> None:
     """Call ``write(tensor, data)`` for every tensor of ``plan`` with its data in host
-    memory (contiguous), block by block; a block's host copy is dropped before the next
-    block is copied."""
+    memory (contiguous), block by block. A block in host memory is read where it is;
+    any other is copied into one host buffer, allocated once with the size of the largest
+    such block and reused by every block."""
+    size = _staging_nbytes(plan)
+    staging = torch.empty(size, dtype=torch.uint8) if size else None
     for block in plan.blocks:
-        host = _host_block(block.source).reshape(-1)
+        if _in_host_memory(block.source):
+            host = block.source.contiguous().reshape(-1)
+        else:
+            assert staging is not None
+            host = _copy_to_host(block.source, staging).reshape(-1)
         for tensor in block.tensors:
             write(tensor, shaped_view(host, tensor.offset, tensor.shape))
-        del host
 
 
 def _write_safetensors(path: Path, plan: WeightsPlan) -> None:
@@ -346,10 +353,10 @@ def write_weights(path: str | os.PathLike[str], plan: WeightsPlan) -> None:
             raise OSError(error.errno, f"cannot write {path}: {_reason(error)}") from error
         raise
     logger.info(
-        "wrote %s: %d keys, %.1f MiB in %.2f s (largest block %.1f MiB)",
+        "wrote %s: %d keys, %.1f MiB in %.2f s (host copy buffer %.1f MiB)",
         path,
         len(plan.keys),
         plan.nbytes / 2**20,
         time.perf_counter() - start,
-        plan.largest_block_nbytes / 2**20,
+        _staging_nbytes(plan) / 2**20,
     )
