@@ -10,7 +10,30 @@ import torch.distributed as dist
 from . import accel
 from .comm import all_reduce_min
 
-__all__ = ["TierDecision", "choose_tier", "decide_tier", "free_bytes", "is_oom", "meminfo_bytes"]
+__all__ = [
+    "DeviceOutOfMemoryError",
+    "TierDecision",
+    "choose_tier",
+    "decide_tier",
+    "free_bytes",
+    "is_oom",
+    "meminfo_bytes",
+    "out_of_memory",
+]
+
+
+class DeviceOutOfMemoryError(torch.OutOfMemoryError, MemoryError):
+    """Out of accelerator memory, agreed by every rank: a ``torch.OutOfMemoryError`` (what
+    Hugging Face's batch-size finder and users' retry loops catch) that is also a
+    ``MemoryError`` (what flatzero raised before for every out-of-memory error)."""
+
+
+def out_of_memory(message: str, device: torch.device) -> MemoryError:
+    """The error to raise when ``device`` has no room: ``DeviceOutOfMemoryError`` for an
+    accelerator, ``MemoryError`` for host memory."""
+    if accel.is_accelerator(device):
+        return DeviceOutOfMemoryError(message)
+    return MemoryError(message)
 
 
 def free_bytes(device: torch.device) -> int:
@@ -167,7 +190,7 @@ def choose_tier(
         shard_bytes=shard_bytes,
     )
     if decision.tier is None:
-        raise MemoryError(decision.reason)
+        raise out_of_memory(decision.reason, device)
     return decision
 
 

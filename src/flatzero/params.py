@@ -18,10 +18,15 @@ __all__ = ["ParamGroup", "collect_param_groups", "rebind_param"]
 def rebind_param(param: nn.Parameter, tensor: torch.Tensor) -> None:
     """Make ``param`` hold ``tensor`` (same shape) while staying the same Python object.
 
-    ``param.data = tensor`` where possible; a param on the meta device cannot take real
-    storage that way, so its contents are swapped in place instead.
+    ``param.data = tensor`` where torch allows it; where it does not, the contents are
+    swapped in place instead (``torch.utils.swap_tensors``, as ``nn.Module._apply`` does):
+    a param on the meta device, and a host param given a tensor of a backend torch does
+    not count as shallow-copy compatible with the host (every PrivateUse1 backend, Ascend's
+    NPU among them).
     """
-    if param.device.type == "meta":
+    if param.device.type == "meta" or not torch._has_compatible_shallow_copy_type(
+        param, tensor
+    ):
         replacement = nn.Parameter(tensor, requires_grad=param.requires_grad)
         torch.utils.swap_tensors(param, replacement)
     else:

@@ -11,7 +11,7 @@ from .. import accel
 from ..comm import any_rank_failed, rank_of
 from ..hostmem import empty_host
 from ..layout import Layout
-from ..memory import is_oom
+from ..memory import is_oom, out_of_memory
 
 __all__ = ["allocate_agreed", "allocate_masters", "allocate_or_oom", "empty"]
 
@@ -66,9 +66,10 @@ def allocate_agreed(
         return made
     made.clear()
     where = f"on rank {rank_of(control)}" if error is not None else "on another rank"
-    raise MemoryError(
+    raise out_of_memory(
         f"out of memory {where} allocating {what} ({nbytes / 2**30:.2f} GiB per rank on "
-        f"{device.type}); {after}. Use more ranks (shards shrink with them) or free memory"
+        f"{device.type}); {after}. Use more ranks (shards shrink with them) or free memory",
+        device,
     ) from error
 
 

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from ..comm import all_reduce_max_each, any_rank_failed, rank_of
 from ..layout import GroupLayout
+from ..memory import out_of_memory
 from .alloc import allocate_or_oom
 from .faults import allocate_bucket
 from .registry import REGISTRY, chain, make_tier, next_tier_down, spec
@@ -65,24 +66,25 @@ class GroupFlattener:
         """Flatten every bucket of the group, starting in tier ``tier_name``.
 
         Raises:
-            MemoryError: on every rank, when a bucket fits in no tier on some rank.
+            MemoryError: on every rank, when a bucket fits in no tier on some rank (a
+                ``torch.OutOfMemoryError`` too when the buffers are on an accelerator).
         """
         self._chain = chain(tier_name, self.ctx.device)
         tier = make_tier(tier_name, self.ctx)
         tier.begin(self.layout, self.source, range(len(self.layout.buckets)))
-        out_of_memory: MemoryError | None = None
+        no_room: MemoryError | None = None
         for bucket in range(len(self.layout.buckets)):
             try:
                 tier, buf = self._allocate_agreed(tier, bucket)
             except MemoryError as error:  # the last tier, on this rank alone
-                out_of_memory = error
+                no_room = error
                 break
             self.bucket_tiers[bucket] = tier.name
             self._pending.append((bucket, tier.fill(self.layout, self.source, bucket, buf)))
             self._complete(block=False)
             self.progress.update(1)
         self._complete(block=True)
-        self._agree_on_tiers(out_of_memory)
+        self._agree_on_tiers(no_room)
 
     def _allocate_agreed(self, tier: Tier, bucket: int) -> tuple[Tier, torch.Tensor]:
         """The bucket's buffer, in ``tier`` or, after running out of memory, a lower one.
@@ -103,7 +105,7 @@ class GroupFlattener:
                 return tier, buf
             tier = self._fall_back(tier, bucket, error)
 
-    def _agree_on_tiers(self, out_of_memory: MemoryError | None) -> None:
+    def _agree_on_tiers(self, no_room: MemoryError | None) -> None:
         """Make every rank hold each bucket in the lowest tier any rank used for it.
 
         Raises:
@@ -112,8 +114,8 @@ class GroupFlattener:
         """
         mine = [spec(t).level if t else _UNFILLED for t in self.bucket_tiers]
         agreed = all_reduce_max_each(mine, self.control)
-        if out_of_memory is not None:
-            raise out_of_memory
+        if no_room is not None:
+            raise no_room
         if max(agreed) == _UNFILLED:
             bucket = agreed.index(_UNFILLED)
             raise self._last_tier_error("on another rank", bucket, "the last tier")
@@ -174,16 +176,17 @@ class GroupFlattener:
 
     def _last_tier_error(self, where: str, bucket: int, tier_text: str) -> MemoryError:
         """The error of a bucket that not even the last tier could allocate."""
-        return MemoryError(
+        return out_of_memory(
             f"out of memory {where} at bucket {bucket} of group {self.layout.group_index} "
             f"({self.layout.dtype}) in {tier_text}; every parameter still holds its data. "
             "Free memory, use more ranks, or a smaller bucket_numel"
             + (
                 ""
                 if self.ctx.device.type == "cpu"
-                else " (on a GPU the buffers never fall back to host memory: the optimizer needs "
-                "every bucket on the device)"
-            )
+                else " (on an accelerator the buffers never fall back to host memory: the "
+                "optimizer needs every bucket on the device)"
+            ),
+            self.ctx.device,
         )
 
     def _warn(self, message: str) -> None:

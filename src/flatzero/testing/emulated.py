@@ -76,6 +76,7 @@ class EmulatedDevice:
     name: str
     device_count: int
     backend_name: str
+    host_collectives: bool = True
     counters: list[_Counters] = field(default_factory=list)
     current: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -618,6 +619,8 @@ class _GlooOverAliases(dist.ProcessGroup):
         """Run gloo's ``method`` on CPU aliases and wait for it: the aliases do not own
         their bytes, so the work must finish while the caller's tensors are alive (an
         emulated collective is synchronous, like every emulated op)."""
+        if not _require().host_collectives:
+            _refuse_host_tensors(method, args)
         work = getattr(self._gloo, method)(*(_aliases(a) for a in args))
         work.wait()
         return work
@@ -688,6 +691,21 @@ class _GlooOverAliases(dist.ProcessGroup):
         return self._forward("recv", tensors, src, tag)
 
 
+def _refuse_host_tensors(method: str, args: tuple) -> None:
+    """As NCCL does: a collective on a host tensor is an error, not a silent host path."""
+    flat: list[Any] = []
+    for a in args:
+        flat.extend(a if isinstance(a, (list, tuple)) else [a])
+    for t in flat:
+        nested = t if isinstance(t, (list, tuple)) else [t]
+        for x in nested:
+            if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+                raise RuntimeError(
+                    f"{_require().backend_name} {method}: tensors must be on "
+                    f"{_require().name}, got a host tensor (emulating a device-only backend)"
+                )
+
+
 def _opt(opts) -> tuple:
     return () if opts is None else (opts,)
 
@@ -714,13 +732,18 @@ _IMPLS: list[tuple[str, Callable]] = [
 _LIBRARIES: list[torch.library.Library] = []
 
 
-def install(name: str = "emu", *, capacity_bytes: int = 1 << 30) -> EmulatedDevice:
+def install(
+    name: str = "emu", *, capacity_bytes: int = 1 << 30, host_collectives: bool = True
+) -> EmulatedDevice:
     """Register the emulated accelerator ``name`` in this process (once per process).
 
     Args:
         name: the device type torch will know it by (``torch.device(name, i)``).
         capacity_bytes: memory per device, in bytes; allocations beyond it raise
             ``torch.OutOfMemoryError``. Change it later with ``set_capacity``.
+        host_collectives: whether the ``<name>-gloo`` backend also takes host tensors (as
+            gloo does); False makes it refuse them as NCCL does, for a group created with
+            the device backend alone (``init_process_group("<name>-gloo")``).
 
     Returns:
         The installed device (its counters and capacity).
@@ -752,6 +775,7 @@ def install(name: str = "emu", *, capacity_bytes: int = 1 << 30) -> EmulatedDevi
         device_count=1,
         backend_name=f"{name}-gloo",
         counters=[_Counters(capacity=capacity_bytes)],
+        host_collectives=host_collectives,
     )
     try:
         _setup_privateuseone_for_python_backend(
