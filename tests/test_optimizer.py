@@ -122,6 +122,52 @@ def test_fused_kernels_take_the_clip_factor_as_grad_scale():
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
+def test_review23_item10_client_adamw_keeps_fused():
+    """``fused=None``/``foreach=None`` (a client ``torch.optim.AdamW(params, lr=...)``'s
+    groups and defaults carry both) choose nothing: the fused kernel is used. A value is a
+    choice and is kept."""
+    from flatzero.optim.inner import takes_grad_scale
+
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    client = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert client.param_groups[0]["fused"] is None and client.param_groups[0]["foreach"] is None
+    opt = ZeroOptimizer(client.param_groups, torch.optim.AdamW, flatten_config=FLAT)
+    assert [g["fused"] for g in opt.inner.param_groups] == [True]
+    assert takes_grad_scale(opt.inner)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(3):
+        x = torch.randn(6, 8)
+        loss_fn(model, x, use_unused=True).backward()
+        opt.step()
+        loss_fn(ref, x, use_unused=True).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    opt.close()
+
+    opt = ZeroOptimizer(
+        Net().parameters(),
+        torch.optim.AdamW,
+        flatten_config=FLAT,
+        lr=1e-2,
+        fused=None,
+        foreach=None,
+    )
+    assert opt.inner.param_groups[0]["fused"] is True
+    opt.close()
+    for choice in ({"foreach": True}, {"fused": False}):
+        opt = ZeroOptimizer(
+            [{"params": Net().parameters(), **choice}], torch.optim.AdamW, flatten_config=FLAT
+        )
+        group = opt.inner.param_groups[0]
+        assert not group["fused"] and group["foreach"] is choice.get("foreach"), choice
+        assert not takes_grad_scale(opt.inner)
+        opt.close()
+
+
 @pytest.mark.parametrize(
     ("name", "reason"),
     [

@@ -86,8 +86,9 @@ class ZeroConfig:
     """How ``ZeroOptimizer`` reduces gradients and steps.
 
     Attributes:
-        stage: ZeRO stage. 1: full gradients live in one flat buffer (params' ``.grad`` are
-            views of it), reduce-scattered at ``step()``. 2: each gradient is copied into a
+        stage: ZeRO stage. 1: full gradients live in one flat buffer per group (params'
+            ``.grad`` are views of it unless ``grad_accum_dtype`` differs from their dtype),
+            reduce-scattered at ``step()``. 2: each gradient is copied into a
             bucket-sized staging buffer and freed during backward; complete buckets are
             reduce-scattered asynchronously into this rank's fp32 gradient shard.
         max_grad_norm: clip the global L2 norm of the (averaged, unscaled) gradient to this
@@ -96,6 +97,15 @@ class ZeroConfig:
         reduce_dtype: dtype the gradients are summed over ranks in. ``torch.float32`` (the
             default) sums exactly what a single process would; the params' dtype halves the
             bytes on the wire for bf16/fp16 at the cost of low-precision sums.
+        grad_accum_dtype: dtype each rank sums its gradients in over the backward passes of
+            an accumulation window, before they are reduced over ranks (DeepSpeed's
+            ``data_types.grad_accum_dtype``). ``None``: stage 1 sums in the params' dtype
+            (autograd adds into the flat gradient buffer the params' ``.grad`` view);
+            stage 2 sums in the fp32 gradient shard. ``torch.float32``: stage 1 keeps the
+            flat gradient buffer of a bf16/fp16 group in fp32 (4 bytes per element instead
+            of 2) and its hooks add each param's gradient into it as it arrives and free
+            ``.grad`` (those params hold no ``.grad`` after backward, as in stage 2); stage 2
+            is unchanged. No other dtype.
         staging_buffers: stage 2 staging buffers (each one bucket) kept for gradients in
             flight; 2 overlaps filling one bucket with reducing the previous one. More are
             allocated for a backward pass that needs them (a bucket left incomplete by a
@@ -112,6 +122,7 @@ class ZeroConfig:
     stage: int = 2
     max_grad_norm: float | None = None
     reduce_dtype: torch.dtype = torch.float32
+    grad_accum_dtype: torch.dtype | None = None
     staging_buffers: int = 2
     loss_scale: LossScaleConfig | None = None
     learn_bucket_order: bool = True
@@ -133,6 +144,11 @@ class ZeroConfig:
                 f"ZeroConfig.reduce_dtype is {self.reduce_dtype!r}; use torch.float32, "
                 "torch.bfloat16 or torch.float16"
             )
+        if self.grad_accum_dtype not in (None, torch.float32):
+            raise ValueError(
+                f"ZeroConfig.grad_accum_dtype is {self.grad_accum_dtype!r}; gradients accumulate "
+                "in the params' dtype (None) or in fp32: pass None or torch.float32"
+            )
         _positive_int("ZeroConfig", "staging_buffers", self.staging_buffers)
         if self.loss_scale is not None and not isinstance(self.loss_scale, LossScaleConfig):
             raise TypeError(
@@ -143,3 +159,8 @@ class ZeroConfig:
             raise ValueError(
                 f"ZeroConfig.learn_bucket_order must be a bool, got {self.learn_bucket_order!r}"
             )
+
+    def accumulation_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The dtype stage 1 sums the gradients of params of ``param_dtype`` in over an
+        accumulation window (``grad_accum_dtype``, else ``param_dtype``)."""
+        return param_dtype if self.grad_accum_dtype is None else self.grad_accum_dtype

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -116,25 +116,50 @@ def _fused_devices() -> tuple[str, ...]:
     return tuple(_get_fused_kernels_supported_devices())
 
 
+_IMPLEMENTATIONS = ("fused", "foreach")
+"""Arguments choosing a ``torch.optim`` implementation; ``None`` (their default) chooses none."""
+
+
+def _chooses_implementation(settings: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether any of ``settings`` (keyword arguments, group options) chooses ``fused`` or
+    ``foreach`` (a value other than ``None``) or asks for ``differentiable``, which a fused
+    kernel refuses."""
+    return any(
+        any(s.get(k) is not None for k in _IMPLEMENTATIONS) or s.get("differentiable")
+        for s in settings
+    )
+
+
 def with_fused_default(
-    optimizer: Any, defaults: dict[str, Any], device: torch.device
+    optimizer: Any,
+    defaults: dict[str, Any],
+    group_options: Sequence[Mapping[str, Any]],
+    device: torch.device,
 ) -> dict[str, Any]:
     """``defaults`` plus ``fused=True`` when the optimizer has a fused kernel for ``device``
-    and the user chose no implementation (``fused``/``foreach``) and no option a fused
-    kernel refuses (``differentiable``).
+    and neither its keyword arguments nor any group's options choose an implementation.
 
-    The inner optimizer steps one flat tensor per group: exactly what fused kernels are
-    for. The single-tensor fallback of ``torch.optim`` allocates temporaries the size of
-    the whole shard every step (several times slower on a large flat tensor).
+    Only a value chooses: ``fused=None``/``foreach=None`` are torch's defaults, which a
+    client optimizer's ``param_groups`` and ``defaults`` carry whether or not its user
+    chose anything (``torch.optim.AdamW(params, lr=...)`` has both). The inner optimizer
+    steps one flat tensor per group: exactly what fused kernels are for. The single-tensor
+    fallback of ``torch.optim`` allocates temporaries the size of the whole shard every
+    step (several times slower on a large flat tensor).
     """
-    chosen = dict(getattr(optimizer, "keywords", None) or {}) | defaults
-    if any(k in chosen for k in ("fused", "foreach")) or chosen.get("differentiable"):
+    keywords = dict(getattr(optimizer, "keywords", None) or {})
+    if _chooses_implementation([keywords, defaults, *group_options]):
         return defaults
     if "fused" not in inspect.signature(_optimizer_class(optimizer).__init__).parameters:
         return defaults
     if device.type not in _fused_devices():
         return defaults
     return {**defaults, "fused": True}
+
+
+def _without_unchosen(options: Mapping[str, Any]) -> dict[str, Any]:
+    """A group's options less ``fused``/``foreach`` set to ``None`` (chosen nothing), so
+    that the optimizer's defaults apply to the group."""
+    return {k: v for k, v in options.items() if not (k in _IMPLEMENTATIONS and v is None)}
 
 
 _GRAD_SCALE_STEPS = {
@@ -163,11 +188,13 @@ def build_inner_optimizer(
     Args:
         optimizer: the checked optimizer class (or partial).
         shards: one fp32 master shard per group, as ``nn.Parameter`` with ``.grad`` set.
-        group_options: per group, the user's hyperparameters (``lr``, ``weight_decay``, ...).
+        group_options: per group, the user's hyperparameters (``lr``, ``weight_decay``, ...);
+            ``fused=None``/``foreach=None`` in them are dropped, so ``defaults`` decide.
         defaults: keyword arguments for the optimizer (its defaults for every group).
     """
     groups = [
-        {**options, "params": [shard]} for shard, options in zip(shards, group_options, strict=True)
+        {**_without_unchosen(options), "params": [shard]}
+        for shard, options in zip(shards, group_options, strict=True)
     ]
     try:
         return optimizer(groups, **defaults)

@@ -176,9 +176,13 @@ class Stage2Reducer(GradReducer):
     Each backward pass reduces every bucket exactly once: a bucket is reduce-scattered as
     soon as all its params have their gradient and every bucket before it in ``order`` was
     launched; the end-of-backward callback zero-fills params that got no gradient and
-    launches the rest. At world size 1 there is nothing to reduce: gradients are written
-    straight into the fp32 gradient shard (copied in the window's first backward pass,
-    added afterwards).
+    launches the rest. Under reentrant activation checkpointing (``use_reentrant=True``)
+    each checkpointed segment runs its own backward pass inside the outer one; the
+    callback runs at the end of the outer one only (a param used in two segments gets two
+    gradients in one backward pass: an error, as in DeepSpeed's ZeRO-2).
+
+    At world size 1 there is nothing to reduce: gradients are written straight into the
+    fp32 gradient shard (copied in the window's first backward pass, added afterwards).
     """
 
     def __init__(self, flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> None:
@@ -214,8 +218,10 @@ class Stage2Reducer(GradReducer):
         if slot in bucket.arrived or bucket.launched:
             raise RuntimeError(
                 "a gradient arrived twice for one param in one backward pass: an earlier "
-                "backward pass did not finish (it raised?). Call ZeroOptimizer.zero_grad() "
-                "before the next backward pass"
+                "backward pass did not finish (it raised?), or the param is used in two "
+                "segments of reentrant activation checkpointing (use_reentrant=True: each "
+                "segment delivers its own gradient; use use_reentrant=False or ZeRO stage 1). "
+                "Call ZeroOptimizer.zero_grad() before the next backward pass"
             )
         buffer = bucket.buffer if bucket.buffer is not None else self._acquire(bucket)
         dst = buffer[start:end].view(shape)
@@ -269,7 +275,16 @@ class Stage2Reducer(GradReducer):
         self.pool.inflight.append(InFlight(bucket, work, entry, out, mode))
 
     def _end_of_backward(self) -> None:
-        """Flush: zero-fill what got no gradient, launch every bucket not yet launched."""
+        """Flush: zero-fill what got no gradient, launch every bucket not yet launched.
+
+        At the end of a backward pass run inside another one's node (reentrant activation
+        checkpointing), defer to the end of the outer pass: flushing here would reduce every
+        bucket once per checkpointed segment.
+        """
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            node.register_hook(self._queue_on_outer_backward)
+            return
         self._callback_queued = False
         for pos in range(self.next_pos, len(self.order)):
             bucket = self.buckets[self.order[pos]]
@@ -290,6 +305,11 @@ class Stage2Reducer(GradReducer):
         self._recording = False
         self.backward_seen = True
         self.generation += 1
+
+    def _queue_on_outer_backward(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        """Post-hook of the node whose inner backward pass just ended: queue the flush on
+        the backward pass running that node."""
+        Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def set_order(self, order: list[int] | None) -> None:
         super().set_order(order)
@@ -346,15 +366,18 @@ class Stage2Reducer(GradReducer):
 
 
 class Stage1Reducer(GradReducer):
-    """ZeRO stage 1: params' ``.grad`` are views of one flat gradient buffer per group.
+    """ZeRO stage 1: one flat gradient buffer per group, in ``config.accumulation_dtype``.
 
-    Autograd accumulates into the views in place over the window's backward passes;
-    ``finish()`` reduce-scatters each bucket of the flat buffer into the fp32 gradient
-    shard. The hooks only note that a backward pass happened and re-attach the view when
-    autograd or the user replaced ``.grad`` by another tensor (its values are copied in).
+    When that is the params' dtype, their ``.grad`` are views of the buffer and autograd
+    accumulates into them in place over the window's backward passes; the hooks only note
+    that a backward pass happened and re-attach the view when autograd or the user
+    replaced ``.grad`` by another tensor (its values are copied in). Otherwise (fp32
+    accumulation of bf16/fp16 params) the hooks add each gradient into the buffer as it
+    arrives and free ``.grad``. ``finish()`` reduce-scatters each bucket of the flat buffer
+    into the fp32 gradient shard.
 
-    At world size 1 an fp32 group's flat buffer *is* its gradient shard (same layout), so
-    there is nothing to copy.
+    At world size 1 a flat buffer in fp32 *is* its group's gradient shard (same layout),
+    so there is nothing to copy.
     """
 
     def __init__(self, flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> None:
@@ -363,10 +386,13 @@ class Stage1Reducer(GradReducer):
         self.flat_grads: list[torch.Tensor] = []
         self.bucket_grads: dict[int, torch.Tensor] = {}
         self.views: list[list[torch.Tensor]] = []
+        dtypes = [config.accumulation_dtype(g.dtype) for g in flat.groups]
+        self._moved = {gi for gi, g in enumerate(flat.groups) if dtypes[gi] != g.dtype}
+        """Groups whose gradients the hooks add into the buffer (no ``.grad`` views)."""
         own = [
             gi
-            for gi, g in enumerate(flat.groups)
-            if not (self.world_size == 1 and g.dtype == torch.float32)
+            for gi in range(len(flat.groups))
+            if not (self.world_size == 1 and dtypes[gi] == torch.float32)
         ]
         # Full-size gradient buffers: one rank out of memory must not leave the others
         # waiting in the first reduce-scatter.
@@ -375,15 +401,15 @@ class Stage1Reducer(GradReducer):
                 own,
                 allocate_agreed(
                     [
-                        lambda g=flat.groups[gi]: empty_buffer(g.layout.numel, g.dtype, g.device)
+                        lambda g=flat.groups[gi], dtype=dtypes[gi]: empty_buffer(
+                            g.layout.numel, dtype, g.device
+                        )
                         for gi in own
                     ],
                     flat.groups[0].device,
                     control_group(flat.deciders),
                     what="the stage 1 gradient buffers",
-                    nbytes=sum(
-                        flat.groups[gi].layout.numel * flat.groups[gi].dtype.itemsize for gi in own
-                    ),
+                    nbytes=sum(flat.groups[gi].layout.numel * dtypes[gi].itemsize for gi in own),
                     after="the params keep their values",
                 ),
                 strict=True,
@@ -421,18 +447,24 @@ class Stage1Reducer(GradReducer):
         self._register(self._hook_args)
 
     def _attach(self) -> None:
-        for group, views in zip(self.flat.groups, self.views, strict=True):
+        for gi, (group, views) in enumerate(zip(self.flat.groups, self.views, strict=True)):
+            if gi in self._moved:
+                continue
             for param, view in zip(group.params, views, strict=True):
                 grad = param.grad
                 if grad is None or grad.data_ptr() != view.data_ptr():
                     param.grad = view
 
     def _hook_args(self, gi: int, slot_index: int, state: BucketState) -> tuple:
-        return (self.views[gi][slot_index],)
+        return (self.views[gi][slot_index], gi in self._moved)
 
-    def _hook(self, view: torch.Tensor, param: nn.Parameter) -> None:
+    def _hook(self, view: torch.Tensor, moved: bool, param: nn.Parameter) -> None:
         grad = param.grad
-        if grad is not None and grad.data_ptr() != view.data_ptr():
+        if moved:
+            if grad is not None:
+                view.add_(grad)  # summed in the buffer's (higher) precision
+                param.grad = None
+        elif grad is not None and grad.data_ptr() != view.data_ptr():
             view.copy_(grad)
             param.grad = view
             self._detached = True

@@ -25,6 +25,7 @@ from ..comm import all_gather_buckets_from_own_slices, raise_if_any_failed, rank
 from ..config import FlattenConfig
 from ..flatten import FlatParams
 from ..gcpause import paused_gc
+from .agreement import setup_fields
 from .config import LossScaleConfig, ZeroConfig
 from .gather import full_param, full_params
 from .inner import (
@@ -42,17 +43,6 @@ from .state import GroupState, ShardedOptimizerState, check_loadable
 __all__ = ["ZeroOptimizer"]
 
 logger = logging.getLogger(__name__)
-
-
-def _setup_fields(
-    config: ZeroConfig, optimizer_cls: type, defaults: dict[str, Any]
-) -> dict[str, str]:
-    """What every rank's optimizer setup must agree on (see ``check_same_everywhere``)."""
-    return {
-        "ZeroConfig": repr(config),
-        "optimizer": optimizer_cls.__qualname__,
-        "optimizer arguments": repr(sorted(defaults.items())),
-    }
 
 
 def _with_stage(config: ZeroConfig | None, stage: int | None) -> ZeroConfig:
@@ -106,9 +96,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         elementwise_optimizer: ``True`` vouches that an optimizer class flatzero does not
             know updates each element from its own gradient and state only.
         **defaults: keyword arguments of the optimizer (``lr=...``, ``betas=...``, ...).
-            Unless they choose ``fused`` or ``foreach``, the optimizer's fused kernel is
-            used where it has one for the device (Adam, AdamW, SGD, Adagrad): it steps
-            the flat shard in one pass; pass ``fused=False`` to opt out.
+            Unless they (or a group's options) give ``fused`` or ``foreach`` a value other
+            than ``None``, the optimizer's fused kernel is used where it has one for the
+            device (Adam, AdamW, SGD, Adagrad): it steps the flat shard in one pass; pass
+            ``fused=False`` to opt out.
 
     Attributes:
         flat: the ``FlatParams`` (buckets, layout, master shards).
@@ -135,7 +126,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             params,
             optimizer,
             defaults,
-            _setup_fields(config, optimizer_cls, defaults),
+            setup_fields(config, optimizer_cls, {**getattr(optimizer, "keywords", {}), **defaults}),
             process_group=process_group,
             flatten_config=flatten_config,
         )
@@ -151,11 +142,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             master = nn.Parameter(group.master, requires_grad=True)
             master.grad = grad
             self._masters.append(master)
+        options = [g.options for g in flat.groups]
         self.inner = build_inner_optimizer(
             optimizer,
             self._masters,
-            [g.options for g in flat.groups],
-            with_fused_default(optimizer, defaults, flat.groups[0].device),
+            options,
+            with_fused_default(optimizer, defaults, options, flat.groups[0].device),
         )
         self._scaler = _loss_scaler(config, flat)
         self._reducer: GradReducer = make_reducer(flat, self._grads, config)

@@ -38,6 +38,7 @@ SET_ELSEWHERE: Mapping[tuple[type, str], str] = {
     (ZeroConfig, "stage"): "zero_optimization.stage",
     (ZeroConfig, "max_grad_norm"): "gradient_clipping",
     (ZeroConfig, "reduce_dtype"): "communication_data_type",
+    (ZeroConfig, "grad_accum_dtype"): "data_types.grad_accum_dtype",
     (ZeroConfig, "loss_scale"): "fp16 / bf16",
 }
 """Fields that are not keys of the section, and the DeepSpeed key that sets each."""

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 __all__ = [
     "ADAM_KEYS",
+    "DATA_TYPES_NO_EFFECT",
     "SGD_KEYS",
     "STAGE3_KEYS",
     "TOP_NO_EFFECT",
@@ -130,7 +131,6 @@ TOP_NO_EFFECT: Mapping[str, str] = {
     "sparse_gradients": "no effect",
     "disable_allgather": "no effect",
     "seq_parallel_communication_data_type": "no sequence parallelism",
-    "data_types": "gradients accumulate in the fp32 shard (stage 2) or the param dtype",
     "use_data_before_expert_parallelism": "no expert parallelism",
     "use_node_local_storage": "no effect",
     "disable_python_gc": "no effect",
@@ -141,6 +141,13 @@ TOP_NO_EFFECT: Mapping[str, str] = {
     "pipeline": "no pipeline parallelism",
 }
 """Top-level keys accepted without effect, and why."""
+
+DATA_TYPES_NO_EFFECT: Mapping[str, str] = {
+    "param_dtype": "trainable params take the bf16/fp16 training dtype",
+    "buffer_dtype": "flatzero casts only the trainable params; buffers keep their dtype",
+    "keep_in_fp32_modules": "flatzero casts only the trainable params; buffers keep their dtype",
+}
+"""``data_types`` keys accepted without effect (``grad_accum_dtype`` is parsed), and why."""
 
 ZERO_REFUSED: tuple[Refusal, ...] = (
     Refusal("offload_optimizer", _offload_active, "it asks to offload the optimizer", _OFFLOAD_FIX),

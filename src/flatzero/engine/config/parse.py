@@ -15,7 +15,7 @@ from .keys import TOP_NO_EFFECT, TOP_REFUSED
 from .optimizer import parse_optimizer, parse_scheduler
 from .reader import Section, load_config_dict
 from .schema import EngineConfig, FlatzeroSection, PrecisionSection
-from .sections import parse_batch, parse_precision, parse_zero
+from .sections import parse_batch, parse_data_types, parse_precision, parse_zero
 
 __all__ = ["parse_config"]
 
@@ -99,6 +99,7 @@ def parse_config(config: Any, *, world_size: int) -> EngineConfig:
     batch = parse_batch(top, world_size)
     zero, ds_bucket = parse_zero(top)
     precision = parse_precision(top)
+    grad_accum_dtype = parse_data_types(top, precision, zero.stage)
     optimizer = parse_optimizer(top)
     scheduler = parse_scheduler(top)
     keys = _read_top_keys(top)
@@ -113,6 +114,7 @@ def parse_config(config: Any, *, world_size: int) -> EngineConfig:
             stage=max(1, zero.stage),
             max_grad_norm=keys.gradient_clipping,
             reduce_dtype=keys.reduce_dtype,
+            grad_accum_dtype=grad_accum_dtype,
             loss_scale=precision.loss_scale,
             **flatzero[ZeroConfig],
         ),

@@ -3,14 +3,25 @@ config, with DeepSpeed's rules."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
+import torch
+
+from ...dtypes import dtype_name
 from ...optim import LossScaleConfig
-from .keys import STAGE3_KEYS, ZERO_MAIN_KEYS, ZERO_NO_EFFECT, ZERO_REFUSED
+from .keys import DATA_TYPES_NO_EFFECT, STAGE3_KEYS, ZERO_MAIN_KEYS, ZERO_NO_EFFECT, ZERO_REFUSED
 from .reader import Section
 from .schema import BatchConfig, PrecisionSection, ZeroSection
 
-__all__ = ["parse_batch", "parse_precision", "parse_zero"]
+__all__ = ["parse_batch", "parse_data_types", "parse_precision", "parse_zero"]
+
+ACCUM_DTYPES: Mapping[str, torch.dtype] = {
+    **dict.fromkeys(("fp32", "float32", "float", "torch.float32"), torch.float32),
+    **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), torch.bfloat16),
+    **dict.fromkeys(("fp16", "float16", "half", "torch.float16"), torch.float16),
+}
+"""``data_types.grad_accum_dtype`` names, as DeepSpeed's ``DtypeEnum`` spells them."""
 
 
 def parse_batch(top: Section, world_size: int) -> BatchConfig:
@@ -224,3 +235,53 @@ def parse_precision(top: Section) -> PrecisionSection:
         scale = LossScaleConfig(init_scale=1.0, dynamic=False) if check else None
         return PrecisionSection("bf16", scale)
     return PrecisionSection("fp32", None)
+
+
+def _grad_accum_dtype(
+    types: Section, precision: PrecisionSection, stage: int
+) -> torch.dtype | None:
+    """``grad_accum_dtype`` as ``ZeroConfig.grad_accum_dtype``: fp32 at any stage; the
+    training dtype at stages 0 and 1, where it is what flatzero does anyway (``None``).
+
+    Raises:
+        UnsupportedFeatureError: another dtype, or the training dtype at stage 2 (flatzero's
+            stage 2 sums in the fp32 gradient shard; DeepSpeed would sum in that dtype).
+    """
+    name = types.choice("grad_accum_dtype", None, tuple(ACCUM_DTYPES))
+    if name is None:
+        return None
+    dtype = ACCUM_DTYPES[name]
+    if dtype == torch.float32:
+        return dtype
+    training = precision.torch_dtype or torch.float32
+    fix = "set it to 'fp32' (or remove it)"
+    if dtype != training:
+        raise types.unsupported(
+            "grad_accum_dtype",
+            name,
+            f"flatzero accumulates gradients in fp32 or in the training dtype "
+            f"({dtype_name(training)}, from bf16/fp16.enabled), not in {dtype_name(dtype)}",
+            fix,
+            f"{dtype_name(dtype)} gradient accumulation",
+        )
+    if stage == 2:
+        raise types.unsupported(
+            "grad_accum_dtype",
+            name,
+            "flatzero's ZeRO stage 2 accumulates gradients in the fp32 gradient shard "
+            f"(1/world_size of the model), never in {dtype_name(dtype)}",
+            fix,
+            f"{dtype_name(dtype)} gradient accumulation at ZeRO stage 2",
+        )
+    return None
+
+
+def parse_data_types(top: Section, precision: PrecisionSection, stage: int) -> torch.dtype | None:
+    """``data_types``: the dtype gradients accumulate in (``ZeroConfig.grad_accum_dtype``),
+    as DeepSpeed honours ``grad_accum_dtype``; the keys without effect are listed."""
+    types = top.section("data_types")
+    dtype = _grad_accum_dtype(types, precision, stage)
+    for name, reason in DATA_TYPES_NO_EFFECT.items():
+        types.no_effect(name, reason)
+    types.finish(unknown="ignore")
+    return dtype
