@@ -34,7 +34,8 @@ class FlattenConfig:
         staging_buffers: number of pinned host staging buffers the ``host`` and
             ``offload`` tiers cycle through (>= 2 overlaps the host fill with the copy).
         host_threads: intra-op CPU threads per rank while flattening; ``None`` means the
-            rank's share of the cores (cores / ``LOCAL_WORLD_SIZE``), never more.
+            rank's share of its host's cores (``flatten.threads.core_share``: usable
+            cores over the ranks on the host, counted through the process group).
         build_master: also build this rank's fp32 master shard of every group.
         progress: show a progress bar on rank 0 when init takes more than two seconds.
         dtype: cast every trainable param to this floating dtype (``"bfloat16"``, a
