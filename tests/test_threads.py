@@ -23,6 +23,7 @@ from flatzero import control as control_module
 from flatzero.flatten import api, threads
 from flatzero.flatten.threads import (
     LAUNCHER_LOCAL_SIZES,
+    CoreShare,
     cgroup_cpu_quota,
     core_share,
     init_threads,
@@ -140,6 +141,34 @@ def test_review23_item1_usable_cores_are_capped_by_the_quota(monkeypatch):
     assert usable_cores() == cores
     monkeypatch.setattr(threads, "cgroup_cpu_quota", lambda: None)
     assert usable_cores() == cores
+
+
+def test_review23_item1_the_quota_bounds_the_share(monkeypatch):
+    monkeypatch.setattr(threads, "cgroup_cpu_quota", lambda: 1.5)
+    share = core_share(None)
+    assert (share.threads, share.quota_cores, share.ranks_on_host) == (1, 1.5, 1)
+    assert share.affinity_cores == len(os.sched_getaffinity(0))
+
+
+def test_review23_item1_the_report_says_how_the_share_was_derived():
+    share = CoreShare(
+        threads=3,
+        affinity_cores=16,
+        quota_cores=12.5,
+        ranks_on_host=4,
+        ranks_sharing_cores=4,
+        launcher_says="LOCAL_SIZE=4",
+    )
+    assert share.describe() == (
+        "3 thread(s) per rank (16 cores in affinity / 4 rank(s) sharing them; quota 12.5 "
+        "cores / 4 rank(s) on host; launcher: LOCAL_SIZE=4)"
+    )
+    flat = flatten_parameters(nn.Linear(4, 4), config=FlattenConfig(progress=False))
+    report = flat.report
+    assert f"threads={report.host_threads} (share: {report.core_share.describe()})" in (
+        report.summary()
+    )
+    assert report.to_dict()["core_share"]["ranks_on_host"] == 1
 
 
 # ------------------------------------------------- ranks counted, not read from env
