@@ -350,3 +350,19 @@ def test_review23_item3_transformers_loads_both_files(tmp_path):
         theirs = loaded.state_dict()
         assert all(torch.equal(theirs[k], v) for k, v in model.state_dict().items()), name
     engine.destroy()
+
+
+def test_review23_item3_extra_state_is_pickled_or_refused(tmp_path):
+    from flatzero.checkpoint.weights16 import plan_weights, write_weights
+
+    bucket = torch.arange(8, dtype=torch.float32)
+    state = {"w": bucket[2:6].view(2, 2), "extra": {"step": 3}, "b": torch.ones(2)}
+    plan = plan_weights(state, [bucket])
+    assert [len(b.tensors) for b in plan.blocks] == [1, 1] and plan.blocks[0].source is bucket
+    write_weights(tmp_path / "w.bin", plan)
+    loaded = torch.load(tmp_path / "w.bin", weights_only=True)
+    assert list(loaded) == ["w", "extra", "b"] and loaded["extra"] == {"step": 3}
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"])
+    with pytest.raises(TypeError, match=r"values that are not tensors \(\['extra'\]\)"):
+        write_weights(tmp_path / "w.safetensors", plan)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.bin"]

@@ -59,7 +59,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _SAFETENSORS_METADATA = {"format": "pt"}
-"""What transformers writes into (and requires of) a safetensors weights file."""
+"""The metadata transformers writes into a safetensors weights file."""
 
 
 @dataclass(frozen=True)

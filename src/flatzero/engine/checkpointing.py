@@ -68,8 +68,9 @@ class EngineCheckpoints:
 
         Collective: call it on every rank. Rank 0 writes the file from its own flat
         buffers (every rank holds all params), bucket by bucket through host memory: no
-        collective, no device memory, at most one bucket (or the largest tensor outside
-        the buckets) of extra host memory (``flatzero.checkpoint.weights16``). The other
+        collective, at most one bucket (or the largest tensor outside the buckets) of
+        extra host memory, no device memory but for a non-contiguous tensor outside the
+        buckets (``flatzero.checkpoint.weights16``). The other
         ranks wait on the control group (gloo, no NCCL watchdog) until it is written; an
         error on rank 0 is raised on every rank. The file appears only complete.
 
