@@ -356,13 +356,24 @@ def test_review23_item3_extra_state_is_pickled_or_refused(tmp_path):
     from flatzero.checkpoint.weights16 import plan_weights, write_weights
 
     bucket = torch.arange(8, dtype=torch.float32)
-    state = {"w": bucket[2:6].view(2, 2), "extra": {"step": 3}, "b": torch.ones(2)}
+    state = {
+        "w": bucket[2:6].view(2, 2),
+        "extra": {"step": 3},
+        "scalar": torch.tensor(5),
+        "empty": torch.ones(0, 3),
+        "t": torch.arange(6.0).view(2, 3).t(),  # not contiguous
+    }
     plan = plan_weights(state, [bucket])
-    assert [len(b.tensors) for b in plan.blocks] == [1, 1] and plan.blocks[0].source is bucket
+    assert [len(b.tensors) for b in plan.blocks] == [1, 1, 1, 1] and plan.blocks[0].source is bucket
     write_weights(tmp_path / "w.bin", plan)
     loaded = torch.load(tmp_path / "w.bin", weights_only=True)
-    assert list(loaded) == ["w", "extra", "b"] and loaded["extra"] == {"step": 3}
-    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"])
+    assert list(loaded) == list(state) and loaded["extra"] == {"step": 3}
+    for key in ("w", "scalar", "empty", "t"):
+        assert torch.equal(loaded[key], state[key]) and loaded[key].shape == state[key].shape
     with pytest.raises(TypeError, match=r"values that are not tensors \(\['extra'\]\)"):
         write_weights(tmp_path / "w.safetensors", plan)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.bin"]
+    del state["extra"]
+    write_weights(tmp_path / "w.safetensors", plan_weights(state, [bucket]))
+    loaded = load_file(tmp_path / "w.safetensors")
+    assert all(torch.equal(loaded[k], v) and loaded[k].shape == v.shape for k, v in state.items())
