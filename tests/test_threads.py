@@ -172,9 +172,9 @@ def test_review23_item1_the_report_says_how_the_share_was_derived():
 
 
 # ------------------------------------------------- ranks counted, not read from env
-@pytest.mark.parametrize("name", [name for name, _ in LAUNCHER_LOCAL_SIZES])
+@pytest.mark.parametrize("name", LAUNCHER_LOCAL_SIZES)
 def test_review23_item1_launcher_variables_are_only_a_cross_check(name, monkeypatch, caplog):
-    for other, _ in LAUNCHER_LOCAL_SIZES:
+    for other in LAUNCHER_LOCAL_SIZES:
         monkeypatch.delenv(other, raising=False)
     monkeypatch.setenv(name, "8")
     with caplog.at_level(logging.WARNING, logger=threads.__name__):

@@ -62,11 +62,11 @@ _PROC_CGROUP = Path("/proc/self/cgroup")
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 LAUNCHER_LOCAL_SIZES = (
-    ("LOCAL_WORLD_SIZE", "torchrun"),
-    ("LOCAL_SIZE", "the DeepSpeed launcher"),
-    ("OMPI_COMM_WORLD_LOCAL_SIZE", "Open MPI's mpirun"),
-    ("MPI_LOCALNRANKS", "MPICH / Intel MPI"),
-    ("SLURM_NTASKS_PER_NODE", "Slurm (--ntasks-per-node)"),
+    "LOCAL_WORLD_SIZE",  # torchrun
+    "LOCAL_SIZE",  # the DeepSpeed launcher
+    "OMPI_COMM_WORLD_LOCAL_SIZE",  # Open MPI's mpirun
+    "MPI_LOCALNRANKS",  # MPICH, Intel MPI
+    "SLURM_NTASKS_PER_NODE",  # srun --ntasks-per-node
 )
 """The variables in which launchers say how many ranks they started on this node, in
 the order they are read (torchrun under srun: ``LOCAL_WORLD_SIZE`` first). Compared with
@@ -247,7 +247,7 @@ def host_identity() -> str:
 
 def launcher_local_size() -> tuple[str, int] | None:
     """The first of ``LAUNCHER_LOCAL_SIZES`` set to an integer, as (name, value)."""
-    for name, _ in LAUNCHER_LOCAL_SIZES:
+    for name in LAUNCHER_LOCAL_SIZES:
         value = os.environ.get(name, "")
         if value.isdigit():
             return name, int(value)
@@ -274,8 +274,8 @@ def _share(cores: int, quota: float | None, on_host: int, sharing: int) -> int:
     return max(1, min(by_affinity, math.floor(quota / on_host)))
 
 
-def _cross_check(share: CoreShare) -> None:
-    launcher = launcher_local_size()
+def _cross_check(share: CoreShare, launcher: tuple[str, int] | None) -> None:
+    """Log a warning when the launcher's count of ranks on this node is not the count."""
     if launcher is not None and launcher[1] != share.ranks_on_host:
         logger.warning(
             "%s=%d says %d rank(s) run on this host; flatzero counted %d of its process "
@@ -308,7 +308,7 @@ def core_share(group: dist.ProcessGroup | None) -> CoreShare:
         ranks_sharing_cores=sharing,
         launcher_says=f"{launcher[0]}={launcher[1]}" if launcher else None,
     )
-    _cross_check(share)
+    _cross_check(share, launcher)
     return share
 
 
