@@ -17,7 +17,9 @@ accelerator like any other (``torch.device("emu", 0)``, ``torch.get_device_modul
   a Python backend on index 0): each rank sees one device, as under a launcher that
   gives each rank one GPU (``CUDA_VISIBLE_DEVICES`` per rank);
 - streams and events that exist and order nothing: everything runs synchronously;
-- collectives: a process-group backend wrapping gloo over CPU aliases of the same bytes.
+- collectives: a process-group backend wrapping gloo over CPU aliases of the same bytes;
+- ``module.to(name)`` swaps parameters in place (``torch.__future__``'s
+  ``set_swap_module_params_on_conversion``), so tied weights stay tied, as with CUDA.
 
 Known limits (do not read more into a test on it): every op is synchronous, so a missing
 stream wait is never caught; there is no pinned host memory (``pin_memory()`` raises once
@@ -205,9 +207,21 @@ def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     d.copy_(s)
 
 
+def _dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether sizes and strides cover their bytes exactly once, in some dimension order."""
+    expected = 1
+    for s, st in sorted(zip(size, stride, strict=True), key=lambda d: d[1]):
+        if s == 1:
+            continue
+        if st != expected:
+            return False
+        expected *= s
+    return True
+
+
 def _to_emulated(cpu: torch.Tensor, index: int) -> torch.Tensor:
     """A new emulated tensor with ``cpu``'s values, sizes and (dense) strides."""
-    dense = cpu.is_non_overlapping_and_dense()
+    dense = _dense(tuple(cpu.shape), tuple(cpu.stride()))
     stride = tuple(cpu.stride()) if dense else _contiguous_strides(tuple(cpu.shape))
     out = _empty_on(index, tuple(cpu.shape), stride, cpu.dtype)
     _cpu_alias(out).copy_(cpu)
@@ -788,6 +802,10 @@ def install(
         fallback.fallback(_fallback, dispatch_key="PrivateUse1", with_keyset=True)
         _LIBRARIES.extend([impl, fallback])
         dist.Backend.register_backend(_STATE.backend_name, _GlooOverAliases, devices=[name])
+        # torch counts no PrivateUse1 tensor shallow-copy compatible with a host one, so
+        # ``module.to(name)`` would give each module a new Parameter and untie tied weights;
+        # swapping (torch's announced future default) keeps every Parameter object.
+        torch.__future__.set_swap_module_params_on_conversion(True)
     except Exception as e:  # pragma: no cover - depends on the torch build
         _STATE = None
         raise EmulationUnavailable(
