@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import faulthandler
-import os
+import hashlib
 import resource
 import signal
 import weakref
@@ -116,9 +116,10 @@ def _error_of(fn) -> str:
 
 
 def _file_size_limit(limit: int | None) -> None:
-    """Writes beyond ``limit`` bytes fail with EFBIG (None: no limit again)."""
-    soft = resource.RLIM_INFINITY if limit is None else limit
-    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    """Writes beyond ``limit`` bytes fail (EFBIG, or SIGXFSZ unless it is ignored); None:
+    back to the hard limit."""
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard if limit is None else limit, hard))
 
 
 def _leftovers(directory: Path) -> list[str]:
@@ -219,7 +220,9 @@ def _killed_mid_write(rank: int, ws: int, root: str, name: str) -> None:
     """Save once, then again with a file size limit whose signal kills the process."""
     engine, _ = _engine("fp32", ws, steps=1)
     engine.save_16bit_model(root, name)
-    size = (Path(root) / name).stat().st_size
+    first = (Path(root) / name).read_bytes()
+    (Path(root) / "first.sha256").write_text(hashlib.sha256(first).hexdigest())
+    size = len(first)
     train(engine, rank, ws, steps=1)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
@@ -232,9 +235,9 @@ def test_review23_item3_process_killed_mid_write_leaves_the_old_file(tmp_path, n
     root = tmp_path / "killed"
     with pytest.raises(RuntimeError, match="rank 0"):
         run_ranks(_killed_mid_write, 1, str(root), name, timeout_s=60)
-    saved = _read(root / name)
-    assert "lm_head.weight" in saved  # the complete first file, not a part of the second
-    assert os.path.getsize(root / name) > 0
+    first = (root / "first.sha256").read_text()
+    assert hashlib.sha256((root / name).read_bytes()).hexdigest() == first  # the old file
+    assert "lm_head.weight" in _read(root / name)
     assert [p for p in _leftovers(root) if name in p]  # the killed write's temporary file
 
 
