@@ -12,7 +12,8 @@ import torch
 
 from flatzero.config import DEFAULT_BUCKET_NUMEL
 from flatzero.engine.config import EngineConfig, parse_config
-from flatzero.optim import LossScaleConfig
+from flatzero.engine.errors import UnsupportedFeatureError
+from flatzero.optim import LossScaleConfig, ZeroConfig
 
 B = {"train_micro_batch_size_per_gpu": 2}
 
@@ -670,6 +671,75 @@ def test_keys_without_effect_are_listed():
         "some_new_deepspeed_key",
     ]
     assert "some_new_deepspeed_key (unknown key; no effect)" in cfg.ignored_summary()
+
+
+def _accum(stage: int, value: str, precision: str | None = "bf16") -> dict:
+    """A config at ``stage`` with ``data_types.grad_accum_dtype: value`` (and ``precision``
+    enabled)."""
+    config = {**B, "zero_optimization": {"stage": stage}, "data_types": {"grad_accum_dtype": value}}
+    return {**config, precision: {"enabled": True}} if precision else config
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        (_accum(1, "fp32"), torch.float32),
+        (_accum(2, "fp32"), torch.float32),
+        (_accum(0, "torch.float32"), torch.float32),
+        (_accum(1, "float", "fp16"), torch.float32),
+        (_accum(1, "bf16"), None),  # the training dtype: stage 1 accumulates in it anyway
+        (_accum(1, "half", "fp16"), None),
+        ({**B, "bf16": {"enabled": True}, "data_types": {}}, None),
+    ],
+)
+def test_review23_item11_grad_accum_dtype_is_honoured(config, expected):
+    cfg = parse_config(config, world_size=1)
+    assert cfg.zero_optimizer.grad_accum_dtype == expected
+    assert not [k for k, _ in cfg.ignored if k.startswith("data_types")]
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            _accum(2, "bf16"),
+            "config key 'data_types.grad_accum_dtype' is 'bf16': flatzero's ZeRO stage 2 accumulates gradients in the fp32 gradient shard (1/world_size of the model), never in bfloat16; set it to 'fp32' (or remove it)",
+        ),
+        (
+            _accum(1, "fp16"),
+            "config key 'data_types.grad_accum_dtype' is 'fp16': flatzero accumulates gradients in fp32 or in the training dtype (bfloat16, from bf16/fp16.enabled), not in float16; set it to 'fp32' (or remove it)",
+        ),
+        (
+            _accum(1, "bf16", None),
+            "config key 'data_types.grad_accum_dtype' is 'bf16': flatzero accumulates gradients in fp32 or in the training dtype (float32, from bf16/fp16.enabled), not in bfloat16; set it to 'fp32' (or remove it)",
+        ),
+    ],
+)
+def test_review23_item11_grad_accum_dtype_it_cannot_honour_is_refused(config, message):
+    with pytest.raises(UnsupportedFeatureError) as info:
+        parse_config(config, world_size=1)
+    assert str(info.value) == message
+    assert info.value.key == "data_types.grad_accum_dtype"
+
+
+def test_review23_item11_other_data_types_keys_are_listed():
+    cfg = parse_config(
+        {
+            **B,
+            "bf16": {"enabled": True},
+            "data_types": {"param_dtype": "bf16", "buffer_dtype": "fp32", "new_key": 1},
+        },
+        world_size=1,
+    )
+    assert [k for k, _ in cfg.ignored] == [
+        "data_types.param_dtype",
+        "data_types.buffer_dtype",
+        "data_types.new_key",
+    ]
+    with pytest.raises(ValueError, match="it must be one of 'fp32'"):
+        parse_config(_accum(1, "int8"), world_size=1)
+    with pytest.raises(ValueError, match=r"ZeroConfig\.grad_accum_dtype is torch\.bfloat16"):
+        ZeroConfig(grad_accum_dtype=torch.bfloat16)
 
 
 def test_config_from_json_file(tmp_path):

@@ -191,6 +191,8 @@ def _client_optimizer(rank: int, ws: int) -> None:
         config=config,
     )
     assert type(opt.inner) is torch.optim.Adam and sched.optimizer is opt
+    # The client's fused=None/foreach=None chose nothing: the fused kernel (issue 23 item 10).
+    assert opt.inner.param_groups[0]["fused"] is True
     train(engine, rank, ws, steps=2)
     assert engine.get_lr() == [pytest.approx(1e-3 / 3)]
     engine.destroy()

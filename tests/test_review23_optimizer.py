@@ -260,8 +260,9 @@ def test_review23_item11_grad_accum_fp32_at_world_size_1():
     ref = fp32_accumulating_reference(1)
     honoured = rel_err(accumulate(0, 1, torch.float32), ref)
     in_bf16 = rel_err(accumulate(0, 1, None), ref)
+    print(f"world size 1: fp32 accumulation {honoured:.2e}, bf16 {in_bf16:.2e} relative error")
     assert honoured <= 1e-6, honoured  # the same sums, in the same order: fp32 rounding
-    assert in_bf16 >= 1e-4, in_bf16  # bf16 accumulation is measurably off: the test can fail
+    assert in_bf16 >= 5e-5, in_bf16  # bf16 accumulation is measurably off: the test can fail
 
 
 def test_review23_item11_grad_accum_fp32_at_world_size_2(ranks):
@@ -275,8 +276,10 @@ def test_review23_item11_grad_accum_fp32_at_world_size_2(ranks):
         assert item["engine"]["buffer_dtypes"] == [torch.float32]
         for name in ("fp32", "none"):
             assert "error" not in item[name], item[name]["error"]
-        assert rel_err(item["fp32"], ref) <= 1e-6, rel_err(item["fp32"], ref)
-        assert rel_err(item["none"], ref) >= 1e-4, rel_err(item["none"], ref)
+        honoured, in_bf16 = rel_err(item["fp32"], ref), rel_err(item["none"], ref)
+        print(f"world size 2: fp32 accumulation {honoured:.2e}, bf16 {in_bf16:.2e} relative error")
+        assert honoured <= 1e-6, honoured
+        assert in_bf16 >= 5e-5, in_bf16
 
 
 # ------------------------------------------------ item 12: reentrant checkpointing
@@ -328,6 +331,32 @@ def _train_reentrant(rank: int, stage: int) -> dict[str, Any]:
     }
     opt.close()
     return out
+
+
+def _param_in_two_segments(rank: int) -> dict[str, str]:
+    """Stage 2: a param used in two reentrant segments gets two gradients in one backward
+    pass; the error every rank raises (as DeepSpeed's ZeRO-2 refuses it)."""
+    model = Blocks(frozen_head=True)
+    opt = ZeroOptimizer(model.parameters(), stage=2, flatten_config=FLAT, lr=LR)
+    x = batches()[0, 0, rank].requires_grad_()
+    first = model.blocks[0]
+    h = checkpoint(_block, first, x, use_reentrant=True)
+    h = checkpoint(lambda t: _block(model.blocks[1], _block(first, t)), h, use_reentrant=True)
+    try:
+        h.sum().backward()
+        error = "no error"
+    except RuntimeError as e:
+        error = str(e)
+    opt.zero_grad()
+    opt.close()
+    return {"error_text": error}
+
+
+def test_review23_item12_param_in_two_reentrant_segments_is_refused_at_stage_2(ranks):
+    for out in ranks:
+        item = out["item12"]["two_segments"]
+        assert "error" not in item, item["error"]
+        assert "a gradient arrived twice for one param in one backward pass" in item["error_text"]
 
 
 def plain_adamw_reference() -> dict[str, torch.Tensor]:
@@ -382,7 +411,10 @@ def _worker(rank: int, world_size: int) -> bytes:
     out = {
         "item9": _guarded(_item9, rank),
         "item11": _guarded(_item11, rank),
-        "item12": {stage: _guarded(_train_reentrant, rank, stage) for stage in (1, 2)},
+        "item12": {
+            **{stage: _guarded(_train_reentrant, rank, stage) for stage in (1, 2)},
+            "two_segments": _guarded(_param_in_two_segments, rank),
+        },
     }
     buffer = io.BytesIO()  # tensors through a queue would need the child alive: serialize
     torch.save(out, buffer)

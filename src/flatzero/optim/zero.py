@@ -251,9 +251,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def flat_grad_buffers(self) -> list[torch.Tensor]:
-        """Stage 1: the flat gradient buffer of every group (params' ``.grad`` are views of
-        it; at world size 1 an fp32 group's buffer is its gradient shard). Stage 2: empty
-        (gradients live only in staging buffers and the shards)."""
+        """Stage 1: the flat gradient buffer of every group, in
+        ``config.accumulation_dtype`` of its params' dtype (params' ``.grad`` are views of it
+        when that is their dtype; at world size 1 an fp32 buffer is the group's gradient
+        shard). Stage 2: empty (gradients live only in staging buffers and the shards)."""
         return list(getattr(self._reducer, "flat_grads", []))
 
     def gradient_bytes(self) -> int:
@@ -389,9 +390,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new accumulation window (gradients so far are dropped).
 
-        Stage 2 params never hold ``.grad``. In stage 1 the ``.grad`` of every param stays
-        a view of the flat gradient buffer, which is zeroed in place whatever
-        ``set_to_none`` says (freeing it would free nothing: the buffer stays).
+        Stage 2 params never hold ``.grad``, nor do stage 1 params whose gradients
+        accumulate in another dtype (``ZeroConfig.grad_accum_dtype``). Otherwise in stage 1
+        the ``.grad`` of every param stays a view of the flat gradient buffer, which is
+        zeroed in place whatever ``set_to_none`` says (freeing it would free nothing: the
+        buffer stays).
         """
         self._end_window()
 
