@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import io
 from collections.abc import Callable
 from typing import Any
 
@@ -84,3 +85,15 @@ def host_copy(model: nn.Module) -> dict[str, torch.Tensor]:
 def unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> list[str]:
     """Names of the params whose values differ (bitwise) from ``before``."""
     return [n for n, p in model.named_parameters() if not torch.equal(p.detach().cpu(), before[n])]
+
+
+def packed(obj: Any) -> bytes:
+    """``obj`` (tensors included) as bytes a rank process can return (``torch.save``)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def unpacked(blob: bytes) -> Any:
+    """What ``packed`` packed."""
+    return torch.load(io.BytesIO(blob), weights_only=False)
