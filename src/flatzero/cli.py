@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     from .plan import cli as plan_cli
 
     plan_cli.add_info_arguments(info)
-    from .bench import doors, init_bench, load_bench, plan_bench, step
+    from .bench import device_memory, doors, init_bench, load_bench, plan_bench, step
     from .checkpoint import deepspeed_import, export
 
     def command(subparsers, name: str, help_text: str, add_arguments, run) -> None:
@@ -80,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
         ("load", load_bench),
         ("doors", doors),
         ("plan", plan_bench),
+        ("device-memory", device_memory),
     ):
         command(bench_sub, name, module.__doc__.splitlines()[0], module.add_arguments, module.run)
     return parser

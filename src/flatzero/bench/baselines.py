@@ -62,6 +62,8 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .. import accel
+from ..params import rebind_param
 from .ranks import sync
 
 __all__ = [
@@ -174,11 +176,12 @@ def deepspeed_partition_range(total_numel: int, rank: int, world_size: int) -> t
 def available_bytes(device: torch.device) -> int:
     """Free memory on ``device`` in bytes, as DeepSpeed's accelerator reports it.
 
-    CUDA: free bytes from ``torch.cuda.mem_get_info`` (the driver's count, as NVML's).
-    CPU: ``MemAvailable`` from ``/proc/meminfo`` (what ``psutil`` reports), else free pages.
+    An accelerator: free bytes from its ``mem_get_info`` (on CUDA the driver's count, as
+    NVML's). CPU: ``MemAvailable`` from ``/proc/meminfo`` (what ``psutil`` reports), else
+    free pages.
     """
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+    if accel.is_accelerator(device):
+        return accel.mem_get_info(device)[0]
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -190,8 +193,7 @@ def available_bytes(device: torch.device) -> int:
 
 
 def _empty_cache(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    accel.empty_cache(device)
 
 
 def _check_args(
@@ -222,7 +224,7 @@ def _place(groups: list[list[nn.Parameter]], device: torch.device) -> float:
     for group in groups:
         for p in group:
             if p.device != device:
-                p.data = p.data.to(device)
+                rebind_param(p, p.data.to(device))
                 moved += 1
     sync(device)
     if moved:
@@ -245,7 +247,7 @@ def _flatten_on_device(params: list[nn.Parameter], padded: int) -> tuple[torch.T
     flat = _flatten_dense_tensors([p.data for p in params] + _pad_tensor(pad, first)).detach()
     offset = 0
     for p, shape, n in zip(params, shapes, numels, strict=True):
-        p.data = flat.narrow(0, offset, n).view(shape)
+        rebind_param(p, flat.narrow(0, offset, n).view(shape))
         offset += n
     return flat, padded * first.element_size()
 
@@ -266,7 +268,7 @@ def _flatten_through_host(
             moved += data.numel() * es
         host.append(h)
         # DeepSpeed frees the device copy by pointing the param at a 1-element fp32 tensor.
-        p.data = torch.empty(1, device=data.device)
+        rebind_param(p, torch.empty(1, device=data.device))
         del data
     _empty_cache(device)
     metas = [torch.empty(h.shape, dtype=dtype, device="meta") for h in host]
@@ -279,7 +281,7 @@ def _flatten_through_host(
         moved += padded * es
     del flat_host
     for p, view in zip(params, _unflatten_dense_tensors(flat, metas), strict=True):
-        p.data = view.data
+        rebind_param(p, view.data)
     return flat, moved
 
 
@@ -313,14 +315,15 @@ class _GroupFlat:
 def _target_device(
     groups: list[list[nn.Parameter]], device: torch.device | str | None
 ) -> torch.device:
-    """``device``, else the first param's device, else the CPU; CUDA with its index."""
+    """``device``, else the first param's device, else the CPU; an accelerator with its
+    index."""
     first = next((p for g in groups for p in g), None)
     if device is None:
         dev = first.device if first is not None else torch.device("cpu")
     else:
         dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    if accel.is_accelerator(dev) and dev.index is None:
+        dev = torch.device(dev.type, accel.current_index(dev.type))
     return dev
 
 

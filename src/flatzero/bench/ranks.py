@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import accel
 from ..devices import local_device_index
 from .machine import usable_cores
 
@@ -12,9 +13,10 @@ __all__ = ["backend_for", "rank_device", "sync", "threads_per_rank"]
 
 
 def rank_device(kind: str) -> torch.device:
-    """This rank's device for ``kind`` (``"cuda"``: the rank's own GPU; else the CPU)."""
-    if kind == "cuda":
-        return torch.device("cuda", local_device_index("cuda"))
+    """This rank's device for ``kind`` (an accelerator type: the rank's own device of that
+    type; ``"cpu"``: the host)."""
+    if accel.is_accelerator(kind):
+        return torch.device(kind, local_device_index(kind))
     return torch.device("cpu")
 
 
@@ -29,6 +31,5 @@ def threads_per_rank(world_size: int) -> int:
 
 
 def sync(device: torch.device) -> None:
-    """Wait for the work queued on ``device`` (a no-op off CUDA)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """Wait for the work queued on ``device`` (a no-op for the host)."""
+    accel.synchronize(device)
