@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import accel
+
 if TYPE_CHECKING:
     from .flatten.threads import CoreShare
 
@@ -159,9 +161,8 @@ class ReportBuilder:
     _device_base: int = 0
 
     def __post_init__(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self._device_base = torch.cuda.memory_allocated(self.device)
+        accel.synchronize(self.device)
+        self._device_base = accel.memory_allocated(self.device)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -170,8 +171,7 @@ class ReportBuilder:
         try:
             yield
         finally:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            accel.synchronize(self.device)
             self.phase_seconds[name] += time.perf_counter() - t0
 
     def moved(self, kind: str, nbytes: int) -> None:
@@ -186,8 +186,8 @@ class ReportBuilder:
     def build(self, tier_reason: str, groups: list[GroupReport]) -> InitReport:
         """Freeze the report."""
         peak = None
-        if self.device.type == "cuda":
-            peak = max(0, torch.cuda.max_memory_allocated(self.device) - self._device_base)
+        if accel.is_accelerator(self.device):
+            peak = max(0, accel.max_memory_allocated(self.device) - self._device_base)
         return InitReport(
             rank=self.rank,
             world_size=self.world_size,
