@@ -428,7 +428,7 @@ ERRORS = [  # (config, world size, exception, exact message)
         {"train_micro_batch_size_per_gpu": 2, "flatzero": {"bucket_size": 5}},
         1,
         ValueError,
-        "config key 'flatzero.bucket_size' is not a key of 'flatzero' that DeepSpeed or flatzero knows (known: bucket_numel, device, elementwise_optimizer, host_huge_pages, host_threads, learn_bucket_order, param_sync, progress, reduce_staging_buffers, staging_buffers, tier); fix its spelling or remove it",
+        "config key 'flatzero.bucket_size' is not a key of 'flatzero' that DeepSpeed or flatzero knows (known: bucket_numel, device, elementwise_optimizer, host_huge_pages, host_threads, learn_bucket_order, param_sync, progress, reduce_staging_buffers, reduce_staging_bytes, staging_buffers, tier); fix its spelling or remove it",
         id="fz_key",
     ),
     pytest.param(
@@ -802,6 +802,7 @@ def test_flatzero_section_is_derived_from_the_dataclasses():
         "staging_buffers": 3,
         "progress": False,
         "reduce_staging_buffers": 4,
+        "reduce_staging_bytes": 2**20,
         "learn_bucket_order": False,
         "param_sync": "none",
         "elementwise_optimizer": True,

@@ -112,7 +112,7 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
         self._warned_zero_grad = False
         self._step_applied = False
         self._boundary: bool | None = None
-        self._global_grad_norm: float | None = None
+        self._global_grad_norm: torch.Tensor | None = None
         self._destroyed = False
         self._last_loss_time = time.perf_counter()
         optimizer.overflow = False  # DeepSpeed's ZeRO optimizers carry it
@@ -155,8 +155,10 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
     def get_global_grad_norm(self) -> float | None:
         """The global L2 norm of the averaged, unscaled gradient at the last optimizer step
         (before clipping; inf/nan for an fp16 overflow), as DeepSpeed computes it at every
-        step; None before the first step."""
-        return self._global_grad_norm
+        step; None before the first step. The step keeps it on the device: reading it here
+        is the host sync, paid only when it is asked for."""
+        norm = self._global_grad_norm
+        return None if norm is None else float(norm)
 
     # -------------------------------------------------------------------- training
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -202,7 +204,7 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
                 self._all_reduce_gradients()
             self._global_grad_norm = self._grad_norm_before_step()
             self.optimizer.step()
-            norm = self.optimizer.last_grad_norm
+            norm = self.optimizer.last_grad_norm_tensor
             if norm is not None:
                 self._global_grad_norm = norm
             self.optimizer.overflow = self.optimizer.last_step_skipped
@@ -227,14 +229,15 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
             self._report_progress()
         self.micro_steps += 1
 
-    def _grad_norm_before_step(self) -> float | None:
-        """The gradient norm when the optimizer's step will not compute it (no clipping, no
-        loss scaling): one more scalar all-reduce per step, as DeepSpeed pays."""
+    def _grad_norm_before_step(self) -> torch.Tensor | None:
+        """The gradient norm (on the device) when the optimizer's step will not compute it
+        (no clipping, no loss scaling): the step's one scalar all-reduce, as DeepSpeed
+        pays."""
         opt = self.optimizer
         if opt.config.max_grad_norm is not None or opt._scaler is not None:
             return None
         opt.reduce_gradients()
-        return float(opt._norm())
+        return opt._norm()
 
     def _all_reduce_gradients(self) -> None:
         """Stage 0: average the fp32 gradients of the window over all ranks."""

@@ -1,10 +1,18 @@
-"""Run-time bookkeeping of buckets during backward, and the staging buffer pool."""
+"""The geometry of gradient reduction (buckets, chunks) and the bounded staging pool.
+
+A bucket's gradient is reduced in *chunks*: contiguous runs of at most ``chunk_numel``
+elements that lie inside one rank's slice of the bucket, each summed onto that rank
+(``reduce`` to its owner). A chunk is complete as soon as the params that overlap it have
+their gradients, so chunks can be staged and reduced one by one during backward, and the
+staging memory is a fixed number of chunk-sized slots whatever the bucket size (a param
+larger than a chunk is reduced in several). ``staging_geometry`` turns
+``ZeroConfig.reduce_staging_bytes`` into the chunk size and the number of slots.
+"""
 
 from __future__ import annotations
 
-import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,10 +20,22 @@ import torch
 
 from ..flatten.alloc import empty
 from ..flatten.buffers import FlatGroup
+from ..layout import ParamSlot
 
-__all__ = ["BucketState", "StagingEntry", "StagingPool", "bucket_states", "empty_buffer"]
+__all__ = [
+    "BackwardPass",
+    "BucketState",
+    "InFlight",
+    "ReduceChunk",
+    "StagingPool",
+    "bucket_chunks",
+    "bucket_states",
+    "empty_buffer",
+    "staging_geometry",
+]
 
-logger = logging.getLogger(__name__)
+CHUNK_ALIGNMENT = 64
+"""Chunk sizes are rounded down to a multiple of this many elements (vectorized copies)."""
 
 
 def empty_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -24,112 +44,192 @@ def empty_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.
     return empty(numel, dtype, device)
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True)
 class BucketState:
-    """One bucket of one group, with the state of the backward pass in progress.
+    """One bucket of one group, as the reducers see it.
 
     Attributes:
-        index: position of the bucket in the default launch order (all groups, in layout
-            order, then buckets in layout order).
+        index: position of the bucket in the layout order (all groups in layout order,
+            then buckets in layout order).
         group: index of its group in ``FlatParams.groups``.
         bucket: index of the bucket within its group layout.
         numel: padded length of the bucket, in elements.
-        param_ranges: ``(start, end)`` of each param of the group's layout slots that lies
-            in this bucket, keyed by slot index.
-        gaps: ``(start, end)`` runs of padding inside the bucket.
         shard_view: this bucket's part of the group's fp32 gradient shard.
-        buffer: where gradients of the current backward pass are written (a staging buffer,
-            or ``shard_view`` itself at world size 1); ``None`` until the first arrives.
-        entry: the staging entry holding ``buffer`` (None at world size 1).
-        add: gradients are added into ``buffer`` instead of copied (world size 1, after the
-            first backward pass of an accumulation window).
-        arrived: slots whose gradient was written in the current backward pass.
-        complete: every param of the bucket has its gradient in ``buffer``.
-        launched: its reduction was started in the current backward pass.
-        valid: ``shard_view`` holds gradients of the current accumulation window; when
-            False, the next reduction overwrites it instead of adding to it.
     """
 
     index: int
     group: int
     bucket: int
     numel: int
-    param_ranges: dict[int, tuple[int, int]]
-    gaps: list[tuple[int, int]]
     shard_view: torch.Tensor
-    buffer: torch.Tensor | None = None
-    entry: StagingEntry | None = None
-    add: bool = False
-    arrived: set[int] = field(default_factory=set)
-    complete: bool = False
-    launched: bool = False
-    valid: bool = False
 
     @property
     def slice_numel(self) -> int:
         """Elements of the bucket each rank owns."""
         return self.shard_view.numel()
 
-    def reset_backward(self) -> None:
-        """Forget the backward pass in progress (its buffer goes back to the pool first)."""
-        self.buffer = None
-        self.entry = None
-        self.add = False
-        self.arrived.clear()
-        self.complete = False
-        self.launched = False
-
-    def missing_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """Views of ``buffer`` at the params that got no gradient in this backward pass."""
-        return [
-            buffer[start:end]
-            for slot, (start, end) in self.param_ranges.items()
-            if slot not in self.arrived and end > start
-        ]
-
 
 def bucket_states(groups: list[FlatGroup], grads: list[torch.Tensor]) -> list[BucketState]:
-    """One ``BucketState`` per bucket of every group, in the default launch order."""
+    """One ``BucketState`` per bucket of every group, in layout order."""
     states = []
     for gi, (group, grad) in enumerate(zip(groups, grads, strict=True)):
-        layout = group.layout
-        for b, bucket in enumerate(layout.buckets):
-            ranges = {i: (layout.slots[i].offset, layout.slots[i].end) for i in bucket.slots}
-            states.append(
-                BucketState(
-                    index=len(states),
-                    group=gi,
-                    bucket=b,
-                    numel=bucket.numel,
-                    param_ranges=ranges,
-                    gaps=layout.gaps(b),
-                    shard_view=grad[bucket.shard_offset : bucket.shard_offset + bucket.slice_numel],
-                )
-            )
+        for b, bucket in enumerate(group.layout.buckets):
+            start = bucket.shard_offset
+            view = grad[start : start + bucket.slice_numel]
+            states.append(BucketState(len(states), gi, b, bucket.numel, view))
     return states
 
 
-@dataclass(eq=False)
-class StagingEntry:
-    """A staging buffer for one bucket and the buffer its reduced slice lands in.
+@dataclass(frozen=True)
+class ReduceChunk:
+    """A run of one bucket inside one rank's slice: the unit of a reduction.
 
     Attributes:
-        stage: ``max bucket numel`` elements: a bucket's full gradient before reduction.
-        out: ``max slice numel`` elements: this rank's reduced slice, when it cannot land
-            in the gradient shard directly.
+        bucket: ``BucketState.index`` of its bucket.
+        owner: the rank whose slice holds it (the rank its sum goes to).
+        start: first element in the bucket.
+        end: one past the last element in the bucket.
+        shard_start: where it starts in the bucket's ``shard_view`` (on ``owner``).
+        params: ``(param id, first element in the param, offset in the chunk, numel)`` of
+            every param run inside the chunk, in offset order.
+        gaps: ``(start, end)`` runs of padding, relative to ``start``.
     """
 
-    stage: torch.Tensor
-    out: torch.Tensor
-    _gap_views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    bucket: int
+    owner: int
+    start: int
+    end: int
+    shard_start: int
+    params: tuple[tuple[int, int, int, int], ...]
+    gaps: tuple[tuple[int, int], ...]
 
-    def gap_views(self, bucket: BucketState) -> list[torch.Tensor]:
-        """Views of ``stage`` at ``bucket``'s padding (cached per bucket)."""
-        views = self._gap_views.get(bucket.index)
-        if views is None:
-            views = [self.stage[s:e] for s, e in bucket.gaps]
-            self._gap_views[bucket.index] = views
-        return views
+    @property
+    def numel(self) -> int:
+        """Elements in the chunk."""
+        return self.end - self.start
+
+
+def staging_geometry(
+    max_slice_numel: int, budget_bytes: int, buffers: int, itemsize: int
+) -> tuple[int, int]:
+    """``(chunk_numel, slots)`` for a staging budget.
+
+    A chunk is at most a rank's slice of the largest bucket and at most
+    ``budget_bytes / buffers`` (so ``buffers`` chunks can be in flight at once), rounded
+    down to a multiple of ``CHUNK_ALIGNMENT`` elements; the pool has as many chunk-sized
+    slots as fit in the budget. ``slots * chunk_numel * itemsize <= budget_bytes``.
+
+    Args:
+        max_slice_numel: elements of the largest bucket that one rank owns.
+        budget_bytes: ``ZeroConfig.reduce_staging_bytes``.
+        buffers: ``ZeroConfig.staging_buffers``.
+        itemsize: bytes per element of ``ZeroConfig.reduce_dtype``.
+    """
+    per_buffer = budget_bytes // (buffers * itemsize)
+    chunk = min(max_slice_numel, per_buffer // CHUNK_ALIGNMENT * CHUNK_ALIGNMENT)
+    return chunk, budget_bytes // (chunk * itemsize)
+
+
+def _gaps(runs: list[tuple[int, int, int, int]], numel: int) -> tuple[tuple[int, int], ...]:
+    """The padding of a chunk of ``numel`` elements around its param ``runs``."""
+    out, cursor = [], 0
+    for _, _, offset, length in runs:
+        if offset > cursor:
+            out.append((cursor, offset))
+        cursor = offset + length
+    if cursor < numel:
+        out.append((cursor, numel))
+    return tuple(out)
+
+
+def bucket_chunks(
+    state: BucketState,
+    slots: Sequence[ParamSlot],
+    members: Sequence[int],
+    first_param: int,
+    world_size: int,
+    chunk_numel: int,
+) -> list[ReduceChunk]:
+    """The chunks of a bucket, last first (the order backward produces gradients in).
+
+    Args:
+        state: the bucket.
+        slots: its group's ``GroupLayout.slots``.
+        members: indices into ``slots`` of the bucket's params, in offset order.
+        first_param: the param id of ``slots[0]`` (ids run over all groups).
+        world_size: ranks the bucket is sliced for.
+        chunk_numel: the most elements of a chunk.
+    """
+    row = state.numel // world_size
+    per_row = -(-row // chunk_numel)
+    bounds = [
+        (r * row + k * chunk_numel, min(r * row + (k + 1) * chunk_numel, (r + 1) * row))
+        for r in range(world_size)
+        for k in range(per_row)
+    ]
+    runs: list[list[tuple[int, int, int, int]]] = [[] for _ in bounds]
+    for index in members:
+        slot = slots[index]
+        pos = slot.offset
+        while pos < slot.end:
+            j = (pos // row) * per_row + (pos % row) // chunk_numel
+            lo, hi = bounds[j]
+            end = min(slot.end, hi)
+            runs[j].append((first_param + index, pos - slot.offset, pos - lo, end - pos))
+            pos = end
+    chunks = [
+        ReduceChunk(
+            bucket=state.index,
+            owner=j // per_row,
+            start=lo,
+            end=hi,
+            shard_start=lo - (j // per_row) * row,
+            params=tuple(found),
+            gaps=_gaps(found, hi - lo),
+        )
+        for j, ((lo, hi), found) in enumerate(zip(bounds, runs, strict=True))
+    ]
+    return chunks[::-1]
+
+
+@dataclass(eq=False)
+class BackwardPass:
+    """What one stage 2 backward pass has seen so far (a new one for every pass).
+
+    Attributes:
+        pending: per chunk in launch order, the params overlapping it whose gradient is
+            still expected.
+        unstaged: per param id, its chunks not staged yet.
+        held: gradients that arrived (flat, autograd's own tensors), by param id, until
+            all their chunks are staged.
+        arrived: params whose gradient arrived.
+        unused: params the pass will not reach: their gradient counts as zero.
+        cursor: position of the next chunk to launch.
+        task: the autograd graph task the pass started in.
+        nested: a gradient arrived from another graph task (a backward inside backward).
+        held_bytes: bytes of ``held``.
+    """
+
+    pending: list[int]
+    unstaged: list[int]
+    held: dict[int, torch.Tensor] = field(default_factory=dict)
+    arrived: set[int] = field(default_factory=set)
+    unused: set[int] = field(default_factory=set)
+    cursor: int = 0
+    task: int = -1
+    nested: bool = False
+    held_bytes: int = 0
+
+    def hold(self, param: int, grad: torch.Tensor) -> None:
+        """Keep ``param``'s flat gradient until its chunks are staged."""
+        self.held[param] = grad
+        self.held_bytes += grad.numel() * grad.element_size()
+
+    def release(self, param: int) -> None:
+        """Drop ``param``'s gradient (all its chunks are staged), if it was held."""
+        grad = self.held.pop(param, None)
+        if grad is not None:
+            self.held_bytes -= grad.numel() * grad.element_size()
 
 
 @dataclass(eq=False)
@@ -137,103 +237,72 @@ class InFlight:
     """A started reduction: its work handle and what to do when it is done.
 
     Attributes:
-        bucket: the bucket being reduced.
         work: the async collective's handle (None when it already ran).
-        entry: the staging entry it uses (returned to the pool when done).
-        out: where the reduced slice lands.
-        mode: ``"done"`` (landed in the shard), ``"copy"`` or ``"add"`` (``out`` is copied
-            or added into the bucket's shard view afterwards).
+        slot: the staging slot it uses (returned to the pool when done), if any.
+        dst: where the result lands on this rank (None: it lands nowhere here, or the
+            collective wrote it in place).
+        src: the result to land in ``dst``.
+        add: add ``src`` into ``dst`` instead of copying it.
     """
 
-    bucket: BucketState
     work: Any
-    entry: StagingEntry | None
-    out: torch.Tensor
-    mode: str
+    slot: torch.Tensor | None = None
+    dst: torch.Tensor | None = None
+    src: torch.Tensor | None = None
+    add: bool = False
 
 
 class StagingPool:
-    """Staging entries, a queue of reductions in flight, and the rule for reusing entries.
+    """A fixed number of chunk-sized staging slots and the reductions in flight.
 
-    Entries are created lazily up to ``size``; when none is free, the oldest reduction in
-    flight is finished to free one; when nothing is in flight (every entry is held by a
-    bucket still waiting for gradients), one more is allocated for this backward pass and
-    released again by ``trim``.
+    Slots are allocated when first needed, up to ``slots``, and never more: when every
+    slot is in use, the oldest reduction in flight is finished to free one. Only
+    reductions in flight hold slots, so there always is one to finish.
 
     Args:
-        size: entries kept between backward passes.
-        stage_numel: elements of each entry's ``stage`` buffer.
-        out_numel: elements of each entry's ``out`` buffer.
-        dtype: dtype of both buffers.
+        slots: the most slots.
+        slot_numel: elements of each slot.
+        dtype: their dtype.
         device: where they live.
-        finish: called with the oldest ``InFlight`` to complete it (wait, land the slice).
+        finish: called with the oldest ``InFlight`` to complete it (wait, land, release).
     """
 
     def __init__(
         self,
-        size: int,
-        stage_numel: int,
-        out_numel: int,
+        slots: int,
+        slot_numel: int,
         dtype: torch.dtype,
         device: torch.device,
         finish: Callable[[InFlight], None],
     ) -> None:
-        self.size = size
-        self.stage_numel = stage_numel
-        self.out_numel = out_numel
+        self.slots = slots
+        self.slot_numel = slot_numel
         self.dtype = dtype
         self.device = device
         self._finish = finish
-        self.free: list[StagingEntry] = []
-        self.created = 0
-        self.peak = 0
+        self.free: list[torch.Tensor] = []
+        self.allocated = 0
         self.inflight: deque[InFlight] = deque()
-        self.quiet = True
-        """Growing is expected before the launch order is learned: log it at debug level."""
-        self._warned = False
 
-    def _new_entry(self) -> StagingEntry:
-        self.created += 1
-        self.peak = max(self.peak, self.created)
-        return StagingEntry(
-            empty_buffer(self.stage_numel, self.dtype, self.device),
-            empty_buffer(self.out_numel, self.dtype, self.device),
-        )
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the slots allocated (they are kept until the optimizer is freed)."""
+        return self.allocated * self.slot_numel * self.dtype.itemsize
 
-    def acquire(self) -> StagingEntry:
-        """A free entry (see the class docstring for the rule)."""
-        if self.free:
-            return self.free.pop()
-        if self.created < self.size:
-            return self._new_entry()
-        if self.inflight:
+    def acquire(self) -> torch.Tensor:
+        """A free slot (see the class docstring for the rule)."""
+        if not self.free:
+            if self.allocated < self.slots:
+                self.allocated += 1
+                return empty_buffer(self.slot_numel, self.dtype, self.device)
             self._finish(self.inflight.popleft())
-            if self.free:
-                return self.free.pop()
-        if self.quiet:
-            logger.debug("staging pool grows to %d entries", self.created + 1)
-        elif not self._warned:
-            self._warned = True
-            logger.warning(
-                "flatzero stage 2: all %d staging buffers are held by buckets still waiting "
-                "for gradients (a param got no gradient in this backward pass, or gradients "
-                "arrive in another order than the layout's); allocating more for this pass. "
-                "Raise ZeroConfig.staging_buffers to keep them",
-                self.created,
-            )
-        return self._new_entry()
+        return self.free.pop()
 
-    def release(self, entry: StagingEntry) -> None:
-        """Give ``entry`` back."""
-        self.free.append(entry)
+    def release(self, slot: torch.Tensor) -> None:
+        """Give ``slot`` back."""
+        self.free.append(slot)
 
     def finish_all(self) -> None:
         """Complete every reduction in flight, oldest first."""
         while self.inflight:
             self._finish(self.inflight.popleft())
-
-    def trim(self) -> None:
-        """Free the entries allocated beyond ``size`` (all must be free)."""
-        while self.created > self.size and self.free:
-            self.free.pop()
-            self.created -= 1

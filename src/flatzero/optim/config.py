@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from .buckets import CHUNK_ALIGNMENT
 
 __all__ = ["LossScaleConfig", "ZeroConfig"]
 
 _REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+DEFAULT_REDUCE_STAGING_BYTES = 2**28
+"""Default gradient staging budget: 256 MiB (``ZeroConfig.reduce_staging_bytes``)."""
+
+_BYTES = {"unit": " (bytes)"}
 
 
 def _positive_int(owner: str, name: str, value: object) -> None:
@@ -88,9 +95,9 @@ class ZeroConfig:
     Attributes:
         stage: ZeRO stage. 1: full gradients live in one flat buffer per group (params'
             ``.grad`` are views of it unless ``grad_accum_dtype`` differs from their dtype),
-            reduce-scattered at ``step()``. 2: each gradient is copied into a
-            bucket-sized staging buffer and freed during backward; complete buckets are
-            reduce-scattered asynchronously into this rank's fp32 gradient shard.
+            reduced at ``step()``. 2: during backward each gradient leaves its param and
+            is staged chunk by chunk; every complete chunk is reduced asynchronously into
+            its owner's fp32 gradient shard.
         max_grad_norm: clip the global L2 norm of the (averaged, unscaled) gradient to this
             value at every step, as ``torch.nn.utils.clip_grad_norm_`` does; ``None`` does
             not clip (``ZeroOptimizer.clip_grad_norm_`` can still be called by hand).
@@ -106,11 +113,15 @@ class ZeroConfig:
             of 2) and its hooks add each param's gradient into it as it arrives and free
             ``.grad`` (those params hold no ``.grad`` after backward, as in stage 2); stage 2
             is unchanged. No other dtype.
-        staging_buffers: stage 2 staging buffers (each one bucket) kept for gradients in
-            flight; 2 overlaps filling one bucket with reducing the previous one. More are
-            allocated for a backward pass that needs them (a bucket left incomplete by a
-            param without gradient holds its buffer until the end of backward) and freed
-            after it.
+        staging_buffers: the fewest chunks ``reduce_staging_bytes`` is cut into, so that
+            this many reductions can be in flight at once (2 overlaps staging one chunk
+            with reducing the previous one).
+        reduce_staging_bytes: the most memory gradient staging ever holds, in bytes (in
+            ``reduce_dtype``; default 256 MiB). Gradients are reduced in chunks of at most
+            ``reduce_staging_bytes / staging_buffers`` bytes and one rank's slice of a
+            bucket (a larger param is reduced in several); the staging pool holds as many
+            chunk-sized slots as fit. The counterpart of DeepSpeed's ``reduce_bucket_size``
+            (which flatzero's DeepSpeed door maps to the bucket size instead).
         loss_scale: fp16 loss scaling; ``None`` enables the defaults when any param is fp16
             and disables scaling otherwise. Scaling with no fp16 param is allowed.
         learn_bucket_order: record in which order buckets complete during the first
@@ -124,6 +135,7 @@ class ZeroConfig:
     reduce_dtype: torch.dtype = torch.float32
     grad_accum_dtype: torch.dtype | None = None
     staging_buffers: int = 2
+    reduce_staging_bytes: int = field(default=DEFAULT_REDUCE_STAGING_BYTES, metadata=_BYTES)
     loss_scale: LossScaleConfig | None = None
     learn_bucket_order: bool = True
 
@@ -150,6 +162,14 @@ class ZeroConfig:
                 "in the params' dtype (None) or in fp32: pass None or torch.float32"
             )
         _positive_int("ZeroConfig", "staging_buffers", self.staging_buffers)
+        _positive_int("ZeroConfig", "reduce_staging_bytes", self.reduce_staging_bytes)
+        least = self.staging_buffers * CHUNK_ALIGNMENT * self.reduce_dtype.itemsize
+        if self.reduce_staging_bytes < least:
+            raise ValueError(
+                f"ZeroConfig.reduce_staging_bytes is {self.reduce_staging_bytes}; it must hold "
+                f"staging_buffers={self.staging_buffers} chunks of at least {CHUNK_ALIGNMENT} "
+                f"elements: at least {least} bytes"
+            )
         if self.loss_scale is not None and not isinstance(self.loss_scale, LossScaleConfig):
             raise TypeError(
                 f"ZeroConfig.loss_scale must be a LossScaleConfig or None, got "

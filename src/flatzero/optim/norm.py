@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 
 from ..comm import world_size_of
-from ..devices import collective_device
 
 __all__ = ["global_sq_norm"]
 
@@ -17,11 +16,13 @@ def global_sq_norm(shards: list[torch.Tensor], group: dist.ProcessGroup | None) 
     Every rank must call this with its own shards of the same groups. The result is inf or
     nan when any element anywhere is (which is how an fp16 overflow is detected). The
     squares are summed in float64 so that finite fp32 gradients never overflow the sum.
+
+    The sum stays on the shards' device and is all-reduced there, by the backend that
+    reduces the gradients themselves (NCCL for GPU shards of a ``cpu:gloo,cuda:nccl``
+    group): one collective, no copy to the host and no host sync.
     """
-    distributed = world_size_of(group) > 1
-    device = collective_device(group, shards[0].device) if distributed else shards[0].device
     norms = torch._foreach_norm(shards)
-    sq = torch.stack([n.to(device=device, dtype=torch.float64) for n in norms]).square().sum()
-    if distributed:
+    sq = torch.stack(norms).to(torch.float64).square().sum()
+    if world_size_of(group) > 1:
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
     return sq

@@ -1,14 +1,17 @@
 """Gradient reduction into this rank's fp32 gradient shards: ZeRO stage 1 and stage 2.
 
-Both reducers own one fp32 gradient shard per group (``grads``), in the layout of the
+Every reducer owns one fp32 gradient shard per group (``grads``), in the layout of the
 group's master shard. After ``finish()``, ``grads[g]`` holds the *sum* over ranks and over
 the backward passes of the accumulation window of the (loss-scaled) gradients; the
 optimizer divides by the world size and the loss scale at the step.
 
-Collectives are launched in one order agreed by all ranks (``order``), never in the
-order gradients happen to arrive on a rank: with params that get no gradient on some
-ranks (unused experts, conditional branches) arrival orders differ between ranks, and
-collectives issued in different orders would mismatch or hang.
+Gradients are reduced in chunks (``buckets.ReduceChunk``: a run of one rank's slice of a
+bucket, summed onto that rank) staged in a fixed pool of slots, so staging memory is
+bounded by ``ZeroConfig.reduce_staging_bytes`` whatever the bucket sizes. Collectives are
+launched in one order agreed by all ranks (``order``, then each bucket's chunks last
+first), never in the order gradients happen to arrive on a rank: with params that get no
+gradient on some ranks (unused experts, conditional branches) arrival orders differ
+between ranks, and collectives issued in different orders would mismatch or hang.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
 from ..comm import rank_of, reduce_scatter_into, world_size_of
@@ -28,11 +32,22 @@ from ..control import control_group
 from ..devices import collective_device
 from ..flatten.alloc import allocate_agreed
 from ..flatten.buffers import FlatParams
-from .buckets import BucketState, InFlight, StagingPool, bucket_states, empty_buffer
+from .buckets import (
+    BackwardPass,
+    BucketState,
+    InFlight,
+    ReduceChunk,
+    StagingPool,
+    bucket_chunks,
+    bucket_states,
+    empty_buffer,
+    staging_geometry,
+)
 from .config import ZeroConfig
 
 __all__ = [
     "GradReducer",
+    "LocalStage2Reducer",
     "Stage1Reducer",
     "Stage2Reducer",
     "check_unclaimed",
@@ -78,13 +93,38 @@ def _remove_handles(handles: list[RemovableHandle]) -> None:
     handles.clear()
 
 
+_TWICE = (
+    "a gradient arrived twice for one param in one backward pass: an earlier backward pass "
+    "did not finish (it raised?), or the param is used in two segments of reentrant "
+    "activation checkpointing (use_reentrant=True: each segment delivers its own gradient; "
+    "use use_reentrant=False or ZeRO stage 1). Call ZeroOptimizer.zero_grad() before the "
+    "next backward pass"
+)
+_UNFINISHED = (
+    "a backward pass is still in progress or did not finish (it raised?); step() needs "
+    "completed backward passes. After a failed backward pass call ZeroOptimizer.zero_grad() "
+    "and run it again"
+)
+_LATE = (
+    "flatzero stage 2: a gradient arrived for a param that this backward pass had counted as "
+    "unused and already reduced as zero. A backward pass ran inside this one (reentrant "
+    "activation checkpointing, use_reentrant=True) that the first backward pass did not "
+    "show. Use torch.utils.checkpoint with use_reentrant=False, or turn reentrant "
+    "checkpointing on before the first backward pass"
+)
+
+
 class GradReducer:
     """What the optimizer needs from a reducer; see ``Stage1Reducer`` and ``Stage2Reducer``.
 
     Attributes:
         grads: one fp32 gradient shard per group (``layout.shard_numel`` elements).
-        buckets: every bucket, in the default launch order.
-        order: bucket indices in the order reductions are launched (the same on all ranks).
+        buckets: every bucket, in layout order.
+        order: bucket indices in the order reductions are launched (the same on all
+            ranks); by default each group's buckets last first, groups in layout order
+            (backward produces the last params' gradients first).
+        chunk_numel: the most elements of a reduction chunk (``staging_geometry``).
+        pool: the staging slots and the reductions in flight.
         backward_seen: a backward pass reached the params since the window began.
         generation: bumped by every backward pass and window reset (caches key on it).
     """
@@ -97,18 +137,40 @@ class GradReducer:
         self.world_size = world_size_of(self.pg)
         self.rank = rank_of(self.pg)
         self.buckets = bucket_states(flat.groups, grads)
-        self.order = [b.index for b in self.buckets]
+        self.order = sorted(range(len(self.buckets)), key=self._default_position)
         self.backward_seen = False
         self.generation = 0
         self._handles: list[RemovableHandle] = []
-        device = flat.groups[0].device
-        self.pool = StagingPool(
-            config.staging_buffers,
-            max(b.numel for b in self.buckets),
+        self._first_param = [0]
+        for group in flat.groups:
+            self._first_param.append(self._first_param[-1] + len(group.params))
+        self.chunk_numel, slots = staging_geometry(
             max(b.slice_numel for b in self.buckets),
-            config.reduce_dtype,
-            device,
-            self._finish,
+            config.reduce_staging_bytes,
+            config.staging_buffers,
+            config.reduce_dtype.itemsize,
+        )
+        self.pool = StagingPool(
+            slots, self.chunk_numel, config.reduce_dtype, flat.groups[0].device, self._finish
+        )
+        self._chunks_by_bucket = (
+            [self._bucket_chunks(b) for b in self.buckets] if self.world_size > 1 else []
+        )
+
+    def _default_position(self, index: int) -> tuple[int, int]:
+        bucket = self.buckets[index]
+        return bucket.group, -bucket.bucket
+
+    def _bucket_chunks(self, bucket: BucketState) -> list[ReduceChunk]:
+        """``bucket``'s reduction chunks, last first."""
+        layout = self.flat.groups[bucket.group].layout
+        return bucket_chunks(
+            bucket,
+            layout.slots,
+            layout.buckets[bucket.bucket].slots,
+            self._first_param[bucket.group],
+            self.world_size,
+            self.chunk_numel,
         )
 
     def _register(self, args_for: Callable[[int, int, BucketState], tuple]) -> None:
@@ -127,16 +189,30 @@ class GradReducer:
                 _OWNERS[id(param)] = (weakref.ref(param), owner)
         weakref.finalize(self, _remove_handles, self._handles)
 
+    def _reduce_chunk(
+        self, chunk: ReduceChunk, slot: torch.Tensor, staged: torch.Tensor, add: bool
+    ) -> None:
+        """Start summing ``staged`` (``chunk`` of this rank's gradient, in ``slot``) onto the
+        chunk's owner, which lands it in its gradient shard (added when ``add``)."""
+        work = dist.reduce(staged, group_dst=chunk.owner, group=self.pg, async_op=True)
+        if chunk.owner != self.rank:
+            self.pool.inflight.append(InFlight(work, slot))
+            return
+        view = self.buckets[chunk.bucket].shard_view
+        dst = view[chunk.shard_start : chunk.shard_start + chunk.numel]
+        self.pool.inflight.append(InFlight(work, slot, dst, staged, add))
+
     def _finish(self, item: InFlight) -> None:
-        """Complete a reduction: wait for it and land the slice in the gradient shard."""
+        """Complete a reduction: wait for it, land its result, free its slot."""
         if item.work is not None:
             item.work.wait()
-        if item.mode == "copy":
-            item.bucket.shard_view.copy_(item.out)
-        elif item.mode == "add":
-            item.bucket.shard_view.add_(item.out)
-        if item.entry is not None:
-            self.pool.release(item.entry)
+        if item.dst is not None:
+            if item.add:
+                item.dst.add_(item.src)
+            else:
+                item.dst.copy_(item.src)
+        if item.slot is not None:
+            self.pool.release(item.slot)
 
     def finish(self) -> None:
         """Make ``grads`` hold the reduced gradients of the window so far."""
@@ -165,202 +241,286 @@ class GradReducer:
                     del _OWNERS[id(param)]
 
     @property
-    def staging_peak(self) -> int:
-        """Most staging entries alive at once so far."""
-        return self.pool.peak
+    def staging_bytes(self) -> int:
+        """Bytes of staging slots allocated (at most ``ZeroConfig.reduce_staging_bytes``)."""
+        return self.pool.nbytes
 
 
-class Stage2Reducer(GradReducer):
-    """ZeRO stage 2: per-param hooks stage gradients bucket by bucket and free ``.grad``.
+class LocalStage2Reducer(GradReducer):
+    """ZeRO stage 2 at world size 1: nothing to reduce and nothing to stage.
 
-    Each backward pass reduces every bucket exactly once: a bucket is reduce-scattered as
-    soon as all its params have their gradient and every bucket before it in ``order`` was
-    launched; the end-of-backward callback zero-fills params that got no gradient and
-    launches the rest. Under reentrant activation checkpointing (``use_reentrant=True``)
-    each checkpointed segment runs its own backward pass inside the outer one; the
-    callback runs at the end of the outer one only (a param used in two segments gets two
-    gradients in one backward pass: an error, as in DeepSpeed's ZeRO-2).
-
-    At world size 1 there is nothing to reduce: gradients are written straight into the
-    fp32 gradient shard (copied in the window's first backward pass, added afterwards).
+    Each hook writes its gradient straight into the fp32 gradient shard (copied in the
+    window's first backward pass, added afterwards) and frees ``.grad``; the end of the
+    window's first backward pass zero-fills the params that got no gradient.
     """
 
     def __init__(self, flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> None:
         super().__init__(flat, grads, config)
-        self.direct = self.world_size == 1
-        self.next_pos = 0
+        self._views = [
+            grad[b.shard_offset + s.offset : b.shard_offset + s.end].view(s.spec.shape)
+            for group, grad in zip(flat.groups, grads, strict=True)
+            for s in group.layout.slots
+            for b in (group.layout.buckets[s.bucket],)
+        ]
+        self._arrived: set[int] = set()
         self._callback_queued = False
-        self._recording = config.learn_bucket_order and not self.direct
-        self._order_agreed = not self._recording
-        self.pool.quiet = self._recording
-        self.recorded: list[int] = []
-        self._register(self._hook_args)
+        self._landed = False
+        self._register(lambda gi, slot, _: (self._first_param[gi] + slot,))
 
-    def _hook_args(self, gi: int, slot_index: int, state: BucketState) -> tuple:
-        slot = self.flat.groups[gi].layout.slots[slot_index]
-        return (state, slot_index, slot.offset, slot.end, slot.spec.shape)
-
-    def _hook(
-        self,
-        bucket: BucketState,
-        slot: int,
-        start: int,
-        end: int,
-        shape: tuple[int, ...],
-        param: nn.Parameter,
-    ) -> None:
+    def _hook(self, pid: int, param: nn.Parameter) -> None:
         grad = param.grad
         if grad is None:
             return
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
-        if slot in bucket.arrived or bucket.launched:
-            raise RuntimeError(
-                "a gradient arrived twice for one param in one backward pass: an earlier "
-                "backward pass did not finish (it raised?), or the param is used in two "
-                "segments of reentrant activation checkpointing (use_reentrant=True: each "
-                "segment delivers its own gradient; use use_reentrant=False or ZeRO stage 1). "
-                "Call ZeroOptimizer.zero_grad() before the next backward pass"
-            )
-        buffer = bucket.buffer if bucket.buffer is not None else self._acquire(bucket)
-        dst = buffer[start:end].view(shape)
-        if bucket.add:
-            dst.add_(grad)
+        if pid in self._arrived:
+            raise RuntimeError(_TWICE)
+        self._arrived.add(pid)
+        if self._landed:
+            self._views[pid].add_(grad)
         else:
-            dst.copy_(grad)
+            self._views[pid].copy_(grad)
         param.grad = None
-        bucket.arrived.add(slot)
-        if len(bucket.arrived) == len(bucket.param_ranges):
-            self._complete(bucket)
-
-    def _acquire(self, bucket: BucketState) -> torch.Tensor:
-        if self.direct:
-            bucket.buffer = bucket.shard_view
-            bucket.add = bucket.valid
-        else:
-            entry = self.pool.acquire()
-            bucket.entry = entry
-            bucket.buffer = entry.stage[: bucket.numel]
-        return bucket.buffer
-
-    def _complete(self, bucket: BucketState) -> None:
-        bucket.complete = True
-        if self._recording:
-            self.recorded.append(bucket.index)
-        self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        order, buckets = self.order, self.buckets
-        while self.next_pos < len(order) and buckets[order[self.next_pos]].complete:
-            self._launch(buckets[order[self.next_pos]])
-            self.next_pos += 1
-
-    def _launch(self, bucket: BucketState) -> None:
-        bucket.launched = True
-        if self.direct:
-            bucket.valid = True
-            return
-        entry = bucket.entry
-        assert entry is not None and bucket.buffer is not None
-        gaps = entry.gap_views(bucket)
-        if gaps:
-            torch._foreach_zero_(gaps)
-        if not bucket.valid and self.pool.dtype == torch.float32:
-            out, mode = bucket.shard_view, "done"
-        else:
-            out, mode = entry.out[: bucket.slice_numel], ("add" if bucket.valid else "copy")
-        work = reduce_scatter_into(out, bucket.buffer, self.pg, async_op=True)
-        bucket.valid = True
-        self.pool.inflight.append(InFlight(bucket, work, entry, out, mode))
 
     def _end_of_backward(self) -> None:
-        """Flush: zero-fill what got no gradient, launch every bucket not yet launched.
+        self._callback_queued = False
+        if not self._landed:
+            missing = [
+                v for pid, v in enumerate(self._views) if pid not in self._arrived and v.numel()
+            ]
+            if missing:
+                torch._foreach_zero_(missing)
+        self._arrived.clear()
+        self._landed = True
+        self.backward_seen = True
+        self.generation += 1
+
+    def finish(self) -> None:
+        if self._callback_queued:
+            raise RuntimeError(_UNFINISHED)
+
+    def reset_window(self) -> None:
+        self._arrived.clear()
+        self._callback_queued = False
+        self._landed = False
+        self.backward_seen = False
+        self.generation += 1
+
+
+class Stage2Reducer(GradReducer):
+    """ZeRO stage 2 over several ranks: hooks stage gradients chunk by chunk, free ``.grad``.
+
+    The chunks are launched in one order on every rank (``order``'s buckets, each bucket's
+    chunks last first). A gradient that arrives is held (autograd's own tensor, nothing
+    copied) until every chunk it overlaps comes up: a chunk is launched as soon as every
+    param overlapping it got its gradient or will get none, and every chunk before it was
+    launched. Launching copies the chunk into a staging slot and reduces it onto its owner.
+    The end-of-backward callback (``queue_callback``) counts the params that got no
+    gradient as zero and launches every chunk left.
+
+    Params this backward pass will not reach (an expert no token was routed to, a branch
+    not taken) are known from autograd's graph at the pass's first gradient
+    (``torch._C._will_engine_execute_node`` on each param's ``AccumulateGrad`` node) and
+    count as zero at once, so they hold nothing up, on each rank its own. That is only
+    sound when every gradient comes from the graph the pass started in: the first backward
+    pass does not use it and watches for gradients from another graph task (reentrant
+    activation checkpointing runs a backward inside backward); once any was seen, never
+    again. A gradient that arrives after its chunk was reduced without it raises
+    ``RuntimeError``.
+    """
+
+    def __init__(self, flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> None:
+        super().__init__(flat, grads, config)
+        params = [p for g in flat.groups for p in g.params]
+        self._nodes = [get_gradient_edge(p).node for p in params]
+        """Each param's ``AccumulateGrad`` node (held, as DDP does, so it stays the one)."""
+        self._bucket_of = [0] * len(params)
+        for chunks in self._chunks_by_bucket:
+            for chunk in chunks:
+                for pid, *_ in chunk.params:
+                    self._bucket_of[pid] = chunk.bucket
+        self._schedule()
+        self._callback_queued = False
+        self._landed = False
+        """A backward pass of this window landed (the next one adds into the shard)."""
+        self._recording = config.learn_bucket_order
+        self._order_agreed = not self._recording
+        self._last_arrival: dict[int, int] = {}
+        self.recorded: list[int] = []
+        self.skip_unused = False
+        """Count unreached params as zero at a pass's start (see the class docstring)."""
+        self._nested_seen = False
+        self.held_peak = 0
+        """Most bytes of gradients held at once, waiting for their chunks."""
+        self._pass = self._new_pass()
+        self._register(lambda gi, slot, _: (self._first_param[gi] + slot,))
+
+    def _schedule(self) -> None:
+        """The chunks in launch order, and where each param's chunks are in it."""
+        self.chunks = [c for b in self.order for c in self._chunks_by_bucket[b]]
+        self._chunks_of: list[list[int]] = [[] for _ in self._nodes]
+        for pos, chunk in enumerate(self.chunks):
+            for pid, *_ in chunk.params:
+                self._chunks_of[pid].append(pos)
+        self._expected = [len(c.params) for c in self.chunks]
+
+    def _new_pass(self) -> BackwardPass:
+        return BackwardPass(list(self._expected), [len(c) for c in self._chunks_of])
+
+    def _hook(self, pid: int, param: nn.Parameter) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        state = self._pass
+        if not self._callback_queued:
+            self._begin(state)
+        elif torch._C._current_graph_task_id() != state.task:
+            state.nested = True
+        if pid in state.arrived:
+            raise RuntimeError(_TWICE)
+        state.arrived.add(pid)
+        param.grad = None
+        positions = self._chunks_of[pid]
+        if not positions:
+            return
+        if pid in state.unused:
+            if state.unstaged[pid] < len(positions):
+                raise RuntimeError(_LATE)
+            state.unused.discard(pid)  # its chunks still wait: it counts after all
+            state.nested = True
+        else:
+            for pos in positions:
+                state.pending[pos] -= 1
+        state.hold(pid, grad.reshape(-1))
+        self.held_peak = max(self.held_peak, state.held_bytes)
+        if self._recording:
+            self._last_arrival[self._bucket_of[pid]] = len(state.arrived)
+        self._pump(state)
+
+    def _begin(self, state: BackwardPass) -> None:
+        """The pass's first gradient: queue its end, note its graph task, and (unless a
+        backward inside backward was seen) count the params it will not reach as zero."""
+        Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._callback_queued = True
+        state.task = torch._C._current_graph_task_id()
+        if not self.skip_unused:
+            return
+        will_run = torch._C._will_engine_execute_node
+        for pid, node in enumerate(self._nodes):
+            if self._chunks_of[pid] and not will_run(node):
+                state.unused.add(pid)
+                for pos in self._chunks_of[pid]:
+                    state.pending[pos] -= 1
+
+    def _pump(self, state: BackwardPass) -> None:
+        """Launch chunks, in order, while the next one has all it waits for."""
+        while state.cursor < len(self.chunks) and state.pending[state.cursor] == 0:
+            self._launch(state, self.chunks[state.cursor])
+            state.cursor += 1
+
+    def _launch(self, state: BackwardPass, chunk: ReduceChunk) -> None:
+        """Stage ``chunk`` from the held gradients (zeros where there are none) and start
+        its reduction."""
+        slot = self.pool.acquire()
+        staged = slot[: chunk.numel]
+        zeros = [staged[start:end] for start, end in chunk.gaps]
+        dsts, srcs = [], []
+        for pid, first, offset, numel in chunk.params:
+            view = staged[offset : offset + numel]
+            grad = state.held.get(pid)
+            if grad is None:
+                zeros.append(view)
+            else:
+                dsts.append(view)
+                srcs.append(grad[first : first + numel])
+            state.unstaged[pid] -= 1
+        if zeros:
+            torch._foreach_zero_(zeros)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        for pid, *_ in chunk.params:
+            if state.unstaged[pid] == 0:
+                state.release(pid)
+        self._reduce_chunk(chunk, slot, staged, self._landed)
+
+    def _end_of_backward(self) -> None:
+        """Count what got no gradient as zero, launch every chunk left.
 
         At the end of a backward pass run inside another one's node (reentrant activation
-        checkpointing), defer to the end of the outer pass: flushing here would reduce every
+        checkpointing), defer to the end of the outer pass: ending here would reduce every
         bucket once per checkpointed segment.
         """
         node = torch._C._current_autograd_node()
         if node is not None:
             node.register_hook(self._queue_on_outer_backward)
             return
+        state = self._pass
         self._callback_queued = False
-        for pos in range(self.next_pos, len(self.order)):
-            bucket = self.buckets[self.order[pos]]
-            if not bucket.complete:
-                if bucket.buffer is None:
-                    self._acquire(bucket)
-                    if not bucket.add:
-                        bucket.buffer.zero_()
-                elif not bucket.add:
-                    missing = bucket.missing_views(bucket.buffer)
-                    if missing:
-                        torch._foreach_zero_(missing)
-                self._complete(bucket)
-        assert self.next_pos == len(self.order)
-        for bucket in self.buckets:
-            bucket.reset_backward()
-        self.next_pos = 0
-        self._recording = False
+        for pos in range(state.cursor, len(self.chunks)):
+            state.pending[pos] = 0
+        self._pump(state)
+        if self._recording:
+            self._learn_order()
+        self._nested_seen |= state.nested
+        self.skip_unused = not self._nested_seen
+        self._pass = self._new_pass()
+        self._landed = True
         self.backward_seen = True
         self.generation += 1
 
     def _queue_on_outer_backward(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        """Post-hook of the node whose inner backward pass just ended: queue the flush on
-        the backward pass running that node."""
+        """Post-hook of the node whose inner backward pass just ended: queue the end of the
+        pass on the backward pass running that node."""
         Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _learn_order(self) -> None:
+        """The buckets in the order their last gradient arrived (those that got none last)."""
+        last = self._last_arrival
+        self.recorded = sorted(self.order, key=lambda b: (b not in last, last.get(b, 0)))
+        self._recording = False
+
+    def _adopt(self, order: list[int]) -> None:
+        """Launch in ``order`` from the next backward pass on (between passes only)."""
+        self.order = order
+        self._schedule()
+        self._pass = self._new_pass()
+        self._order_agreed = True
+        self._recording = False
 
     def set_order(self, order: list[int] | None) -> None:
         super().set_order(order)
         if order is not None and self.order == list(order):
-            self._order_agreed = True
-            self._recording = False
-            self.pool.quiet = False
+            self._adopt(self.order)
 
     def agree_order(self) -> None:
-        """At the first step, adopt rank 0's completion order of the first backward pass."""
+        """At the first step, adopt rank 0's order of the first backward pass (one
+        broadcast, and one host read of it, once)."""
         if self._order_agreed:
             return
-        self._order_agreed = True
-        self._recording = False
-        self.pool.quiet = False
         n = len(self.buckets)
         device = collective_device(self.pg, self.flat.groups[0].device)
         if self.rank == 0:
-            # Rank 0's first complete backward pass; the current order if none was seen.
-            valid = sorted(self.recorded) == list(range(n))
-            order = torch.tensor(self.recorded if valid else self.order, dtype=torch.int64)
-            order = order.to(device)
+            order = torch.tensor(self.recorded or self.order, dtype=torch.int64).to(device)
         else:
             order = torch.empty(n, dtype=torch.int64, device=device)
         src = 0 if self.pg is None else dist.get_global_rank(self.pg, 0)
         dist.broadcast(order, src=src, group=self.pg)
-        self.order = order.tolist()
+        self._adopt(order.tolist())
         logger.debug("stage 2 bucket launch order: %s", self.order)
 
     def finish(self) -> None:
-        if any(b.buffer is not None for b in self.buckets):
-            raise RuntimeError(
-                "a backward pass is still in progress or did not finish (it raised?); "
-                "step() needs completed backward passes. After a failed backward pass call "
-                "ZeroOptimizer.zero_grad() and run it again"
-            )
+        if self._callback_queued:
+            raise RuntimeError(_UNFINISHED)
         self.pool.finish_all()
-        self.pool.trim()
 
     def reset_window(self) -> None:
         self.pool.finish_all()
-        for bucket in self.buckets:
-            if bucket.entry is not None:
-                self.pool.release(bucket.entry)
-            bucket.reset_backward()
-            bucket.valid = False
-        self.pool.trim()
-        if self._recording:
-            self.recorded.clear()  # a failed first pass: record the next one
-        self.next_pos = 0
+        self._pass = self._new_pass()
         self._callback_queued = False
+        self._landed = False
+        if self._recording:
+            self._last_arrival.clear()  # a failed first pass: record the next one
         self.backward_seen = False
         self.generation += 1
 
@@ -485,21 +645,17 @@ class Stage1Reducer(GradReducer):
                 )
             return
         for index in self.order:
-            bucket = self.buckets[index]
             src = self.bucket_grads[index]
-            entry = None
-            if src.dtype != self.pool.dtype:
-                entry = self.pool.acquire()
-                entry.stage[: bucket.numel].copy_(src)
-                src = entry.stage[: bucket.numel]
-            if self.pool.dtype == torch.float32:
-                out, mode = bucket.shard_view, "done"
-            else:
-                if entry is None:
-                    entry = self.pool.acquire()
-                out, mode = entry.out[: bucket.slice_numel], "copy"
-            work = reduce_scatter_into(out, src, self.pg, async_op=True)
-            self.pool.inflight.append(InFlight(bucket, work, entry, out, mode))
+            if src.dtype == torch.float32 and self.pool.dtype == torch.float32:
+                shard = self.buckets[index].shard_view
+                work = reduce_scatter_into(shard, src, self.pg, async_op=True)
+                self.pool.inflight.append(InFlight(work))
+                continue
+            for chunk in self._chunks_by_bucket[index]:
+                slot = self.pool.acquire()
+                staged = slot[: chunk.numel]
+                staged.copy_(src[chunk.start : chunk.end])
+                self._reduce_chunk(chunk, slot, staged, add=False)
         self.pool.finish_all()
 
     def reset_window(self) -> None:
@@ -516,6 +672,9 @@ class Stage1Reducer(GradReducer):
 
 
 def make_reducer(flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> GradReducer:
-    """The reducer of ``config.stage``."""
-    cls = Stage1Reducer if config.stage == 1 else Stage2Reducer
-    return cls(flat, grads, config)
+    """The reducer of ``config.stage`` (and, for stage 2, of the world size)."""
+    if config.stage == 1:
+        return Stage1Reducer(flat, grads, config)
+    if world_size_of(flat.process_group) == 1:
+        return LocalStage2Reducer(flat, grads, config)
+    return Stage2Reducer(flat, grads, config)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -235,8 +234,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @property
     def last_grad_norm(self) -> float | None:
         """Global norm of the averaged, unscaled gradient at the last step, when that step
-        computed it (clipping or loss scaling on); inf/nan for an fp16 overflow."""
+        computed it (clipping or loss scaling on); inf/nan for an fp16 overflow. Reading it
+        waits for the device (``last_grad_norm_tensor`` does not)."""
         return None if self._last_norm is None else float(self._last_norm)
+
+    @property
+    def last_grad_norm_tensor(self) -> torch.Tensor | None:
+        """``last_grad_norm`` as the 0-d float64 tensor the step computed, on the gradients'
+        device (no host sync)."""
+        return self._last_norm
 
     @property
     def master_shards(self) -> list[torch.Tensor]:
@@ -261,11 +267,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Bytes of gradient storage this optimizer holds now: gradient shards, staging
         buffers and (stage 1) the flat gradient buffers."""
         buffers = {t.data_ptr(): t.nbytes for t in [*self._grads, *self.flat_grad_buffers]}
-        pool = self._reducer.pool
-        return (
-            sum(buffers.values())
-            + pool.created * (pool.stage_numel + pool.out_numel) * pool.dtype.itemsize
-        )
+        return sum(buffers.values()) + self._reducer.staging_bytes
 
     # ---------------------------------------------------------------------- the step
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -324,7 +326,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Reduce, unscale/check/clip, step the inner optimizer, update the params.
 
         Collective: every rank must call it. Raises ``RuntimeError`` (nothing changed)
-        when no backward pass reached the params since the last step.
+        when no backward pass reached the params since the last step. The norm and the
+        clip coefficient stay on the device: no host sync, except the one read of the
+        inf/nan verdict with loss scaling (fp16), which decides whether to skip.
         """
         loss = None
         if closure is not None:
@@ -348,7 +352,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._last_norm = None
         if max_norm is not None or self._scaler is not None:
             norm = self._last_norm = self._norm()
-            if self._scaler is not None and not math.isfinite(float(norm)):
+            if self._scaler is not None and not bool(norm.isfinite()):
                 self._scaler.update(found_inf=True)
                 self.last_step_skipped = True
                 self._end_window()
@@ -359,9 +363,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         scaled = isinstance(coef, torch.Tensor) or coef != 1.0
         if scaled and takes_grad_scale(self.inner):
             # The fused kernel divides by grad_scale as it reads the gradient: no extra pass.
-            device = self._grads[0].device
-            scale = torch.as_tensor(coef, dtype=torch.float32, device=device).reciprocal()
-            self.inner.grad_scale = scale  # type: ignore[attr-defined]
+            self.inner.grad_scale = self._grad_scale(coef)  # type: ignore[attr-defined]
             try:
                 self.inner.step()
             finally:
@@ -375,6 +377,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._write_back()
         self._end_window()
         return loss
+
+    def _grad_scale(self, coef: float | torch.Tensor) -> torch.Tensor:
+        """``1 / coef``, the fused kernel's ``grad_scale``: a 0-d fp32 tensor on the
+        gradients' device, made there (a fill, not a copy from the host)."""
+        if isinstance(coef, torch.Tensor):
+            return coef.reciprocal()
+        device = self._grads[0].device
+        return torch.full((), 1.0 / coef, dtype=torch.float32, device=device)
 
     def _end_window(self) -> None:
         self._reducer.reset_window()
