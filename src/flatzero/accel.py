@@ -21,6 +21,8 @@ call: that is ``devices.py``, built on this module.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -35,6 +37,7 @@ __all__ = [
     "device_module",
     "device_name",
     "empty_cache",
+    "has_streams",
     "is_accelerator",
     "max_memory_allocated",
     "mem_get_info",
@@ -81,9 +84,25 @@ def device_module(device: torch.device | str) -> Any:
     return torch.get_device_module(torch.device(device).type)
 
 
-def _call(device: torch.device, name: str, *args: Any, default: Any = None) -> Any:
+def _call(device: torch.device, name: str, default: Any = None) -> Any:
+    """``module.name(device)``, or ``module.name()`` when the function takes no argument
+    (a backend module whose ``synchronize``/``empty_cache``/... act on the current
+    device); ``default`` when the module has no such function."""
     fn = getattr(device_module(device), name, None)
-    return default if fn is None else fn(*args)
+    if fn is None:
+        return default
+    return fn(device) if _takes_an_argument(fn) else fn()
+
+
+@functools.cache
+def _takes_an_argument(fn: Any) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: torch's own modules
+        return True
+    return any(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in parameters
+    )
 
 
 def device_count(device_type: str) -> int:
@@ -119,13 +138,13 @@ def on_device(device: torch.device) -> Iterator[None]:
 def synchronize(device: torch.device) -> None:
     """Wait for all work queued on ``device`` (a no-op for the host)."""
     if is_accelerator(device):
-        _call(device, "synchronize", device)
+        _call(device, "synchronize")
 
 
 def mem_get_info(device: torch.device) -> tuple[int, int]:
     """``(free, total)`` bytes of ``device`` as its runtime reports them (for CUDA: the
     driver's view, which excludes what the caching allocator holds)."""
-    free, total = device_module(device).mem_get_info(device)
+    free, total = _call(device, "mem_get_info")
     return int(free), int(total)
 
 
@@ -133,7 +152,7 @@ def memory_allocated(device: torch.device) -> int:
     """Bytes of ``device`` held by live tensors; 0 for the host."""
     if not is_accelerator(device):
         return 0
-    return int(_call(device, "memory_allocated", device, default=0))
+    return int(_call(device, "memory_allocated", default=0))
 
 
 def max_memory_allocated(device: torch.device) -> int:
@@ -141,13 +160,13 @@ def max_memory_allocated(device: torch.device) -> int:
     0 for the host or a backend without the counter."""
     if not is_accelerator(device):
         return 0
-    return int(_call(device, "max_memory_allocated", device, default=0))
+    return int(_call(device, "max_memory_allocated", default=0))
 
 
 def reset_peak_memory_stats(device: torch.device) -> None:
     """Start a new peak for ``max_memory_allocated``."""
     if is_accelerator(device):
-        _call(device, "reset_peak_memory_stats", device)
+        _call(device, "reset_peak_memory_stats")
 
 
 def memory_reserved(device: torch.device) -> int:
@@ -155,8 +174,8 @@ def memory_reserved(device: torch.device) -> int:
     ``memory_allocated`` for a backend without a caching allocator."""
     if not is_accelerator(device):
         return 0
-    fn = getattr(device_module(device), "memory_reserved", None)
-    return memory_allocated(device) if fn is None else int(fn(device))
+    reserved = _call(device, "memory_reserved")
+    return memory_allocated(device) if reserved is None else int(reserved)
 
 
 def empty_cache(device: torch.device) -> None:
@@ -164,23 +183,32 @@ def empty_cache(device: torch.device) -> None:
 
     The cache is per process and device type: torch's ``empty_cache`` takes no device."""
     if is_accelerator(device):
-        _call(device, "empty_cache")
+        fn = getattr(device_module(device), "empty_cache", None)
+        if fn is not None:
+            fn()
 
 
 def total_memory(device: torch.device) -> int:
     """Total bytes of ``device`` (its properties, else ``mem_get_info``)."""
-    props = _call(device, "get_device_properties", device)
+    props = _call(device, "get_device_properties")
     total = getattr(props, "total_memory", None)
     return int(total) if total is not None else mem_get_info(device)[1]
 
 
 def device_name(device: torch.device) -> str:
     """The product name of ``device`` (``"NVIDIA H100 80GB HBM3"``), else its type."""
-    props = _call(device, "get_device_properties", device)
+    props = _call(device, "get_device_properties")
     return str(getattr(props, "name", device.type))
 
 
 # --- streams and events ---------------------------------------------------------------
+
+
+def has_streams(device: torch.device) -> bool:
+    """Whether ``device``'s module offers streams and events (``Stream``, ``Event``,
+    ``current_stream``, ``stream``); without them copies are synchronous."""
+    module = device_module(device)
+    return all(hasattr(module, n) for n in ("Stream", "Event", "current_stream", "stream"))
 
 
 def new_stream(device: torch.device) -> Any:
@@ -190,7 +218,7 @@ def new_stream(device: torch.device) -> Any:
 
 def current_stream(device: torch.device) -> Any:
     """The stream kernels on ``device`` are queued on now."""
-    return device_module(device).current_stream(device)
+    return _call(device, "current_stream")
 
 
 @contextlib.contextmanager

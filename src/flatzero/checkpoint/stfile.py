@@ -102,9 +102,10 @@ def _staged(tensor: torch.Tensor) -> bool:
 
 
 def _streamed(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s chunks are copied on a side stream with events (a test seam:
-    CPU tests run the streamed path with the device seam's streams stubbed)."""
-    return accel.is_accelerator(tensor.device)
+    """Whether ``tensor``'s chunks are copied on a side stream with events: on an
+    accelerator with streams (a test seam: CPU tests run the streamed path with the
+    device seam's streams stubbed)."""
+    return accel.is_accelerator(tensor.device) and accel.has_streams(tensor.device)
 
 
 @dataclass(frozen=True)

@@ -191,8 +191,13 @@ class TierContext:
 
     @property
     def copy_stream(self) -> Any:
-        """A side stream for host-to-device copies (None when buffers are on the host)."""
-        if accel.is_accelerator(self.device) and self._copy_stream is None:
+        """A side stream for host-to-device copies (None when buffers are on the host or
+        the device has no streams: the copies are then synchronous)."""
+        if (
+            self._copy_stream is None
+            and accel.is_accelerator(self.device)
+            and accel.has_streams(self.device)
+        ):
             self._copy_stream = accel.new_stream(self.device)
         return self._copy_stream
 
