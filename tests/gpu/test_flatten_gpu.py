@@ -18,7 +18,7 @@ from torch import nn
 
 from flatzero import FlattenConfig, flatten_parameters, inject_oom, plan_layout
 from flatzero.flatten.tiers import STAGING_CHUNK_BYTES
-from flatzero.hostmem import release_pinned_cache
+from flatzero.accel import release_pinned_cache
 from flatzero.launch import free_port
 from flatzero.layout import Layout
 from flatzero.params import collect_param_groups
