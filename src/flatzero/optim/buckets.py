@@ -291,10 +291,10 @@ class StagingPool:
 
     def acquire(self) -> torch.Tensor:
         """A free slot (see the class docstring for the rule)."""
-        if not self.free:
-            if self.allocated < self.slots:
-                self.allocated += 1
-                return empty_buffer(self.slot_numel, self.dtype, self.device)
+        if not self.free and self.allocated < self.slots:
+            self.allocated += 1
+            return empty_buffer(self.slot_numel, self.dtype, self.device)
+        while not self.free:  # the oldest reductions first (some may hold no slot)
             self._finish(self.inflight.popleft())
         return self.free.pop()
 

@@ -10,14 +10,14 @@ so padding, alignment, buckets and shards are exact. What each figure mirrors:
 - stage 1: a flat gradient buffer of ``layout.numel`` elements in the params' dtype per
   group, except at world size 1 with fp32 params, where the gradient shard is used in place
   (``optim.reducers.Stage1Reducer``);
-- reduction staging: entries of ``max bucket numel + max slice numel`` elements in
-  ``reduce_dtype``, as many as ``optim.buckets.StagingPool`` creates (simulated here);
+- reduction staging: chunk-sized slots in ``reduce_dtype``, as many as
+  ``optim.buckets.StagingPool`` allocates (``staging_bytes``), within
+  ``ZeroConfig.reduce_staging_bytes``;
 - optimizer state: what ``torch.optim`` creates at the first step, per group.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +26,8 @@ import torch
 from ..flatten.registry import spec
 from ..flatten.tiers import staging_slot_bytes
 from ..layout import GroupLayout, Layout
+from ..optim.buckets import staging_geometry
+from ..optim.config import DEFAULT_REDUCE_STAGING_BYTES
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -35,7 +37,7 @@ __all__ = [
     "flatzero_init_memory",
     "itemsize",
     "model_states",
-    "staging_entries",
+    "staging_bytes",
 ]
 
 OPTIMIZER_STATES: dict[str, tuple[int, int]] = {
@@ -78,7 +80,7 @@ class ModelStates:
         master: the fp32 master shards.
         grad_shards: the fp32 gradient shards.
         grad_flat: stage 1's flat gradient buffers (0 in stage 2, or when aliased).
-        grad_staging: the reducer's staging entries.
+        grad_staging: the reducer's staging slots.
         optimizer: the inner optimizer's state.
     """
 
@@ -105,40 +107,42 @@ class ModelStates:
         return self.params + self.master + self.gradients + self.optimizer
 
 
-def staging_entries(
-    layout: Layout, *, stage: int, staging_buffers: int, reduce_dtype: str = "float32"
+def staging_bytes(
+    layout: Layout,
+    *,
+    stage: int,
+    staging_buffers: int = 2,
+    reduce_staging_bytes: int = DEFAULT_REDUCE_STAGING_BYTES,
+    reduce_dtype: str = "float32",
+    backward_passes: int = 1,
 ) -> int:
-    """Staging entries the reducer holds after the first step.
+    """Bytes of staging slots the reducer holds after the first step.
 
-    Mirrors ``optim.buckets.StagingPool``: entries are created while fewer than
-    ``staging_buffers`` exist, then reused by finishing the oldest reduction in flight;
-    stage 2 trims back to ``staging_buffers`` at every step. World size 1 reduces nothing.
+    Mirrors ``optim.buckets.StagingPool``: chunk-sized slots (``staging_geometry``) are
+    allocated while fewer than the budget's exist and none is free; a slot is freed only
+    once every slot is in use, so the pool ends with as many slots as chunks were staged
+    in the first accumulation window, at most the budget's. Stage 2 stages every chunk of
+    every bucket in each of the window's ``backward_passes``; stage 1 only the chunks of
+    buckets it must convert (params not in fp32, or ``reduce_dtype`` not fp32). World
+    size 1 stages nothing.
     """
     if layout.world_size == 1:
         return 0
-    buckets = [g for g in layout.groups for _ in g.buckets]
+    size = itemsize(reduce_dtype)
+    buckets = [(g, b) for g in layout.groups for b in g.buckets]
+    chunk, slots = staging_geometry(
+        max(b.slice_numel for _, b in buckets), reduce_staging_bytes, staging_buffers, size
+    )
+    per_bucket = {id(b): layout.world_size * -(-b.slice_numel // chunk) for _, b in buckets}
     if stage == 2:
-        return min(staging_buffers, len(buckets))
-    # Stage 1: a bucket takes an entry when it must be converted to the reduce dtype or
-    # its reduced slice cannot land in the fp32 shard directly.
-    created = free = 0
-    inflight: deque[bool] = deque()
-    for group in buckets:
-        needs = group.dtype != reduce_dtype or reduce_dtype != "float32"
-        if needs:
-            if free:
-                free -= 1
-            elif created < staging_buffers:
-                created += 1
-            else:
-                if inflight and inflight.popleft():
-                    free += 1
-                if free:
-                    free -= 1
-                else:
-                    created += 1
-        inflight.append(needs)
-    return created
+        staged = backward_passes * sum(per_bucket.values())
+    else:
+        staged = sum(
+            per_bucket[id(b)]
+            for g, b in buckets
+            if g.dtype != "float32" or reduce_dtype != "float32"
+        )
+    return min(slots, staged) * chunk * size
 
 
 def model_states(
@@ -147,9 +151,12 @@ def model_states(
     stage: int,
     optimizer: str = "adamw",
     staging_buffers: int = 2,
+    reduce_staging_bytes: int = DEFAULT_REDUCE_STAGING_BYTES,
     reduce_dtype: str = "float32",
+    backward_passes: int = 1,
 ) -> ModelStates:
-    """The bytes of ``ModelStates`` for one rank of ``layout`` (every rank holds the same)."""
+    """The bytes of ``ModelStates`` for one rank of ``layout`` (every rank holds the same);
+    ``backward_passes`` per accumulation window (see ``staging_bytes``)."""
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 or 2, got {stage!r}")
     if optimizer not in OPTIMIZER_STATES:
@@ -162,10 +169,13 @@ def model_states(
             for g in layout.groups
             if not (layout.world_size == 1 and g.dtype == "float32")
         )
-    stage_numel = max(b.numel for g in layout.groups for b in g.buckets)
-    out_numel = max(b.slice_numel for g in layout.groups for b in g.buckets)
-    entries = staging_entries(
-        layout, stage=stage, staging_buffers=staging_buffers, reduce_dtype=reduce_dtype
+    staging = staging_bytes(
+        layout,
+        stage=stage,
+        staging_buffers=staging_buffers,
+        reduce_staging_bytes=reduce_staging_bytes,
+        reduce_dtype=reduce_dtype,
+        backward_passes=backward_passes,
     )
     tensors, scalars = OPTIMIZER_STATES[optimizer]
     return ModelStates(
@@ -173,7 +183,7 @@ def model_states(
         master=shard,
         grad_shards=shard,
         grad_flat=flat,
-        grad_staging=entries * (stage_numel + out_numel) * itemsize(reduce_dtype),
+        grad_staging=staging,
         optimizer=tensors * shard + scalars * _SCALAR_BYTES * len(layout.groups),
     )
 

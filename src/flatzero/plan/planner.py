@@ -400,6 +400,7 @@ def make_plan(spec: PlanSpec) -> Plan:
         optimizer=spec.optimizer,
         staging_buffers=spec.staging_buffers,
         reduce_dtype=spec.reduce_dtype,
+        backward_passes=spec.grad_accum,
     )
     rates = node_rates(
         spec.gpu,
