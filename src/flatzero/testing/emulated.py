@@ -331,24 +331,27 @@ class _Fallback:
 
     def _swap_out_args(self) -> None:
         """``out=`` tensors become owning CPU clones, so a kernel may resize them."""
+        outs = {a.name for a in self.op._schema.arguments if a.is_out}
         for name, value in list(self.kwargs.items()):
-            if name.startswith("out") and isinstance(value, torch.Tensor):
-                if id(value) in self.emulated_by_alias:
-                    clone = value.clone()
-                    self.out_copies.append((self.emulated_by_alias[id(value)], clone))
-                    self.emulated_by_alias[id(clone)] = self.emulated_by_alias[id(value)]
-                    self.kwargs[name] = clone
-            elif name.startswith("out") and isinstance(value, (list, tuple)):
-                swapped = []
-                for v in value:
-                    if isinstance(v, torch.Tensor) and id(v) in self.emulated_by_alias:
-                        clone = v.clone()
-                        self.out_copies.append((self.emulated_by_alias[id(v)], clone))
-                        self.emulated_by_alias[id(clone)] = self.emulated_by_alias[id(v)]
-                        swapped.append(clone)
-                    else:
-                        swapped.append(v)
-                self.kwargs[name] = type(value)(swapped)
+            if name not in outs:
+                continue
+            if isinstance(value, (list, tuple)):
+                self.kwargs[name] = type(value)(self._owned(v) for v in value)
+            else:
+                self.kwargs[name] = self._owned(value)
+
+    def _owned(self, alias: Any) -> Any:
+        """An owning CPU clone standing for the emulated tensor behind ``alias``; the clone
+        is copied back (resizing the emulated tensor if needed) after the kernel ran."""
+        if not isinstance(alias, torch.Tensor):
+            return alias
+        emulated = self.emulated_by_alias.get(id(alias))
+        if emulated is None:
+            return alias
+        clone = alias.clone()
+        self.out_copies.append((emulated, clone))
+        self.emulated_by_alias[id(clone)] = emulated
+        return clone
 
     def run(self) -> Any:
         self._check_placement()
