@@ -156,7 +156,7 @@ def _slow_stage0_save(rank: int, ws: int, root: str, delay_s: float) -> dict[str
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     import flatzero
-    from flatzero.checkpoint.writer import set_fault_hook
+    from flatzero.checkpoint.atomic import set_fault_hook
 
     _separate_control_groups()
     model = _model()

@@ -40,7 +40,7 @@ from flatzero.checkpoint import (
     read_latest,
     save_checkpoint,
 )
-from flatzero.checkpoint.writer import set_fault_hook
+from flatzero.checkpoint.atomic import set_fault_hook
 from flatzero.comm import rank_of
 from flatzero.launch import run_ranks
 from flatzero.models import LlamaConfig, build_model

@@ -1,25 +1,82 @@
-"""Making a checkpoint appear only complete: temporary directory, fsync, rename.
+"""Making a checkpoint appear only complete: temporary directory, fsync, rename or exchange.
 
 A save writes everything into ``DIR/.tmp-<tag>-<nonce>/``; once every file is written and
-fsynced, one ``rename`` makes it ``DIR/<tag>/`` and a second one (of a fsynced temporary
-file) points ``DIR/latest`` at it. A crash at any point leaves either the old state or the
-new one visible, plus possibly a ``.tmp-*`` directory that loaders never look at and a
-later save removes.
+fsynced, it becomes ``DIR/<tag>/`` and then a fsynced temporary file renamed over
+``DIR/latest`` names it. A crash at any point leaves either the old state or the new one
+visible, plus possibly ``.tmp-*`` entries that loaders ignore and a later save removes.
+
+Replacing an existing tag is one ``renameat2(RENAME_EXCHANGE)`` on Linux (ext4, xfs,
+btrfs, tmpfs, ...): the complete new directory and the old one swap names in one step, so
+``DIR/<tag>`` is complete at every instant, and the old copy, now under the temporary
+name, is removed after. Where the exchange is not available (another OS, a file system
+that refuses it: ``EINVAL``), the old directory is renamed aside to
+``.tmp-<tag>-replaced-<pid>`` and the new one renamed in: between those two renames
+``DIR/<tag>`` does not exist, and ``recovery`` finds the complete copies (the loader loads
+the newest with a warning; the next save puts it back under its tag).
+
+``set_fault_hook`` is the test seam of every step of a save (here and in ``writer``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
 import os
 import shutil
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .format import LATEST, TMP_PREFIX
 
-__all__ = ["fsync_dir", "publish", "remove_stale_tmp", "tmp_dir_name", "write_latest"]
+__all__ = [
+    "REPLACED",
+    "exchange",
+    "fault_point",
+    "fsync_dir",
+    "publish",
+    "remove_stale_tmp",
+    "set_fault_hook",
+    "tmp_dir_name",
+    "write_latest",
+]
 
 logger = logging.getLogger(__name__)
+
+REPLACED = "-replaced-"
+"""Infix of the name an overwritten tag is renamed aside to when the exchange is not
+available: ``.tmp-<tag>-replaced-<pid>``."""
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_NOT_SUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV)
+"""errnos of ``renameat2`` that mean "not here" (the fallback runs), not "failed"."""
+
+_fault_hook: Callable[[str, int], None] | None = None
+
+
+def set_fault_hook(hook: Callable[[str, int], None] | None) -> None:
+    """Test seam: call ``hook(point, rank)`` at points of a save so a test can kill the
+    process (or raise) exactly there. ``None`` removes it.
+
+    Points: ``"tensor_written"`` after each tensor of a rank file, ``"rank_file_written"``,
+    ``"before_publish"`` (``meta.json`` written, nothing renamed), ``"after_exchange"``
+    (replacing a tag: the new directory is in, the old one not yet removed),
+    ``"between_renames"`` (replacing without the exchange: the old directory is aside, the
+    new one not yet in), ``"before_latest"`` (published, ``latest`` not yet moved),
+    ``"snapshot_taken"`` (an asynchronous save copied its shards and is about to return).
+    Publishing points report rank 0, the only rank that publishes.
+    """
+    global _fault_hook
+    _fault_hook = hook
+
+
+def fault_point(point: str, rank: int) -> None:
+    """Run the fault hook, if any, at ``point``."""
+    if _fault_hook is not None:
+        _fault_hook(point, rank)
 
 
 def tmp_dir_name(tag: str, nonce: str) -> str:
@@ -36,24 +93,67 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def publish(tmp: Path, final: Path, *, overwrite: bool) -> None:
-    """Rename the complete ``tmp`` directory to ``final``, atomically.
+def _renameat2() -> Callable[..., int] | None:
+    """glibc's ``renameat2``, or None (not Linux, or a libc without it)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
 
-    With ``overwrite`` an existing ``final`` is first renamed aside and removed after the
-    new one is in place (a crash in between leaves the old one under a ``.tmp-`` name and
-    no ``final``; ``latest`` still points at whatever it pointed at).
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the names of the existing paths ``a`` and ``b`` in one atomic step
+    (``renameat2(RENAME_EXCHANGE)``); False where the system cannot (nothing changed).
+
+    Raises:
+        OSError: the exchange is supported but failed (permissions, a missing path).
+    """
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _NOT_SUPPORTED:
+        return False
+    raise OSError(code, f"exchanging {a} and {b} failed: {os.strerror(code)}")
+
+
+def publish(tmp: Path, final: Path, *, overwrite: bool) -> None:
+    """Make the complete directory ``tmp`` appear as ``final``, atomically.
+
+    With ``overwrite`` an existing ``final`` is replaced: by one exchange where the system
+    has it (``final`` is complete at every instant; the old copy is removed after), else
+    by renaming the old one aside to ``.tmp-<tag>-replaced-<pid>`` and the new one in
+    (``recovery`` covers the instant between).
+
+    Raises:
+        FileExistsError: ``final`` exists and not ``overwrite``.
+        OSError: a rename failed.
     """
     fsync_dir(tmp)
-    old = None
-    if final.exists():
-        if not overwrite:
-            raise FileExistsError(f"{final} already exists")
-        old = final.with_name(f"{TMP_PREFIX}{final.name}-replaced-{os.getpid()}")
-        os.rename(final, old)
+    if not final.exists():
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+        return
+    if not overwrite:
+        raise FileExistsError(f"{final} already exists")
+    if exchange(tmp, final):
+        fsync_dir(final.parent)
+        fault_point("after_exchange", 0)
+        shutil.rmtree(tmp, ignore_errors=True)  # the old copy, under the temporary name
+        return
+    old = final.with_name(f"{TMP_PREFIX}{final.name}{REPLACED}{os.getpid()}")
+    os.rename(final, old)
+    fault_point("between_renames", 0)
     os.rename(tmp, final)
     fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_latest(directory: Path, tag: str) -> None:
@@ -67,16 +167,24 @@ def write_latest(directory: Path, tag: str) -> None:
     fsync_dir(directory)
 
 
-def remove_stale_tmp(directory: Path, keep: str, *, min_age_s: float = 0.0) -> list[str]:
+def remove_stale_tmp(
+    directory: Path,
+    keep: str,
+    *,
+    min_age_s: float = 0.0,
+    protected: Callable[[Path], bool] = lambda _: False,
+) -> list[str]:
     """Remove ``.tmp-*`` entries of ``directory`` other than ``keep`` (left by killed saves)
-    whose last change is at least ``min_age_s`` seconds old; returns their names."""
+    whose last change is at least ``min_age_s`` seconds old, except those ``protected``
+    says to keep (``recovery.copy_of_lost``: a complete copy of a lost tag); returns the
+    names removed."""
     removed = []
     now = time.time()
     for entry in directory.iterdir():
         if not entry.name.startswith(TMP_PREFIX) or entry.name == keep:
             continue
         try:
-            if now - entry.stat().st_mtime < min_age_s:
+            if now - entry.stat().st_mtime < min_age_s or protected(entry):
                 continue
             if entry.is_dir():
                 shutil.rmtree(entry)

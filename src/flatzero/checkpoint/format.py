@@ -229,6 +229,8 @@ class CheckpointMeta:
         versions: library versions at save time.
         bucket_order: the order the optimizer launched its bucket reductions in (learned
             from backward); reused only by a load into the same layout.
+        saved_at: when the save was published (seconds since the epoch), or None (written
+            before flatzero recorded it: ``meta.json``'s modification time stands in).
     """
 
     tag: str
@@ -247,6 +249,7 @@ class CheckpointMeta:
     source: str = "flatzero"
     versions: dict[str, str] = field(default_factory=dict)
     bucket_order: list[int] | None = None
+    saved_at: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -276,6 +279,7 @@ class CheckpointMeta:
             "model_names": self.model_names,
             "aliases": self.aliases,
             "bucket_order": self.bucket_order,
+            "saved_at": self.saved_at,
             "files": [
                 {"rank": f.rank, "file": f.file, "bytes": f.bytes, "tensors": f.tensors}
                 for f in self.files
@@ -321,6 +325,7 @@ class CheckpointMeta:
                 source=str(data.get("source", "flatzero")),
                 versions=dict(data.get("versions", {})),
                 bucket_order=data.get("bucket_order"),
+                saved_at=data.get("saved_at"),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(

@@ -18,13 +18,42 @@ from typing import Any
 import torch
 
 from ..layout import Layout
-from .format import MASTER, META, CheckpointMeta, resolve_tag, state_key
+from .format import MASTER, META, CheckpointMeta, check_tag, read_latest, resolve_tag, state_key
+from .recovery import lost_copy
 from .reshard import GroupReadPlan, ParamIndex, execute, index_layout, plan_reads
 from .stfile import open_safetensors
 
-__all__ = ["CheckpointReader"]
+__all__ = ["CheckpointReader", "locate"]
 
 logger = logging.getLogger(__name__)
+
+
+def locate(directory: str | os.PathLike[str], tag: str | None) -> tuple[str, Path]:
+    """``(tag, path)`` of the checkpoint to read: ``resolve_tag``'s, or, when that tag was
+    lost by a save killed while replacing it, its newest complete copy (with a warning;
+    see ``recovery``).
+
+    Raises:
+        ValueError: no such checkpoint and no complete copy of it.
+    """
+    try:
+        return resolve_tag(directory, tag)
+    except ValueError:
+        root = Path(directory)
+        try:
+            wanted = check_tag(tag) if tag is not None else read_latest(root)
+        except ValueError:
+            wanted = None
+        copy = lost_copy(root, wanted) if wanted is not None else None
+        if copy is None:
+            raise
+        logger.warning(
+            "checkpoint %s is missing: a save was killed while replacing it; loading its "
+            "complete copy %s (the next save renames it back)",
+            root / wanted,
+            copy,
+        )
+        return wanted, copy
 
 
 class CheckpointReader:
@@ -32,7 +61,8 @@ class CheckpointReader:
 
     Args:
         directory: the checkpoint directory (with ``latest``), or a checkpoint itself.
-        tag: which checkpoint; ``None`` follows ``latest``.
+        tag: which checkpoint; ``None`` follows ``latest``. A tag lost by a save killed
+            while replacing it is read from its complete copy (``locate``).
 
     Raises:
         ValueError: no such checkpoint, a damaged ``meta.json``, a missing or truncated
@@ -40,7 +70,7 @@ class CheckpointReader:
     """
 
     def __init__(self, directory: str | os.PathLike[str], tag: str | None = None) -> None:
-        self.tag, self.path = resolve_tag(directory, tag)
+        self.tag, self.path = locate(directory, tag)
         self.meta = CheckpointMeta.read(self.path / META)
         self.index: ParamIndex = index_layout(self.meta.layout)
         self._handles: dict[int, Any] = {}

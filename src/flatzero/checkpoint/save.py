@@ -3,13 +3,15 @@
 Protocol (collective; every rank of the optimizer's process group calls it):
 
 1. The ranks agree on the tag and on rank 0's random nonce.
-2. Rank 0 creates ``DIR/.tmp-<tag>-<nonce>/`` (and removes stale ``.tmp-*`` left by
+2. Rank 0 creates ``DIR/.tmp-<tag>-<nonce>/`` (first putting back a tag that a save
+   killed while replacing it lost, see ``recovery``, and removing stale ``.tmp-*`` left by
    killed saves). All ranks learn whether that worked.
 3. Every rank writes and fsyncs its rank file there (its master and optimizer-state
    shards, optionally its RNG states); rank 0 also writes the model's frozen params and
    buffers when a model is given. Nothing is gathered: each rank writes its own shard.
 4. Rank 0 collects the small file records, writes ``meta.json``, fsyncs, renames the
-   directory to ``DIR/<tag>/`` and then points ``DIR/latest`` at it.
+   directory to ``DIR/<tag>/`` (exchanges it with an existing one, ``atomic.publish``)
+   and then points ``DIR/latest`` at it.
 
 An error on any rank makes every rank raise and rank 0 remove the temporary directory; a
 process killed mid-save leaves only the ``.tmp-*`` directory, which loaders ignore.
@@ -38,7 +40,7 @@ import torch.distributed as dist
 from .._version import __version__
 from ..comm import raise_if_any_failed, world_size_of
 from ..control import control_group, wait_for_host_work
-from .atomic import publish, remove_stale_tmp, tmp_dir_name, write_latest
+from .atomic import fault_point, publish, remove_stale_tmp, tmp_dir_name, write_latest
 from .config import SaveConfig
 from .format import (
     MODEL_REST,
@@ -50,8 +52,9 @@ from .format import (
     read_latest,
 )
 from .optimizer_state import CapturedState, capture
+from .recovery import copy_of_lost, restore_lost
 from .rng import capture_rng
-from .writer import fault_point, model_extras, write_rank_file, write_tensors
+from .writer import model_extras, write_rank_file, write_tensors
 
 __all__ = ["save_checkpoint", "save_nbytes"]
 
@@ -167,13 +170,16 @@ def _create_tmp(root: Path, tmp: Path, final: Path, flat: Any, config: SaveConfi
     if flat.rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
+            restore_lost(root)
             if final.exists() and not config.overwrite:
                 raise ValueError(
                     f"checkpoint {final} already exists; choose another tag or save with "
                     "SaveConfig(overwrite=True)"
                 )
             if config.stale_tmp_age_s is not None:
-                remove_stale_tmp(root, keep=tmp.name, min_age_s=config.stale_tmp_age_s)
+                remove_stale_tmp(
+                    root, keep=tmp.name, min_age_s=config.stale_tmp_age_s, protected=copy_of_lost
+                )
             tmp.mkdir()
         except (OSError, ValueError) as e:
             error = e
@@ -261,6 +267,7 @@ def _meta(
         model_names=collected.model_names,
         aliases=collected.aliases,
         versions=_versions(),
+        saved_at=time.time(),
     )
 
 
@@ -275,6 +282,7 @@ def _publish(root: Path, tmp: Path, meta: CheckpointMeta, flat: Any, config: Sav
             meta.write(tmp / "meta.json")
             fault_point("before_publish", flat.rank)
             publish(tmp, final, overwrite=config.overwrite)
+            fault_point("before_latest", flat.rank)
             if config.update_latest:
                 write_latest(root, meta.tag)
             if config.keep_last is not None:

@@ -7,33 +7,18 @@ importer calls them for every rank in turn from one process.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..dtypes import dtype_name
+from .atomic import fault_point
 from .format import FileRecord, rank_file_name
 from .stfile import SafetensorsWriter, TensorEntry
 
-__all__ = ["model_extras", "set_fault_hook", "write_rank_file", "write_tensors"]
-
-_fault_hook: Callable[[str, int], None] | None = None
-
-
-def set_fault_hook(hook: Callable[[str, int], None] | None) -> None:
-    """Test seam: call ``hook(point, rank)`` at points of a save (``"tensor_written"`` after
-    each tensor of a rank file, ``"rank_file_written"``, ``"before_publish"``) so a test can
-    kill the process there. ``None`` removes it."""
-    global _fault_hook
-    _fault_hook = hook
-
-
-def fault_point(point: str, rank: int) -> None:
-    """Run the fault hook, if any, at ``point``."""
-    if _fault_hook is not None:
-        _fault_hook(point, rank)
+__all__ = ["model_extras", "write_rank_file", "write_tensors"]
 
 
 def write_tensors(
