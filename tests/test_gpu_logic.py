@@ -470,8 +470,8 @@ def test_the_sharded_tier_stages_slices_not_buckets():
 def test_failed_pinning_falls_back_to_pageable_staging(caplog, monkeypatch):
     monkeypatch.setattr(accel, "accelerator_type", lambda: "cuda")
     with caplog.at_level(logging.WARNING):
-        buffer, pinned = staging_buffer(4096, pin=True)  # no CUDA here: pinning fails
-    assert buffer.numel() == 4096 and not pinned
+        staging = staging_buffer(4096, pin=True)  # no CUDA here: pinning fails
+    assert staging.data.numel() == 4096 and not staging.pinned and not staging.registered
     assert "could not pin" in caplog.text
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "new_event",
     "new_stream",
     "on_device",
+    "pin_host",
     "pinned_empty",
     "release_pinned_cache",
     "reset_peak_memory_stats",
@@ -54,6 +55,7 @@ __all__ = [
     "set_rng_states",
     "synchronize",
     "total_memory",
+    "unpin_host",
     "use_stream",
 ]
 
@@ -306,3 +308,67 @@ def set_rng_states(device_type: str, states: list[torch.Tensor]) -> bool:
         return False
     device_module(device_type).set_rng_state_all(states)
     return True
+
+
+# --- host memory registered in place -------------------------------------------------
+
+_REGISTER_PORTABLE = 1
+"""``cudaHostRegisterPortable``: the pages are pinned for every device context (as
+``torch.cuda._pin_memory_utils`` registers them)."""
+
+
+def _host_registration() -> tuple[Any, Any] | None:
+    """``(register, unregister)`` of this process's accelerator runtime for page-locking
+    existing host memory (CUDA and ROCm: ``cudaHostRegister``/``cudaHostUnregister`` of
+    ``torch.cuda.cudart()``), or None where the runtime offers no such calls."""
+    device_type = accelerator_type()
+    if device_type is None:
+        return None
+    runtime = getattr(device_module(device_type), "cudart", None)
+    if runtime is None:
+        return None
+    try:
+        calls = runtime()
+    except (RuntimeError, AssertionError):  # torch raises both for a runtime it cannot load
+        return None
+    register = getattr(calls, "cudaHostRegister", None)
+    unregister = getattr(calls, "cudaHostUnregister", None)
+    return None if register is None or unregister is None else (register, unregister)
+
+
+def pin_host(tensor: torch.Tensor) -> bool:
+    """Page-lock the host memory of the contiguous CPU ``tensor`` in place, for
+    asynchronous copies to and from this process's accelerator; True when done.
+
+    The pages stay the caller's alone: ``unpin_host`` releases exactly them, where memory
+    from torch's pinned caching allocator could only be given back by emptying that
+    process-wide cache, every other cached block with it (a DataLoader's ``pin_memory``
+    batches). False,
+    nothing changed, where the runtime cannot register host memory (no accelerator, or a
+    backend without the calls: the caller may take ``pinned_empty``'s memory instead) or
+    refused (the system's page-locked limit; warned with the size)."""
+    calls = _host_registration()
+    if calls is None or tensor.nbytes == 0:
+        return False
+    code = int(calls[0](tensor.data_ptr(), tensor.nbytes, _REGISTER_PORTABLE))
+    if code != 0:
+        logger.warning(
+            "could not page-lock %d bytes of host memory (runtime error %d); uploads use "
+            "pageable memory and are synchronous",
+            tensor.nbytes,
+            code,
+        )
+        return False
+    return True
+
+
+def unpin_host(tensor: torch.Tensor) -> None:
+    """Undo ``pin_host(tensor)``: call it with the same tensor once no copy reads or writes
+    it any more, before its memory is freed. Nothing else of the process is touched."""
+    calls = _host_registration()
+    assert calls is not None, "unpin_host without a runtime that pinned it"
+    code = int(calls[1](tensor.data_ptr()))
+    if code != 0:
+        logger.warning(
+            "unpinning %d bytes of host memory failed (runtime error %d)", tensor.nbytes, code
+        )

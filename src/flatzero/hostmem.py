@@ -5,6 +5,10 @@ Linux server that caps first writes at 1-3 GB/s, several times slower than memcp
 Asking the kernel for 2 MiB pages (``madvise(MADV_HUGEPAGE)``) before the first
 touch cuts the faults 512-fold. PyTorch offers this only through the process-wide
 ``THP_MEM_ALLOC_ENABLE`` variable read at start-up; here it is done per buffer.
+
+Staging buffers for uploads (``staging_buffer``) are page-locked by flatzero itself where
+the accelerator's runtime can register host memory, so that releasing them gives back
+exactly those pages and never empties the process's pinned cache.
 """
 
 from __future__ import annotations
@@ -14,12 +18,13 @@ import ctypes.util
 import functools
 import logging
 import sys
+from dataclasses import dataclass
 
 import torch
 
 from . import accel
 
-__all__ = ["empty_host", "staging_buffer"]
+__all__ = ["StagingBuffer", "empty_host", "staging_buffer"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +72,48 @@ def empty_host(numel: int, dtype: torch.dtype, *, huge_pages: bool = True) -> to
     return raw[start : start + nbytes].view(dtype)
 
 
-def staging_buffer(nbytes: int, *, pin: bool) -> tuple[torch.Tensor, bool]:
-    """A 1-D uint8 host buffer of ``nbytes`` for uploads, and whether it is page-locked.
+@dataclass
+class StagingBuffer:
+    """A 1-D uint8 host buffer for copies between host memory and an accelerator.
 
-    Page-locked (pinned) memory makes a host-to-device copy a true asynchronous DMA. It
-    comes from PyTorch's pinned caching allocator, which rounds a request up to a power
-    of two: callers ask for powers of two. When pinning fails (the system's page-locked
-    limit), the buffer is pageable and its copies are synchronous: slower, never wrong.
+    Attributes:
+        data: the buffer.
+        pinned: page-locked: a copy to or from the accelerator is an asynchronous DMA.
+        registered: page-locked in place by flatzero (``accel.pin_host``) rather than
+            taken from torch's pinned caching allocator; ``release`` unpins it.
     """
-    if pin:
-        pinned = accel.pinned_empty(nbytes)
-        if pinned is not None:
-            return pinned, True
-    return empty_host(nbytes, torch.uint8), False
+
+    data: torch.Tensor
+    pinned: bool
+    registered: bool = False
+
+    def release(self) -> None:
+        """Unpin what flatzero pinned for this buffer, and nothing else of the process (a
+        DataLoader's pinned batches stay as they are). Call it once no copy reads or
+        writes the buffer any more, then drop it. A buffer from torch's pinned caching
+        allocator goes back to that cache when dropped; the cache is never emptied here."""
+        if self.registered:
+            accel.unpin_host(self.data)
+            self.registered = False
+
+
+def staging_buffer(nbytes: int, *, pin: bool) -> StagingBuffer:
+    """A host buffer of ``nbytes`` bytes for uploads, page-locked if ``pin`` and possible.
+
+    Page-locked (pinned) memory makes a host-to-device copy a true asynchronous DMA. It is
+    flatzero's own memory registered with the accelerator's runtime where the runtime can
+    (CUDA, ROCm), so that releasing it touches no other pinned memory of the process;
+    elsewhere it comes from torch's pinned caching allocator, which rounds a request up to
+    a power of two (callers ask for powers of two). When pinning fails (the system's
+    page-locked limit, a backend without pinned memory), the buffer is pageable and its
+    copies are synchronous: slower, never wrong. Call ``release`` when done with it.
+    """
+    host = empty_host(nbytes, torch.uint8)
+    if not pin:
+        return StagingBuffer(host, pinned=False)
+    if accel.pin_host(host):
+        return StagingBuffer(host, pinned=True, registered=True)
+    cached = accel.pinned_empty(nbytes)
+    if cached is not None:
+        return StagingBuffer(cached, pinned=True)
+    return StagingBuffer(host, pinned=False)

@@ -123,6 +123,8 @@ def decide_tier(
     def decision(tier: str | None, reason: str, need_bytes: int) -> TierDecision:
         return TierDecision(tier, reason, min_free, need_bytes)
 
+    if params_on == "meta":
+        return _allocate_only_decision(device_type, min_free, total_bytes + shard_bytes)
     if params_on == "device":
         if min_free >= need("device"):
             return decision(
@@ -165,7 +167,9 @@ def choose_tier(
 
     Args:
         requested: ``FlattenConfig.tier``.
-        params_on: ``"device"`` (the accelerator), ``"host"`` or ``"meta"``.
+        params_on: ``"device"`` (the accelerator), ``"host"`` (also a checkpoint) or
+            ``"meta"`` (``allocate_only``: nothing is read and the params hold no device
+            memory, so every bucket is new device memory).
         device: where the flat buffers go.
         world_size: ranks the buckets are sharded over.
         largest_bucket_bytes: bytes of the largest bucket of any group.
@@ -192,6 +196,20 @@ def choose_tier(
     if decision.tier is None:
         raise out_of_memory(decision.reason, device)
     return decision
+
+
+def _allocate_only_decision(device_type: str, min_free: int, need_bytes: int) -> TierDecision:
+    """``device`` (buffers straight on the target, nothing read) when ``need_bytes``, every
+    bucket plus the fp32 shards, fit in ``min_free`` bytes: params that are not on the device
+    free no device memory as their buckets arrive, so no bucket replaces anything."""
+    if min_free < need_bytes:
+        what = "the flat buffers and fp32 shards"
+        return TierDecision(None, _too_small(device_type, min_free, need_bytes, what), min_free)
+    reason = (
+        f"nothing to read (allocate_only) and params not on {device_type}; {_gib(min_free)} "
+        f"free >= every bucket and the fp32 shards ({_gib(need_bytes)})"
+    )
+    return TierDecision("device", reason, min_free, need_bytes)
 
 
 def _gib(nbytes: int) -> str:

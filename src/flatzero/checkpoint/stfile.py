@@ -15,7 +15,6 @@ import json
 import math
 import os
 import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,8 @@ from safetensors import safe_open
 
 from .. import accel
 from ..dtypes import SAFETENSORS_NAMES
-from ..hostmem import staging_buffer
+from ..hostmem import StagingBuffer, staging_buffer
+from .checksum import Checksummer, ChunkSums
 
 __all__ = [
     "ChunkOp",
@@ -34,7 +34,6 @@ __all__ = [
     "TensorEntry",
     "open_safetensors",
     "staging_plan",
-    "tensor_crc32",
 ]
 
 _CHUNK_BYTES = 64 * 2**20
@@ -130,14 +129,6 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def tensor_crc32(tensor: torch.Tensor, crc: int = 0) -> int:
-    """crc32 of a tensor's bytes (as written by ``SafetensorsWriter``)."""
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    return zlib.crc32(_byte_view(tensor.contiguous()), crc)
-
-
 class SafetensorsWriter:
     """Write one safetensors file, tensor by tensor, in the order of ``entries``.
 
@@ -163,7 +154,7 @@ class SafetensorsWriter:
         self.path = Path(path)
         self.entries = list(entries)
         self.checksums = checksums
-        self.crc32: dict[str, int | None] = {}
+        self.checksum: dict[str, ChunkSums | None] = {}
         header: dict[str, Any] = {}
         if metadata:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -187,9 +178,8 @@ class SafetensorsWriter:
         self.nbytes = len(self._prefix) + offset
         self._next = 0
         self._file = None
-        self._slots: list[torch.Tensor] = []
+        self._staging: list[StagingBuffer] = []
         self._pinned = False  # every slot is page-locked: copies into them are asynchronous
-        self._pin_tried = False  # slots were asked to be pinned: release the pinned cache
 
     def __enter__(self) -> SafetensorsWriter:
         self._file = open(self.path, "xb")
@@ -209,37 +199,32 @@ class SafetensorsWriter:
                 f"declared {entry.dtype} {entry.shape}"
             )
         tensor = tensor.detach()
-        crc = 0
+        summer = Checksummer() if self.checksums else None
         if not _staged(tensor):
             view = _byte_view(tensor.contiguous())
             self._file.write(view)
-            if self.checksums:
-                crc = zlib.crc32(view)
+            if summer is not None:
+                summer.update(view)
         else:
-            crc = self._write_staged(tensor)
-        self.crc32[name] = crc if self.checksums else None
+            self._write_staged(tensor, summer)
+        self.checksum[name] = summer.result() if summer is not None else None
         self._next += 1
 
     def _staging_slots(self, pin: bool) -> list[torch.Tensor]:
         """The host chunks device tensors go through: allocated at the first device tensor
         (pinned when ``pin`` and the system allows), as large as the largest entry needs,
         kept until the file is closed."""
-        if not self._slots:
+        if not self._staging:
             largest = max(e.nbytes for e in self.entries)
             size = max(1, min(_CHUNK_BYTES, largest))
             count = _SLOTS if largest > size else 1
-            self._pin_tried = pin
-            pinned = pin
-            for _ in range(count):
-                buffer, ok = staging_buffer(size, pin=pin)
-                self._slots.append(buffer)
-                pinned = pinned and ok
-            self._pinned = pinned
-        return self._slots
+            self._staging = [staging_buffer(size, pin=pin) for _ in range(count)]
+            self._pinned = pin and all(b.pinned for b in self._staging)
+        return [b.data for b in self._staging]
 
-    def _write_staged(self, tensor: torch.Tensor) -> int:
-        """Write a device tensor's bytes through the host chunks; returns their crc32 (0
-        without checksums).
+    def _write_staged(self, tensor: torch.Tensor, summer: Checksummer | None) -> None:
+        """Write a device tensor's bytes through the host chunks, feeding them to
+        ``summer``.
 
         On an accelerator the copies run on a side stream that first waits for the current stream
         (which produced the tensor); each chunk's copy is non-blocking into pinned memory and
@@ -251,19 +236,18 @@ class SafetensorsWriter:
         assert self._file is not None
         data = tensor.reshape(-1).contiguous().view(torch.uint8)
         if data.numel() == 0:
-            return 0
+            return
         streamed = _streamed(data)
         slots = self._staging_slots(streamed)
         ops = staging_plan(data.numel(), slots[0].numel(), len(slots))
-        crc = 0
         if not streamed:  # not on an accelerator: synchronous copies through the chunks
             for op in ops:
                 host = slots[op.slot][: op.stop - op.start]
                 if op.kind == "copy":
                     host.copy_(data[op.start : op.stop])
                 else:
-                    crc = self._emit(host, crc)
-            return crc
+                    self._emit(host, summer)
+            return
         with accel.on_device(data.device):
             side = accel.new_stream(data.device)
             side.wait_stream(accel.current_stream(data.device))
@@ -277,17 +261,17 @@ class SafetensorsWriter:
                         events[op.slot].record(side)
                     else:
                         events[op.slot].synchronize()
-                        crc = self._emit(host, crc)
+                        self._emit(host, summer)
             finally:
                 side.synchronize()
-        return crc
 
-    def _emit(self, host: torch.Tensor, crc: int) -> int:
-        """Write a host chunk to the file; returns the running crc32."""
+    def _emit(self, host: torch.Tensor, summer: Checksummer | None) -> None:
+        """Write a host chunk to the file and feed it to ``summer``."""
         assert self._file is not None
         view = _byte_view(host)
         self._file.write(view)
-        return zlib.crc32(view, crc) if self.checksums else crc
+        if summer is not None:
+            summer.update(view)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         assert self._file is not None
@@ -304,12 +288,12 @@ class SafetensorsWriter:
             self._release_staging()
 
     def _release_staging(self) -> None:
-        """Drop the host chunks; pinned ones go back to the system, not to PyTorch's cache."""
-        pinned = self._pin_tried
-        self._slots = []
-        self._pinned = self._pin_tried = False
-        if pinned:
-            accel.release_pinned_cache()
+        """Drop the host chunks, unpinning what was pinned for them and nothing else of
+        the process (no copy uses them any more: ``_write_staged`` synchronized)."""
+        staging, self._staging = self._staging, []
+        self._pinned = False
+        for buffer in staging:
+            buffer.release()
 
 
 def open_safetensors(path: str | os.PathLike[str]) -> Any:

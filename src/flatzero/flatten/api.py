@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from .. import accel
 from ..comm import check_same_everywhere, rank_of, world_size_of
 from ..config import FlattenConfig
 from ..control import control_group
@@ -49,7 +50,8 @@ class _Plan:
     Attributes:
         groups: the param groups as collected.
         layout: the layout of every (group, dtype).
-        params_on: ``"device"``, ``"host"`` (also a checkpoint) or ``"meta"``.
+        params_on: ``"device"``, ``"host"`` (also a checkpoint) or ``"meta"``
+            (``allocate_only`` with params that hold no accelerator memory).
         keys: checkpoint key of every trainable param (None without a checkpoint).
         sizes: bytes of the layout's buffers.
     """
@@ -109,6 +111,27 @@ def _where_params_are(groups: list[ParamGroup]) -> tuple[str, torch.device]:
     return ("host" if device.type == "cpu" else "device"), device
 
 
+def _allocate_only_params_on(groups: list[ParamGroup]) -> str:
+    """Where ``allocate_only`` finds the params: ``"device"`` when every one is on an
+    accelerator (each bucket then replaces its params' storage, which is released as they
+    are rebound), else ``"meta"`` (on the meta device or the host: every bucket is new
+    device memory). Either way nothing is read and the buckets go straight to the target."""
+    on_device = all(accel.is_accelerator(p.device) for g in groups for p in g.params)
+    return "device" if on_device else "meta"
+
+
+def _return_cached_blocks(flat_groups: list[FlatGroup]) -> None:
+    """Give the device the blocks its caching allocator kept during the flatten, once, when
+    the buckets are on an accelerator: the params' old storage, freed bucket by bucket,
+    stays cached in per-param blocks that a first training step's larger requests cannot
+    use (the step could run out of memory on a model whose init just fit)."""
+    on_accelerator = [
+        b.device for g in flat_groups for b in g.buckets if accel.is_accelerator(b.device)
+    ]
+    if on_accelerator:
+        accel.empty_cache(on_accelerator[0])
+
+
 def _checkpoint_keys(
     groups: list[ParamGroup],
     checkpoint: SafetensorsCheckpoint,
@@ -160,7 +183,7 @@ def _plan(
                 "allocate_only=True reads no values but a checkpoint was given; pass one of them"
             )
         _readable_by(config, "nothing", "has nothing to stage with allocate_only=True")
-        params_on = "device"  # nothing is read: buckets go straight to the target
+        params_on = _allocate_only_params_on(groups)
     elif checkpoint is None:
         params_on, _ = _where_params_are(groups)
     else:
@@ -421,6 +444,8 @@ def flatten_parameters(
             plan, decision, masters, ctx, control, progress,
             checkpoint=checkpoint, allocate_only=allocate_only,
         )  # fmt: skip
+    with report.phase("flatten"):
+        _return_cached_blocks(flat_groups)
 
     init_report = report.build(decision.reason, group_reports)
     if rank == 0:

@@ -1,29 +1,41 @@
-"""The bucket loop of one param group: allocate, agree, fill, rebind, fall back."""
+"""The bucket loop of one param group: allocate, fill, agree, gather, rebind, fall back."""
 
 from __future__ import annotations
 
 import logging
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..comm import all_reduce_max_each, any_rank_failed, rank_of
+from ..comm import all_reduce_max, all_reduce_max_each, rank_of, world_size_of
 from ..layout import GroupLayout
 from ..memory import out_of_memory
 from .alloc import allocate_or_oom
 from .faults import allocate_bucket
 from .registry import REGISTRY, chain, make_tier, next_tier_down, spec
 from .source import ParamSource
-from .tiers import Fill, Tier, TierContext
+from .tiers import Fill, Tier, TierContext, UploadTier
 
-__all__ = ["GroupFlattener"]
+__all__ = ["BucketFillError", "GroupFlattener"]
 
 logger = logging.getLogger(__name__)
 
 
 _UNFILLED = 1 + max(s.level for s in REGISTRY.values())
 """The level of a bucket that no tier could allocate, below every tier."""
+
+_FILLED, _NO_ROOM, _FILL_FAILED = 0, 1, 2
+"""What a rank reports of a bucket of a collective tier before its all-gather (the
+maximum over ranks wins: a failed fill ends the flatten, no room falls back a tier)."""
+
+
+class BucketFillError(RuntimeError):
+    """Reading or copying a bucket's values failed on some rank (a checkpoint read error,
+    say). Raised on every rank with the same message, naming each rank that failed and its
+    error (the cause, on those ranks), before any rank waits in a collective the others
+    will not join; every parameter still holds its data."""
 
 
 class GroupFlattener:
@@ -60,6 +72,8 @@ class GroupFlattener:
         self.buffers: list[torch.Tensor | None] = [None] * len(layout.buckets)
         self.bucket_tiers: list[str] = [""] * len(layout.buckets)
         self._pending: list[tuple[int, Fill]] = []
+        self._held: tuple[int, UploadTier, Fill] | None = None
+        self._failure: tuple[int, Exception] | None = None
         self._chain: tuple[str, ...] = ()
 
     def run(self, tier_name: str) -> None:
@@ -68,6 +82,7 @@ class GroupFlattener:
         Raises:
             MemoryError: on every rank, when a bucket fits in no tier on some rank (a
                 ``torch.OutOfMemoryError`` too when the buffers are on an accelerator).
+            BucketFillError: on every rank, when filling a bucket failed on some rank.
         """
         self._chain = chain(tier_name, self.ctx.device)
         tier = make_tier(tier_name, self.ctx)
@@ -75,45 +90,121 @@ class GroupFlattener:
         no_room: MemoryError | None = None
         for bucket in range(len(self.layout.buckets)):
             try:
-                tier, buf = self._allocate_agreed(tier, bucket)
+                tier, fill = self._fill_agreed(tier, bucket)
             except MemoryError as error:  # the last tier, on this rank alone
                 no_room = error
                 break
+            if fill is None:  # a local fill failed on this rank: agreed after the loop
+                break
             self.bucket_tiers[bucket] = tier.name
-            self._pending.append((bucket, tier.fill(self.layout, self.source, bucket, buf)))
+            self._queue(bucket, tier, fill)
             self._complete(block=False)
             self.progress.update(1)
+        self._gather_held()
         self._complete(block=True)
         self._agree_on_tiers(no_room)
 
-    def _allocate_agreed(self, tier: Tier, bucket: int) -> tuple[Tier, torch.Tensor]:
-        """The bucket's buffer, in ``tier`` or, after running out of memory, a lower one.
+    def _fill_agreed(self, tier: Tier, bucket: int) -> tuple[Tier, Fill | None]:
+        """The bucket allocated and filled in ``tier`` or, after running out of memory, a
+        lower one. The fill is None when it failed on this rank in a tier that fills
+        locally (``_failure``; the ranks agree on it after the group's last bucket).
 
-        A collective tier checks with every rank first: a rank that could not allocate
-        must not leave the others waiting in the fill's all-gather.
+        A collective tier agrees with every rank, in one all-reduce per bucket, on both
+        the allocation and the fill of this rank's slice before the all-gather: a rank that
+        could not allocate or read must not leave the others waiting in it.
+
+        Raises:
+            MemoryError: this rank's last tier could not allocate (a local tier), or every
+                rank's (a collective one).
+            BucketFillError: on every rank, when a collective tier's fill failed on one.
         """
         tier.prepare(self.layout, self.source, bucket)
         while True:
             buf, error = self._allocate(tier, bucket)
             while buf is None and tier.make_room(self.layout, self.source):
                 buf, error = self._allocate(tier, bucket)
+            fill = None if buf is None else self._try_fill(tier, bucket, buf)
             if spec(tier.name).fill_is_collective(self.ctx.world_size):
-                if not any_rank_failed(error, self.control):
-                    assert buf is not None
-                    return tier, buf
+                outcome = all_reduce_max(self._outcome(buf), self.control)
+                if outcome == _FILL_FAILED:
+                    self._raise_fill_error()
+                if outcome == _FILLED:
+                    return tier, fill
             elif buf is not None:
-                return tier, buf
+                return tier, fill
             tier = self._fall_back(tier, bucket, error)
+
+    def _try_fill(self, tier: Tier, bucket: int, buf: torch.Tensor) -> Fill | None:
+        """``tier.fill`` of the bucket, or None when it raised (kept in ``_failure``)."""
+        try:
+            return tier.fill(self.layout, self.source, bucket, buf)
+        except Exception as error:  # any rank's error must reach every rank, never hang
+            self._failure = (bucket, error)
+            return None
+
+    def _outcome(self, buf: torch.Tensor | None) -> int:
+        """What this rank reports of a collective tier's bucket."""
+        if self._failure is not None:
+            return _FILL_FAILED
+        return _NO_ROOM if buf is None else _FILLED
+
+    def _queue(self, bucket: int, tier: Tier, fill: Fill) -> None:
+        """Queue a filled bucket for rebinding. A collective tier's bucket is held and
+        all-gathered after the next bucket's upload was queued (so that the copy stream
+        uploads bucket k + 1 while bucket k is all-gathered); the bucket held before it is
+        all-gathered now."""
+        if not spec(tier.name).fill_is_collective(self.ctx.world_size):
+            self._pending.append((bucket, fill))
+            return
+        assert isinstance(tier, UploadTier)
+        self._gather_held()
+        self._held = (bucket, tier, fill)
+
+    def _gather_held(self) -> None:
+        """All-gather the held bucket, which every rank allocated and filled its slice of,
+        and queue it for rebinding."""
+        if self._held is None:
+            return
+        bucket, tier, fill = self._held
+        self._held = None
+        self._pending.append((bucket, tier.gather(self.layout, bucket, fill)))
+
+    def _raise_fill_error(self) -> NoReturn:
+        """Raise the same ``BucketFillError`` on every rank (collective: every rank calls
+        it once the ranks agreed that some rank's fill failed). A held bucket is dropped
+        unfilled: its params keep their storage; complete buckets are rebound."""
+        self._held = None
+        self._complete(block=True)
+        mine = None
+        if self._failure is not None:
+            bucket, error = self._failure
+            mine = (
+                f"rank {rank_of(self.control)} at bucket {bucket} ({type(error).__name__}: {error})"
+            )
+        texts = [mine]
+        if world_size_of(self.control) > 1:
+            texts = [None] * world_size_of(self.control)
+            dist.all_gather_object(texts, mine, group=self.control)
+        failed = "; ".join(t for t in texts if t is not None)
+        raise BucketFillError(
+            f"filling the buckets of group {self.layout.group_index} ({self.layout.dtype}) "
+            f"failed on {failed}; every parameter still holds its data"
+        ) from (None if self._failure is None else self._failure[1])
 
     def _agree_on_tiers(self, no_room: MemoryError | None) -> None:
         """Make every rank hold each bucket in the lowest tier any rank used for it.
 
+        The same all-reduce tells whether a local fill failed on some rank.
+
         Raises:
             MemoryError: on every rank, when some rank could not allocate a bucket even in
                 the last tier (every parameter still holds its data).
+            BucketFillError: on every rank, when a fill failed on some rank.
         """
         mine = [spec(t).level if t else _UNFILLED for t in self.bucket_tiers]
-        agreed = all_reduce_max_each(mine, self.control)
+        *agreed, failed = all_reduce_max_each([*mine, int(self._failure is not None)], self.control)
+        if failed:
+            self._raise_fill_error()
         if no_room is not None:
             raise no_room
         if max(agreed) == _UNFILLED:
@@ -158,6 +249,7 @@ class GroupFlattener:
         Raises:
             MemoryError: ``tier`` is the last one.
         """
+        self._gather_held()  # every rank filled it: all of them gather it, then fall back
         self._complete(block=True)
         lower = next_tier_down(tier.name, self.ctx.device)
         where = f"on rank {rank_of(self.control)}" if error is not None else "on another rank"

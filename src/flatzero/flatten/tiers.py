@@ -16,8 +16,11 @@ down when memory runs out. Tiers never rebind a param to a partially filled buck
 
 A tier's steps per bucket: ``prepare`` (before allocation: ``offload`` moves the bucket's
 params out of the way), then, when allocation still fails, ``make_room`` (``offload``
-moves the next bucket's params out too), then ``fill``. Staging memory (pinned on CUDA)
-is a few slots of at most 64 MiB, released when the flatten call ends (``close``).
+moves the next bucket's params out too), then ``fill``, and for ``sharded`` at world size
+> 1 ``gather`` (the all-gather), which the driver issues only once every rank filled its
+slice and the next bucket's upload is queued, so that the two overlap. Staging memory
+(pinned on an accelerator) is a few slots of at most 64 MiB, released when the flatten
+call ends (``close``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch.distributed as dist
 
 from .. import accel
 from ..comm import all_gather_into
-from ..hostmem import empty_host, staging_buffer
+from ..hostmem import StagingBuffer, empty_host, staging_buffer
 from ..layout import GroupLayout
 from ..report import ReportBuilder
 from .source import ParamSource
@@ -92,29 +95,25 @@ def chunks(lo: int, hi: int, numel: int) -> list[tuple[int, int]]:
 
 @dataclass
 class _Slot:
-    buffer: torch.Tensor  # uint8, viewed as the bucket dtype
+    staging: StagingBuffer  # uint8, viewed as the bucket dtype
     done: Any = None  # the device event of the upload reading the slot
 
 
 class StagingRing:
     """A few host buffers that host fills and uploads take turns on.
 
-    Pinned when the target is a CUDA device (so the upload is a true async DMA and the
-    fill of one slot overlaps the upload of the others), pageable when pinning fails.
+    Pinned for uploads to an accelerator (so the upload is a true async DMA and the fill
+    of one slot overlaps the upload of the others), pageable when pinning fails.
 
     Args:
         slots: number of buffers.
         nbytes: size of each buffer (bytes); see ``staging_slot_bytes``.
-        pin: allocate page-locked memory.
+        pin: page-lock them (``hostmem.staging_buffer``).
     """
 
     def __init__(self, slots: int, nbytes: int, *, pin: bool) -> None:
-        self._slots = []
-        self.pinned = pin
-        for _ in range(slots):
-            buffer, pinned = staging_buffer(nbytes, pin=pin)
-            self.pinned = self.pinned and pinned
-            self._slots.append(_Slot(buffer))
+        self._slots = [_Slot(staging_buffer(nbytes, pin=pin)) for _ in range(slots)]
+        self.pinned = pin and all(s.staging.pinned for s in self._slots)
         self.slot_bytes = nbytes
         self._next = 0
 
@@ -133,14 +132,16 @@ class StagingRing:
             slot.done = None
         nbytes = numel * dtype.itemsize
         assert nbytes <= self.slot_bytes, "a staged chunk is larger than a slot"
-        return slot.buffer[:nbytes].view(dtype), slot
+        return slot.staging.data[:nbytes].view(dtype), slot
 
-    def drain(self) -> None:
-        """Wait until no upload reads from the ring any more."""
+    def release(self) -> None:
+        """Wait until no upload reads from the ring any more, then unpin what was pinned
+        for it (and nothing else of the process); the ring is not used afterwards."""
         for slot in self._slots:
             if slot.done is not None:
                 slot.done.synchronize()
                 slot.done = None
+            slot.staging.release()
 
 
 @dataclass
@@ -173,14 +174,13 @@ class TierContext:
     _copy_stream: Any = field(default=None, repr=False)
 
     def ring(self, largest_staged_bytes: int) -> StagingRing:
-        """A staging ring whose slots take chunks of ranges up to ``largest_staged_bytes``,
-        created on first use (one per slot size; the ``host`` and ``sharded`` tiers of one
-        call may both stage)."""
+        """A pinned staging ring whose slots take chunks of ranges up to
+        ``largest_staged_bytes``, created on first use (one per slot size; the ``host`` and
+        ``sharded`` tiers of one call may both stage)."""
         nbytes = staging_slot_bytes(largest_staged_bytes)
         ring = self._rings.get(nbytes)
         if ring is None:
-            pin = accel.is_accelerator(self.device)
-            ring = StagingRing(self.staging_slots, nbytes, pin=pin)
+            ring = StagingRing(self.staging_slots, nbytes, pin=True)
             self._rings[nbytes] = ring
         return ring
 
@@ -193,23 +193,23 @@ class TierContext:
     def copy_stream(self) -> Any:
         """A side stream for host-to-device copies (None when buffers are on the host or
         the device has no streams: the copies are then synchronous)."""
-        if (
-            self._copy_stream is None
-            and accel.is_accelerator(self.device)
-            and accel.has_streams(self.device)
-        ):
+        if self._copy_stream is None and _streamed(self.device):
             self._copy_stream = accel.new_stream(self.device)
         return self._copy_stream
 
     def close(self) -> None:
-        """Wait for every upload, then release the staging memory (pinned pages go back
-        to the system rather than staying in PyTorch's pinned cache)."""
-        pinned = any(r.pinned for r in self._rings.values())
+        """Wait for every upload, then release the staging memory: the pages flatzero
+        pinned are unpinned, and no other pinned memory of the process is touched."""
         for ring in self._rings.values():
-            ring.drain()
+            ring.release()
         self._rings.clear()
-        if pinned:
-            accel.release_pinned_cache()
+
+
+def _streamed(device: torch.device) -> bool:
+    """Whether uploads to ``device`` go through pinned staging on a copy stream: an
+    accelerator with streams (a test seam: CPU tests run that path with the device seam's
+    streams stubbed)."""
+    return accel.is_accelerator(device) and accel.has_streams(device)
 
 
 def copy_kind(src: torch.device, dst: torch.device) -> str:
@@ -294,8 +294,11 @@ class UploadTier:
         return 0, layout.buckets[bucket].numel
 
     def fill(self, layout: GroupLayout, source: ParamSource, bucket: int, buf: torch.Tensor):
-        """Fill this rank's part of the bucket chunk by chunk (on a GPU: stage each chunk in
-        the pinned ring and upload it asynchronously), then all-gather when sharded."""
+        """Fill this rank's part of the bucket chunk by chunk: in place for host buffers; on
+        an accelerator each chunk is staged in the pinned ring and uploaded asynchronously
+        on the copy stream, ordered after ``buf``'s allocation (the copy stream waits for
+        the current stream, which holds no all-gather of the previous bucket yet: the
+        driver queues that only after this upload). ``sharded`` then needs ``gather``."""
         ctx = self.ctx
         lo, hi = self._range(layout, bucket)
         largest = ctx.largest_slice_bytes if self.own_slice else ctx.largest_bucket_bytes
@@ -304,9 +307,12 @@ class UploadTier:
         ring = ctx.ring(largest) if stream is not None else None
         if stream is not None:
             stream.wait_stream(accel.current_stream(buf.device))  # buf's allocation
+            # Before any copy: if this fill fails half-way and buf is dropped, the caching
+            # allocator still waits for the copies already queued before reusing it.
+            buf.record_stream(stream)
         done = None
         for start, end in chunks(lo, hi, chunk_numel):
-            # Host buffers are filled in place; a GPU bucket through a staging slot.
+            # Host buffers are filled in place; a device bucket through a staging slot.
             stage, slot = (
                 (buf[start:end], None) if ring is None else ring.acquire(end - start, buf.dtype)
             )
@@ -320,14 +326,20 @@ class UploadTier:
                     done.record(stream)
                 slot.done = done
                 ctx.report.moved("h2d", stage.nbytes)
-        if stream is not None:
-            buf.record_stream(stream)
-        if self.own_slice:
-            if done is not None:
-                accel.current_stream(buf.device).wait_event(done)
-            all_gather_into(buf, buf[lo:hi], ctx.group)
-            ctx.report.moved("all_gather", buf.nbytes - buf[lo:hi].nbytes)
         return Fill(buf, done)
+
+    def gather(self, layout: GroupLayout, bucket: int, fill: Fill) -> Fill:
+        """All-gather the other ranks' slices into the bucket (``sharded`` at world size >
+        1), once every rank filled its own: the current stream first waits for this
+        rank's upload (``fill.done``), and the collective is ordered after the current
+        stream. Returns ``fill`` (its event still tells when this rank's upload is done)."""
+        buf = fill.buffer
+        lo, hi = self._range(layout, bucket)
+        if fill.done is not None:
+            accel.current_stream(buf.device).wait_event(fill.done)
+        all_gather_into(buf, buf[lo:hi], self.ctx.group)
+        self.ctx.report.moved("all_gather", buf.nbytes - buf[lo:hi].nbytes)
+        return fill
 
 
 class OffloadTier(UploadTier):
