@@ -150,7 +150,8 @@ def bucket_chunks(
     world_size: int,
     chunk_numel: int,
 ) -> list[ReduceChunk]:
-    """The chunks of a bucket, last first (the order backward produces gradients in).
+    """The chunks of a bucket, in layout order (params are laid out in reverse
+    registration order: the order backward usually produces their gradients in).
 
     Args:
         state: the bucket.
@@ -177,7 +178,7 @@ def bucket_chunks(
             end = min(slot.end, hi)
             runs[j].append((first_param + index, pos - slot.offset, pos - lo, end - pos))
             pos = end
-    chunks = [
+    return [
         ReduceChunk(
             bucket=state.index,
             owner=j // per_row,
@@ -189,7 +190,6 @@ def bucket_chunks(
         )
         for j, ((lo, hi), found) in enumerate(zip(bounds, runs, strict=True))
     ]
-    return chunks[::-1]
 
 
 @dataclass(eq=False)

@@ -8,8 +8,8 @@ optimizer divides by the world size and the loss scale at the step.
 Gradients are reduced in chunks (``buckets.ReduceChunk``: a run of one rank's slice of a
 bucket, summed onto that rank) staged in a fixed pool of slots, so staging memory is
 bounded by ``ZeroConfig.reduce_staging_bytes`` whatever the bucket sizes. Collectives are
-launched in one order agreed by all ranks (``order``, then each bucket's chunks last
-first), never in the order gradients happen to arrive on a rank: with params that get no
+launched in one order agreed by all ranks (``order``, then each bucket's chunks in
+layout order), never in the order gradients happen to arrive on a rank: with params that get no
 gradient on some ranks (unused experts, conditional branches) arrival orders differ
 between ranks, and collectives issued in different orders would mismatch or hang.
 """
@@ -121,8 +121,8 @@ class GradReducer:
         grads: one fp32 gradient shard per group (``layout.shard_numel`` elements).
         buckets: every bucket, in layout order.
         order: bucket indices in the order reductions are launched (the same on all
-            ranks); by default each group's buckets last first, groups in layout order
-            (backward produces the last params' gradients first).
+            ranks); by default the layout order, which puts each group's params in reverse
+            registration order, the order backward usually produces their gradients in.
         chunk_numel: the most elements of a reduction chunk (``staging_geometry``).
         pool: the staging slots and the reductions in flight.
         backward_seen: a backward pass reached the params since the window began.
@@ -137,7 +137,7 @@ class GradReducer:
         self.world_size = world_size_of(self.pg)
         self.rank = rank_of(self.pg)
         self.buckets = bucket_states(flat.groups, grads)
-        self.order = sorted(range(len(self.buckets)), key=self._default_position)
+        self.order = [b.index for b in self.buckets]
         self.backward_seen = False
         self.generation = 0
         self._handles: list[RemovableHandle] = []
@@ -157,12 +157,8 @@ class GradReducer:
             [self._bucket_chunks(b) for b in self.buckets] if self.world_size > 1 else []
         )
 
-    def _default_position(self, index: int) -> tuple[int, int]:
-        bucket = self.buckets[index]
-        return bucket.group, -bucket.bucket
-
     def _bucket_chunks(self, bucket: BucketState) -> list[ReduceChunk]:
-        """``bucket``'s reduction chunks, last first."""
+        """``bucket``'s reduction chunks, in layout order."""
         layout = self.flat.groups[bucket.group].layout
         return bucket_chunks(
             bucket,
@@ -312,7 +308,7 @@ class Stage2Reducer(GradReducer):
     """ZeRO stage 2 over several ranks: hooks stage gradients chunk by chunk, free ``.grad``.
 
     The chunks are launched in one order on every rank (``order``'s buckets, each bucket's
-    chunks last first). A gradient that arrives is held (autograd's own tensor, nothing
+    chunks in layout order). A gradient that arrives is held (autograd's own tensor, nothing
     copied) until every chunk it overlaps comes up: a chunk is launched as soon as every
     param overlapping it got its gradient or will get none, and every chunk before it was
     launched. Launching copies the chunk into a staging slot and reduces it onto its owner.
@@ -475,9 +471,12 @@ class Stage2Reducer(GradReducer):
         Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _learn_order(self) -> None:
-        """The buckets in the order their last gradient arrived (those that got none last)."""
-        last = self._last_arrival
-        self.recorded = sorted(self.order, key=lambda b: (b not in last, last.get(b, 0)))
+        """The buckets in the order their last gradient arrived; one that got none stays
+        right after the bucket before it in the current order."""
+        key, previous = {}, -1
+        for b in self.order:
+            previous = key[b] = self._last_arrival.get(b, previous)
+        self.recorded = sorted(self.order, key=key.__getitem__)
         self._recording = False
 
     def _adopt(self, order: list[int]) -> None:
