@@ -263,14 +263,14 @@ def test_staging_plan_rejects_bad_sizes() -> None:
             staging_plan(*args)
 
 
-def _write(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, int | None]:
+def _write(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     from flatzero.checkpoint.stfile import SafetensorsWriter, TensorEntry
 
     entries = [TensorEntry(n, t.dtype, tuple(t.shape)) for n, t in tensors]
     with SafetensorsWriter(path, entries, {"k": "v"}) as writer:
         for name, tensor in tensors:
             writer.write(name, tensor)
-    return writer.crc32
+    return writer.checksum
 
 
 def test_staged_writes_are_byte_identical(tmp_path: Path, monkeypatch) -> None:
@@ -368,7 +368,8 @@ class _FakeCuda:
 
 def _staged_on_fake_cuda(monkeypatch, fail_at_write: int | None = None):
     """Route CPU tensors through the streamed path of the staged writer with the seam's
-    streams stubbed and pinned chunks; returns the fake and the log of writes and releases."""
+    streams and pinning stubbed; returns the fake (its log: copies, writes, pins, unpins)
+    and the ``non_blocking`` flag of every copy."""
     from flatzero.checkpoint import stfile
 
     cuda = _FakeCuda()
@@ -378,9 +379,8 @@ def _staged_on_fake_cuda(monkeypatch, fail_at_write: int | None = None):
     monkeypatch.setattr(stfile, "_CHUNK_BYTES", 16)
     monkeypatch.setattr(stfile, "_staged", lambda tensor: True)
     monkeypatch.setattr(stfile, "_streamed", lambda tensor: True)
-    monkeypatch.setattr(
-        stfile, "staging_buffer", lambda n, pin: (torch.empty(n, dtype=torch.uint8), pin)
-    )
+    monkeypatch.setattr(accel, "pin_host", lambda t: cuda.log.append(("pin", t.data_ptr())) or True)
+    monkeypatch.setattr(accel, "unpin_host", lambda t: cuda.log.append(("unpin", t.data_ptr())))
     monkeypatch.setattr(accel, "release_pinned_cache", lambda: cuda.log.append(("release",)))
     real_emit = stfile.SafetensorsWriter._emit
     writes = 0
@@ -419,7 +419,10 @@ def test_cuda_chunks_are_written_only_after_their_copy_event(tmp_path: Path, mon
     assert all(torch.equal(load_file(tmp_path / "staged.safetensors")[n], t) for n, t in tensors)
     assert non_blocking and all(non_blocking)  # pinned chunks: asynchronous copies
     log = cuda.log
-    assert log[-1] == ("release",)  # the pinned chunks go back to the system
+    # The chunks flatzero pinned are unpinned at the end, and nothing else of the process.
+    pinned = sorted(e[1] for e in log if e[0] == "pin")
+    assert len(pinned) == 2 and sorted(e[1] for e in log[-2:] if e[0] == "unpin") == pinned
+    assert ("release",) not in log
     # Per tensor: the side stream first waits for the current stream (the tensor's writer).
     starts = [i for i, e in enumerate(log) if e[0] == "wait_stream"]
     assert [log[i] for i in starts] == [
@@ -459,6 +462,6 @@ def test_cuda_path_waits_for_its_copies_when_a_write_fails(tmp_path: Path, monke
     monkeypatch.undo()
     kinds = [e[0] for e in cuda.log]
     # The copy of chunk 2 was in flight: the side stream is synchronized before the chunks
-    # are dropped and released.
-    assert kinds[-2:] == ["stream_synchronize", "release"]
+    # are unpinned and dropped.
+    assert kinds[-3:] == ["stream_synchronize", "unpin", "unpin"]
     assert kinds.count("copy") == 3 and kinds.count("write") == 1
