@@ -14,6 +14,7 @@ from flatzero.cli import main
         ["demo", "--help"],
         ["export", "--help"],
         ["import-deepspeed", "--help"],
+        ["export-deepspeed", "--help"],
         ["bench", "init", "--help"],
         ["bench", "step", "--help"],
         ["bench", "load", "--help"],

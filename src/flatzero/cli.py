@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
 
     plan_cli.add_info_arguments(info)
     from .bench import device_memory, doors, init_bench, load_bench, plan_bench, step
-    from .checkpoint import deepspeed_import, export
+    from .checkpoint import deepspeed_export, deepspeed_import, export
 
     def command(subparsers, name: str, help_text: str, add_arguments, run) -> None:
         p = subparsers.add_parser(name, help=help_text)
@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     command(sub, "import-deepspeed", "a DeepSpeed ZeRO-1/2 checkpoint as a flatzero checkpoint",
             deepspeed_import.add_import_deepspeed_arguments,
             deepspeed_import.import_deepspeed_main)  # fmt: skip
+    command(sub, "export-deepspeed", "a flatzero checkpoint as a DeepSpeed ZeRO-1/2 checkpoint",
+            deepspeed_export.add_export_deepspeed_arguments,
+            deepspeed_export.export_deepspeed_main)  # fmt: skip
     command(sub, "plan", "predict memory, tier, bytes per link and init time of a job",
             plan_cli.add_arguments, plan_cli.run)  # fmt: skip
     bench = sub.add_parser("bench", help="benchmarks against baselines and hardware limits")

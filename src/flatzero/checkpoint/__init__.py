@@ -4,12 +4,14 @@
   master and optimizer-state shards, the layout and scalar state in ``meta.json``, written
   atomically; loaded at any world size or bucket size by reading only the needed slices.
 - ``export_checkpoint``: consolidated weights keyed by param name (HF-style shards).
-- ``import_deepspeed``: a DeepSpeed ZeRO-1/2 checkpoint as a flatzero checkpoint.
+- ``import_deepspeed``: a DeepSpeed ZeRO-1/2 checkpoint as a flatzero checkpoint;
+  ``export_deepspeed``: the other way.
 
 See docs/checkpoints.md.
 """
 
 from .config import ExportConfig, LoadConfig, SaveConfig
+from .deepspeed_export import DeepSpeedExportResult, export_deepspeed
 from .export import ExportResult, export_checkpoint
 from .format import CheckpointMeta, available_tags, read_latest
 from .load import LoadResult, load_checkpoint, load_flat_params
@@ -19,6 +21,7 @@ from .save import save_checkpoint
 __all__ = [
     "CheckpointMeta",
     "CheckpointReader",
+    "DeepSpeedExportResult",
     "ExportConfig",
     "ExportResult",
     "LoadConfig",
@@ -26,6 +29,7 @@ __all__ = [
     "SaveConfig",
     "available_tags",
     "export_checkpoint",
+    "export_deepspeed",
     "load_checkpoint",
     "load_flat_params",
     "read_latest",

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from ..config import DEFAULT_BUCKET_NUMEL
-from ..layout import Layout, ParamSpec, plan_layout
+from ..layout import Layout, plan_layout
 from .atomic import publish, tmp_dir_name, write_latest
 from .deepspeed_reader import DeepSpeedCheckpoint, read_deepspeed
+from .deepspeed_state import flatzero_loss_scaler, flatzero_scheduler
 from .format import (
     MASTER,
     MODEL_REST,
@@ -48,25 +49,14 @@ logger = logging.getLogger(__name__)
 
 
 def _loss_scaler(ds: DeepSpeedCheckpoint) -> dict[str, Any] | None:
-    scaler = ds.optim_state(0).get("loss_scaler")
-    if scaler is None or (
-        not getattr(scaler, "dynamic", False) and getattr(scaler, "cur_scale", 1.0) == 1.0
-    ):
-        return None
-    scale = float(getattr(scaler, "cur_scale", 1.0))
-    window = int(getattr(scaler, "scale_window", 1000) or 1000)
-    good = int(getattr(scaler, "cur_iter", 0)) - int(getattr(scaler, "last_overflow_iter", -1)) - 1
-    return {
-        "scale": scale,
-        "good_steps": max(0, good) % window,
-        "hysteresis_left": int(getattr(scaler, "cur_hysteresis", 1) or 1),
-        "skipped_steps": int(ds.model_states.get("skipped_steps", 0) or 0),
-    }
+    skipped = int(ds.model_states.get("skipped_steps", 0) or 0)
+    half = any(g.dtype != "float32" for g in ds.layout.groups)
+    return flatzero_loss_scaler(ds.optim_state(0).get("loss_scaler"), skipped, half=half)
 
 
 def _rest(ds: DeepSpeedCheckpoint) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     module = ds.model_states["module"]
-    trained = {n for g in ds.groups for n in g.names}
+    trained = ds.param_names
     shared = dict(ds.model_states.get("shared_params") or {})
     rest = {}
     for name, tensor in module.items():
@@ -128,10 +118,7 @@ def _json_or_none(value: Any, what: str) -> Any:
 
 def _layout(ds: DeepSpeedCheckpoint, world_size: int, bucket_numel: int) -> Layout:
     """A flatzero layout over DeepSpeed's groups and params."""
-    specs = [
-        [ParamSpec(n, s, ds.dtypes[n]) for n, s in zip(g.names, g.shapes, strict=True)]
-        for g in ds.groups
-    ]
+    specs = [[slot.spec for slot in g.slots] for g in ds.layout.groups]
     return plan_layout(specs, world_size=world_size, bucket_numel=bucket_numel)
 
 
@@ -237,7 +224,9 @@ def _write_checkpoint(
         optimizer=None,
         stage=ds.stage,
         loss_scaler=_loss_scaler(ds),
-        scheduler=_json_or_none(scheduler, "lr_scheduler") if scheduler else None,
+        scheduler=_json_or_none(flatzero_scheduler(scheduler), "lr_scheduler")
+        if scheduler
+        else None,
         extra=_json_or_none(_extra(ds), "extra") or {},
         model_rest=rest_file,
         aliases=aliases,
@@ -302,7 +291,7 @@ def import_deepspeed(
         ds.stage,
         ds.path,
         ds.world_size,
-        sum(len(g.names) for g in ds.groups),
+        ds.layout.num_params,
         final,
         time.perf_counter() - t0,
     )

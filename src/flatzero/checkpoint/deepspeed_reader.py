@@ -17,18 +17,17 @@ What DeepSpeed (0.19.x) writes for ZeRO stage 1 and 2, data parallel only, in
 
 Each group's params are concatenated in ``param_shapes`` order (plus any per-param
 alignment padding), the whole padded to a multiple of ``2 * world_size`` elements, and cut
-into ``world_size`` equal partitions (as ``zero_to_fp32.py`` reconstructs them). This
-module derives, per param, which ranks' partitions hold which of its elements
-(``DeepSpeedCheckpoint.index``) and reads only the needed slices of the memory-mapped
-files (``DeepSpeedCheckpoint.fetcher``). DeepSpeed itself is not needed: its pickled
-classes are read as plain records.
+into ``world_size`` equal partitions (``deepspeed_layout``). This module derives, per
+param, which ranks' partitions hold which of its elements (``DeepSpeedCheckpoint.index``)
+and reads only the needed slices of the memory-mapped files
+(``DeepSpeedCheckpoint.fetcher``). DeepSpeed itself is not needed, and nothing in the
+files runs: they are read with torch's ``weights_only`` unpickler, DeepSpeed's few pickled
+classes as inert records (``deepspeed_pickle``); anything else is refused.
 """
 
 from __future__ import annotations
 
-import math
 import os
-import pickle
 import re
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -38,79 +37,19 @@ from typing import Any
 import torch
 
 from ..dtypes import dtype_name
+from ..layout import Layout, ParamSpec
+from . import deepspeed_pickle
+from .deepspeed_layout import deepspeed_layout
 from .format import MASTER
-from .reshard import ParamRecord, Segment
+from .reshard import ParamRecord, index_layout
 
 __all__ = ["DeepSpeedCheckpoint", "read_deepspeed"]
 
 _MODEL_STATES = "mp_rank_00_model_states.pt"
 _OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
-_ALIGN_FACTOR = 2  # DeepSpeed's nccl_start_alignment_factor
-
-
-# ------------------------------------------------------------------ unpickling, no DS
-class _Record:
-    """Stands in for any DeepSpeed class found in a pickle (enums, loss scalers, ...)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-        self.__dict__.update(kwargs)
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self.state = state
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}{self.args or ''}"
-
-
-_RECORD_TYPES: dict[tuple[str, str], type] = {}
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "deepspeed" or module.startswith("deepspeed."):
-            key = (module, name)
-            if key not in _RECORD_TYPES:
-                _RECORD_TYPES[key] = type(name, (_Record,), {"__module__": "flatzero._ds"})
-            return _RECORD_TYPES[key]
-        return super().find_class(module, name)
-
-
-class _PickleModule:
-    """A ``pickle_module`` for ``torch.load`` that does not need DeepSpeed installed."""
-
-    Unpickler = _Unpickler
-    __name__ = "flatzero_deepspeed_pickle"
-
-    @staticmethod
-    def load(file: Any, **kwargs: Any) -> Any:
-        return _Unpickler(file, **kwargs).load()
-
-
-def _torch_load(path: Path) -> Any:
-    try:
-        return torch.load(
-            path, map_location="cpu", weights_only=False, mmap=True, pickle_module=_PickleModule
-        )
-    except Exception as error:
-        raise ValueError(
-            f"{path} cannot be read as a DeepSpeed checkpoint file ({type(error).__name__}: "
-            f"{error}); it is damaged or not a torch.save file"
-        ) from error
 
 
 # --------------------------------------------------------------------------- reading
-@dataclass(frozen=True)
-class _Group:
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    offsets: tuple[int, ...]  # element offset of each param in the group's flat buffer
-    partition_numel: int
-
-
 @dataclass
 class DeepSpeedCheckpoint:
     """A DeepSpeed ZeRO-1/2 checkpoint, opened (files memory-mapped).
@@ -120,26 +59,31 @@ class DeepSpeedCheckpoint:
         tag: its tag.
         world_size: data-parallel ranks it was saved by.
         stage: ZeRO stage (1 or 2).
-        groups: per optimizer group, its params in flat order and partition size.
+        layout: DeepSpeed's flat partitions (``deepspeed_layout``): group ``i`` holds
+            optimizer group ``i``'s params in flat order (their trained dtypes), rank
+            ``r``'s shard is its partition.
         model_states: the contents of ``mp_rank_00_model_states.pt``.
         optim_files: per rank, its optimizer-state file.
-        dtypes: param name -> dtype name of the trained params.
     """
 
     path: Path
     tag: str
     world_size: int
     stage: int
-    groups: list[_Group]
+    layout: Layout
     model_states: dict[str, Any]
     optim_files: list[Path]
-    dtypes: dict[str, str]
     _optim: dict[int, dict[str, Any]]
+
+    @property
+    def param_names(self) -> set[str]:
+        """Names of the params in the optimizer groups."""
+        return {s.spec.name for g in self.layout.groups for s in g.slots}
 
     def optim_state(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s ``optimizer_state_dict`` (loaded once, memory-mapped)."""
         if rank not in self._optim:
-            data = _torch_load(self.optim_files[rank])
+            data = deepspeed_pickle.load(self.optim_files[rank])
             sd = data.get("optimizer_state_dict") if isinstance(data, dict) else None
             if not isinstance(sd, dict) or "single_partition_of_fp32_groups" not in sd:
                 raise ValueError(
@@ -153,18 +97,19 @@ class DeepSpeedCheckpoint:
 
     def _check_partitions(self, rank: int, sd: dict[str, Any]) -> None:
         parts = sd["single_partition_of_fp32_groups"]
-        if len(parts) != len(self.groups):
+        groups = self.layout.groups
+        if len(parts) != len(groups):
             raise ValueError(
                 f"{self.optim_files[rank]} has {len(parts)} fp32 partitions but "
-                f"{_MODEL_STATES} describes {len(self.groups)} groups"
+                f"{_MODEL_STATES} describes {len(groups)} groups"
             )
         paddings = sd.get("group_paddings") or [0] * len(parts)
-        for gi, (part, group) in enumerate(zip(parts, self.groups, strict=True)):
+        for gi, (part, group) in enumerate(zip(parts, groups, strict=True)):
             n = part.numel()
-            if n != group.partition_numel and n + paddings[gi] != group.partition_numel:
+            if n != group.shard_numel and n + paddings[gi] != group.shard_numel:
                 raise ValueError(
                     f"{self.optim_files[rank]}: group {gi}'s fp32 partition has {n} elements; "
-                    f"the param shapes give partitions of {group.partition_numel}. The files "
+                    f"the param shapes give partitions of {group.shard_numel}. The files "
                     "belong to different checkpoints or use an unsupported layout"
                 )
 
@@ -191,20 +136,7 @@ class DeepSpeedCheckpoint:
 
     def index(self) -> dict[str, ParamRecord]:
         """Where each param's elements lie: sources are ``(rank, group)``."""
-        out: dict[str, ParamRecord] = {}
-        for gi, g in enumerate(self.groups):
-            width = g.partition_numel
-            for name, shape, offset in zip(g.names, g.shapes, g.offsets, strict=True):
-                numel = math.prod(shape)
-                segs = []
-                pos = offset
-                while pos < offset + numel:
-                    rank = pos // width
-                    end = min(offset + numel, (rank + 1) * width)
-                    segs.append(Segment(pos - offset, end - offset, (rank, gi), pos - rank * width))
-                    pos = end
-                out[name] = ParamRecord(name, shape, self.dtypes[name], gi, tuple(segs))
-        return out
+        return index_layout(self.layout)
 
     def fetcher(self, state: str) -> Any:
         """``fetch(source, start, numel)`` over the ranks' partitions of ``state``."""
@@ -255,7 +187,7 @@ def _resolve_ds_tag(ds_dir: Path, tag: str | None) -> tuple[str, Path]:
 def _model_states(path: Path) -> dict[str, Any]:
     """``mp_rank_00_model_states.pt``, checked to come from a data-parallel ZeRO-1/2 run."""
     model_path = path / _MODEL_STATES
-    states = _torch_load(model_path)
+    states = deepspeed_pickle.load(model_path)
     if not isinstance(states, dict) or "param_shapes" not in states or "module" not in states:
         raise ValueError(
             f"{model_path} lacks 'param_shapes' or 'module'; it was not written by "
@@ -288,35 +220,26 @@ def _optim_files(path: Path, states: dict[str, Any]) -> list[Path]:
     return [files[r] for r in range(world_size)]
 
 
-def _groups(
-    states: dict[str, Any], first: dict[str, Any], world_size: int
-) -> tuple[list[_Group], dict[str, str]]:
-    """Each optimizer group's params in flat order with their offsets and partition size;
-    the trained dtype of every param."""
+def _layout(states: dict[str, Any], first: dict[str, Any], world_size: int) -> Layout:
+    """DeepSpeed's flat partitions: each group's params in flat order (``param_shapes``),
+    with their trained dtypes and alignment paddings."""
     module = states["module"]
     paddings = first.get("param_alignment_paddings") or []
-    groups, dtypes = [], {}
+    groups, pads = [], []
     for gi, shapes in enumerate(states["param_shapes"]):
-        names = tuple(shapes.keys())
-        dims = tuple(tuple(int(d) for d in shapes[n]) for n in names)
-        pads = list(paddings[gi]) if gi < len(paddings) else [0] * len(names)
-        offsets, pos = [], 0
-        for dim, pad in zip(dims, pads, strict=True):
-            offsets.append(pos)
-            pos += math.prod(dim) + int(pad)
-        align = _ALIGN_FACTOR * world_size
-        flat = -(-pos // align) * align
-        groups.append(_Group(names, dims, tuple(offsets), flat // world_size))
-        for n in names:
-            tensor = module.get(n)
-            dtypes[n] = dtype_name(tensor.dtype) if tensor is not None else "float32"
-    return groups, dtypes
+        specs = []
+        for name, shape in shapes.items():
+            tensor = module.get(name)
+            dtype = dtype_name(tensor.dtype) if isinstance(tensor, torch.Tensor) else "float32"
+            specs.append(ParamSpec(name, tuple(int(d) for d in shape), dtype))
+        groups.append(specs)
+        pads.append([int(p) for p in paddings[gi]] if gi < len(paddings) else [0] * len(specs))
+    return deepspeed_layout(groups, world_size, pads)
 
 
 def _stage(path: Path, states: dict[str, Any], first: dict[str, Any]) -> int:
     """The ZeRO stage (1 or 2), from rank 0's optimizer state or the DeepSpeed config."""
-    stage_value = first.get("zero_stage")
-    stage = getattr(stage_value, "args", (stage_value,))[0] if stage_value is not None else None
+    stage = first.get("zero_stage")
     if stage is None:
         ds_config = states.get("ds_config") or {}
         stage = int(ds_config.get("zero_optimization", {}).get("stage", 0) or 0)
@@ -335,10 +258,10 @@ def read_deepspeed(ds_dir: str | os.PathLike[str], tag: str | None = None) -> De
     tag, path = _resolve_ds_tag(Path(ds_dir), tag)
     states = _model_states(path)
     files = _optim_files(path, states)
-    first = _torch_load(files[0]).get("optimizer_state_dict", {})
-    groups, dtypes = _groups(states, first, len(files))
+    first = deepspeed_pickle.load(files[0]).get("optimizer_state_dict", {})
+    layout = _layout(states, first, len(files))
     stage = _stage(path, states, first)
-    ckpt = DeepSpeedCheckpoint(path, tag, len(files), stage, groups, states, files, dtypes, {})
+    ckpt = DeepSpeedCheckpoint(path, tag, len(files), stage, layout, states, files, {})
     ckpt._optim[0] = first
     ckpt._check_partitions(0, first)
     return ckpt

@@ -20,11 +20,12 @@ import math
 import pickle
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import torch
 
-__all__ = ["StoredTensor", "TorchZipWriter"]
+__all__ = ["StoredTensor", "TorchZipWriter", "storage_id"]
 
 _PICKLE_PROTOCOL = 2
 """``torch.save``'s default pickle protocol."""
@@ -78,21 +79,28 @@ class StoredTensor:
         return torch._utils._rebuild_tensor_v2, (*args, OrderedDict())
 
 
+def storage_id(obj: Any) -> tuple | None:
+    """The persistent id ``torch.save`` gives the storage of a ``StoredTensor`` being
+    pickled (a tuple naming its record), None for any other object: the
+    ``persistent_id`` of every pickler of a ``TorchZipWriter`` file."""
+    if not isinstance(obj, _StorageRef):
+        return None
+    tensor = obj.tensor
+    storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[tensor.dtype])
+    return ("storage", storage_type, tensor.key, "cpu", tensor.numel)
+
+
 class _Pickler(pickle.Pickler):
     """Pickles storages as ``torch.save`` does: a persistent id naming their record."""
 
     def persistent_id(self, obj: Any) -> tuple | None:
-        if not isinstance(obj, _StorageRef):
-            return None
-        tensor = obj.tensor
-        storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[tensor.dtype])
-        return ("storage", storage_type, tensor.key, "cpu", tensor.numel)
+        return storage_id(obj)
 
 
-def _pickled(obj: Any) -> bytes:
+def _pickled(obj: Any, pickler: Callable[..., Any]) -> bytes:
     """``obj`` pickled as ``torch.save`` pickles it, ``StoredTensor``s as tensors."""
     buffer = io.BytesIO()
-    _Pickler(buffer, protocol=_PICKLE_PROTOCOL).dump(obj)
+    pickler(buffer, protocol=_PICKLE_PROTOCOL).dump(obj)
     return buffer.getvalue()
 
 
@@ -117,15 +125,23 @@ class TorchZipWriter:
         file: a binary file opened for writing.
         obj: the object to save (a state dict), with ``StoredTensor``s for its tensors.
         tensors: every ``StoredTensor`` in ``obj``.
+        pickler: ``pickler(buffer, protocol=...)`` makes the pickler of ``obj``; its
+            ``persistent_id`` must be ``storage_id`` (default: ``torch.save``'s pickler).
     """
 
-    def __init__(self, file: BinaryIO, obj: Any, tensors: list[StoredTensor]) -> None:
+    def __init__(
+        self,
+        file: BinaryIO,
+        obj: Any,
+        tensors: list[StoredTensor],
+        pickler: Callable[..., Any] = _Pickler,
+    ) -> None:
         alignment = str(torch.serialization._get_storage_alignment())
         self._zip = torch._C.PyTorchFileWriter(
             file, torch.serialization.get_crc32_options(), int(alignment)
         )
         self._todo = {t.key: t for t in tensors}
-        data = _pickled(obj)
+        data = _pickled(obj, pickler)
         self._zip.write_record("data.pkl", data, len(data))
         for name, text in (
             (".format_version", "1"),
