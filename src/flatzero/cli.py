@@ -55,7 +55,15 @@ def _parser() -> argparse.ArgumentParser:
     from .plan import cli as plan_cli
 
     plan_cli.add_info_arguments(info)
-    from .bench import device_memory, doors, init_bench, load_bench, plan_bench, step
+    from .bench import (
+        checkpoint_bench,
+        device_memory,
+        doors,
+        init_bench,
+        load_bench,
+        plan_bench,
+        step,
+    )
     from .checkpoint import deepspeed_export, deepspeed_import, export
 
     def command(subparsers, name: str, help_text: str, add_arguments, run) -> None:
@@ -81,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
         ("init", init_bench),
         ("step", step),
         ("load", load_bench),
+        ("checkpoint", checkpoint_bench),
         ("doors", doors),
         ("plan", plan_bench),
         ("device-memory", device_memory),

@@ -13,12 +13,13 @@ See docs/checkpoints.md.
 from .config import ExportConfig, LoadConfig, SaveConfig
 from .deepspeed_export import DeepSpeedExportResult, export_deepspeed
 from .export import ExportResult, export_checkpoint
-from .format import CheckpointMeta, available_tags, read_latest
+from .format import CheckpointDamaged, CheckpointMeta, available_tags, read_latest
 from .load import LoadResult, load_checkpoint, load_flat_params
 from .reader import CheckpointReader
 from .save import save_checkpoint
 
 __all__ = [
+    "CheckpointDamaged",
     "CheckpointMeta",
     "CheckpointReader",
     "DeepSpeedExportResult",

@@ -21,9 +21,11 @@ hold natively (0-d tensors, tuples) are tagged (``encode_value``/``decode_value`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,11 +42,13 @@ __all__ = [
     "META",
     "MODEL_REST",
     "TMP_PREFIX",
+    "CheckpointDamaged",
     "CheckpointMeta",
     "FileRecord",
     "GroupRecord",
     "available_tags",
     "check_tag",
+    "damage",
     "decode_value",
     "encode_value",
     "rank_file_name",
@@ -70,6 +74,22 @@ TMP_PREFIX = ".tmp-"
 
 MASTER = "master"
 """State name of the fp32 master weights."""
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint is missing, incomplete or corrupt (not: it does not fit the model), so
+    another, complete checkpoint of the directory may load instead."""
+
+
+@contextlib.contextmanager
+def damage() -> Iterator[None]:
+    """Turn a ``ValueError`` or ``OSError`` raised inside into ``CheckpointDamaged``."""
+    try:
+        yield
+    except CheckpointDamaged:
+        raise
+    except (ValueError, OSError) as error:
+        raise CheckpointDamaged(str(error)) from error
 
 
 def rank_file_name(rank: int, world_size: int) -> str:
@@ -180,8 +200,9 @@ class FileRecord:
         rank: the rank that wrote it.
         file: its name inside the checkpoint directory.
         bytes: its size in bytes.
-        tensors: per tensor name, ``{"dtype", "shape", "crc32"}`` (crc32 of the tensor's
-            bytes, or None when checksums were off).
+        tensors: per tensor name, ``{"dtype", "shape", "checksum"}`` (``checksum``: the
+            chunked checksums of the tensor's bytes, ``checksum.ChunkSums.to_dict``; absent
+            when checksums were off; checkpoints of older versions hold one ``crc32``).
     """
 
     rank: int

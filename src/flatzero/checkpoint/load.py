@@ -22,15 +22,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather_buckets_from_own_slices, raise_if_any_failed
+from ..comm import all_gather_buckets_from_own_slices, all_reduce_max
 from ..control import control_group, wait_for_host_work
 from ..optim.state import GroupState, ShardedOptimizerState
 from .config import LoadConfig
-from .format import MASTER, CheckpointMeta, GroupRecord, decode_value
+from .fallback import newest_valid, refused
+from .format import (
+    MASTER,
+    CheckpointDamaged,
+    CheckpointMeta,
+    GroupRecord,
+    decode_value,
+    read_latest,
+)
 from .optimizer_state import merge_group_records, restored_state, saved_step
 from .reader import CheckpointReader
 from .reshard import GroupReadPlan, _resolve
-from .rng import restore_rng
+from .rng import RNG_PREFIX, restore_rng
 
 __all__ = ["LoadResult", "load_checkpoint", "load_flat_params"]
 
@@ -73,24 +81,36 @@ class _Read:
         state: the optimizer state to load (this rank's shards in its own layout).
         scheduler: the scheduler state to load, or None.
         elements: elements read from the rank files (master and states).
+        rng: this rank's saved RNG tensors and the file's metadata (Python's and NumPy's
+            states), read and verified, when they are to be restored; else None.
     """
 
     reader: CheckpointReader
     state: ShardedOptimizerState
     scheduler: Any
     elements: int
+    rng: tuple[dict[str, torch.Tensor], dict[str, str]] | None
+
+
+_ELSEWHERE = "loading the checkpoint failed on another rank (see its error); nothing was changed"
 
 
 def _all_ok(error: BaseException | None, group: dist.ProcessGroup | None, nbytes: int) -> None:
     """Raise on every rank if ``error`` happened on any rank, once every rank has read its
-    ``nbytes`` (on the control group, never behind GPU work)."""
+    ``nbytes`` (on the control group, never behind GPU work): ``CheckpointDamaged`` on every
+    rank when every error was one (a missing, incomplete or corrupt checkpoint), else
+    ``ValueError`` (or the rank's own ``TypeError``) on every rank, so that all ranks take
+    the same way out. One all-reduce."""
     wait_for_host_work(group, nbytes)
-    raise_if_any_failed(
-        error,
-        group,
-        "loading the checkpoint failed on another rank (see its error); nothing was changed",
-        error_type=ValueError,
-    )
+    code = 0 if error is None else 1 if isinstance(error, CheckpointDamaged) else 2
+    worst = all_reduce_max(code, control_group(group))
+    if worst == 0:
+        return
+    if worst == 1:
+        raise error if error is not None else CheckpointDamaged(_ELSEWHERE)
+    if isinstance(error, CheckpointDamaged):
+        raise ValueError(str(error)) from error
+    raise error if error is not None else ValueError(_ELSEWHERE)
 
 
 def _group_sources(
@@ -126,7 +146,7 @@ def _read_group(
     out: dict[str, torch.Tensor] = {}
     read = 0
     for state in states:
-        tensor = reader.read(plan, state)
+        tensor = reader.read(plan, state, verify=config.verify)
         read += sum(c.numel for c in plan.copies)
         kept = current.master if state == MASTER else current.shards.get(state)
         if kept is not None and plan.missing:
@@ -169,16 +189,6 @@ def _read(
     return state, elements
 
 
-def _verify(reader: CheckpointReader, plans: list[GroupReadPlan], config: LoadConfig) -> int:
-    """With ``config.verify``, check the checksums of the rank files ``plans`` read from;
-    bytes verified."""
-    if not config.verify:
-        return 0
-    ranks = sorted({src[0] for p in plans for src in p.sources})
-    reader.verify(ranks)
-    return sum(reader.meta.files[r].bytes for r in ranks)
-
-
 def _scheduler_state(reader: CheckpointReader, scheduler: Any, config: LoadConfig) -> Any:
     """The saved scheduler state to load, or None."""
     if scheduler is None or not config.load_scheduler:
@@ -203,38 +213,83 @@ def _read_everything(
     """Read and check everything on this rank; every rank learns whether all could."""
     error: BaseException | None = None
     read: _Read | None = None
-    verified = 0
     try:
         reader = CheckpointReader(directory, tag)
         flat = optimizer.flat
         plans = reader.plan(flat.layout, flat.rank, rename=rename, strict=config.strict)
-        verified = _verify(reader, plans, config)
         state, elements = _read(reader, plans, optimizer, rename, config)
-        read = _Read(reader, state, _scheduler_state(reader, scheduler, config), elements)
+        rng = _read_rng(reader, flat.rank, flat.world_size, config)
+        read = _Read(reader, state, _scheduler_state(reader, scheduler, config), elements, rng)
         if model is not None:
             _check_model_rest(reader, model)
     except (ValueError, TypeError, OSError) as e:
         error = e
     elements = read.elements if read is not None else 0
-    _all_ok(error, optimizer.flat.process_group, verified + elements * 4)
+    _all_ok(error, optimizer.flat.process_group, elements * 4)
     assert read is not None
     return read
 
 
-def _restore_rng(reader: CheckpointReader, rank: int, world_size: int) -> None:
-    """Restore this rank's RNG states when the checkpoint was saved at this world size."""
+def _read_rng(
+    reader: CheckpointReader, rank: int, world_size: int, config: LoadConfig
+) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """This rank's saved RNG tensors (verified) and its file's metadata, when they are to
+    be restored: saved, asked for, and saved at this world size (else warned once)."""
     meta = reader.meta
-    if meta.world_size == world_size:
-        handle = reader.handle(rank)
-        restore_rng(handle, handle.metadata() or {})
-    elif rank == 0:
-        logger.warning(
-            "checkpoint %s has RNG states of %d ranks; loading at %d ranks, RNG states "
-            "are not restored",
-            reader.path,
-            meta.world_size,
-            world_size,
-        )
+    if not (meta.rng and config.load_rng):
+        return None
+    if meta.world_size != world_size:
+        if rank == 0:
+            logger.warning(
+                "checkpoint %s has RNG states of %d ranks; loading at %d ranks, RNG states "
+                "are not restored",
+                reader.path,
+                meta.world_size,
+                world_size,
+            )
+        return None
+    keys = [k for k in reader.meta.files[rank].tensors if k.startswith(RNG_PREFIX)]
+    tensors = {k: reader.read_tensor(rank, k, verify=config.verify) for k in keys}
+    return tensors, dict(reader.tensor_file(rank).metadata)
+
+
+def _read_or_fall_back(
+    directory: str | Path,
+    tag: str | None,
+    optimizer: Any,
+    scheduler: Any,
+    model: torch.nn.Module | None,
+    rename: Callable[[str], str] | Mapping[str, str] | None,
+    config: LoadConfig,
+) -> _Read:
+    """``_read_everything``; when the checkpoint is refused as damaged, the newest tag that
+    is complete and verifies is named in the error on every rank, or loaded instead with
+    ``config.fallback == "newest_valid"`` (with a warning)."""
+    group = optimizer.flat.process_group
+    try:
+        return _read_everything(directory, tag, optimizer, scheduler, model, rename, config)
+    except CheckpointDamaged as error:
+        refused_tag = tag if tag is not None else _latest_or_none(directory)
+        good = newest_valid(directory, group, skip=refused_tag)
+        if good is None or config.fallback != "newest_valid":
+            raise refused(error, directory, good) from error
+        if optimizer.flat.rank == 0:
+            logger.warning(
+                "checkpoint %s of %s cannot be loaded (%s); loading %s instead, the newest "
+                "that is complete and verifies (LoadConfig.fallback='newest_valid')",
+                refused_tag,
+                directory,
+                error,
+                good,
+            )
+        return _read_everything(directory, good, optimizer, scheduler, model, rename, config)
+
+
+def _latest_or_none(directory: str | Path) -> str | None:
+    try:
+        return read_latest(directory)
+    except ValueError:
+        return None
 
 
 def load_checkpoint(
@@ -260,20 +315,23 @@ def load_checkpoint(
         model: the model, to restore its frozen params and buffers saved with
             ``save_checkpoint(model=...)``.
         rename: new param name -> name in the checkpoint (a function or a dict).
-        config: ``LoadConfig`` (strictness, what to restore, verification).
+        config: ``LoadConfig`` (strictness, what to restore, verification, fallback).
 
     Returns:
-        ``LoadResult`` with the tag, whether shards were remapped and the client state.
+        ``LoadResult`` with the tag (the fallback's when it loaded another), whether shards
+        were remapped and the client state.
 
     Raises:
-        ValueError: no such checkpoint, a damaged or missing file, or a checkpoint that does
-            not match the model (each error names the file or param); nothing is changed.
+        CheckpointDamaged: (a ``ValueError``) no such checkpoint, a damaged, missing,
+            truncated or corrupt file; the error names the file and the newest tag that
+            is complete and verifies. Raised on every rank; nothing is changed.
+        ValueError: a checkpoint that does not match the model (naming the param).
     """
     config = config or LoadConfig()
     t0 = time.perf_counter()
     flat = optimizer.flat
     control_group(flat.process_group)  # created (collective) now, not while some rank reads
-    read = _read_everything(directory, tag, optimizer, scheduler, model, rename, config)
+    read = _read_or_fall_back(directory, tag, optimizer, scheduler, model, rename, config)
     reader, meta = read.reader, read.reader.meta
 
     optimizer.load_sharded_state(read.state)
@@ -281,8 +339,8 @@ def load_checkpoint(
         scheduler.load_state_dict(read.scheduler)
     if model is not None and meta.model_rest is not None:
         _load_model_rest(reader, model)
-    if meta.rng and config.load_rng:
-        _restore_rng(reader, flat.rank, flat.world_size)
+    if read.rng is not None:
+        restore_rng(*read.rng)
     reader.close()
     resharded = meta.layout.digest() != flat.layout.digest()
     result = LoadResult(
@@ -358,12 +416,14 @@ def load_flat_params(
     *,
     rename: Callable[[str], str] | Mapping[str, str] | None = None,
     strict: bool = True,
+    verify: bool = True,
 ) -> LoadResult:
     """Load only the weights of a checkpoint into ``FlatParams`` (no optimizer needed).
 
-    Each rank reads its slices of the saved fp32 masters, writes them into its master
-    shard (if built) and its slice of every bucket (cast to the bucket dtype), and an
-    all-gather fills the rest of every bucket. Collective.
+    Each rank reads its slices of the saved fp32 masters (checked against their checksums
+    as read, unless not ``verify``), writes them into its master shard (if built) and its
+    slice of every bucket (cast to the bucket dtype), and an all-gather fills the rest of
+    every bucket. Collective.
     """
     t0 = time.perf_counter()
     control_group(flat.process_group)  # created (collective) now, not while some rank reads
@@ -380,7 +440,7 @@ def load_flat_params(
                     [group.bucket_shard(b).float().cpu() for b in range(len(group.buckets))]
                 )
                 shard.copy_(current)
-            reader.read(plan, MASTER, shard)
+            reader.read(plan, MASTER, shard, verify=verify)
             shards.append(shard)
     except (ValueError, TypeError, OSError) as e:
         error = e

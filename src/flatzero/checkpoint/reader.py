@@ -1,16 +1,18 @@
-"""Reading a saved checkpoint: validated metadata, memory-mapped slices of rank files.
+"""Reading a saved checkpoint: validated metadata, verified runs of rank files.
 
 ``CheckpointReader`` checks the cheap things up front (``meta.json`` parses and is
 consistent, every rank file exists with the recorded size) and opens rank files lazily,
-so a rank that needs pieces of two old ranks' shards maps only those two files and reads
-only the slices it needs (``safe_open(...).get_slice(key)[a:b]``).
+so a rank that needs pieces of two old ranks' shards opens only those two files and reads
+only the runs it needs, straight into its new shard, each checksum chunk verified as it is
+read (``tensorfile.TensorFile``). Every error that says the checkpoint is missing,
+incomplete or corrupt is a ``CheckpointDamaged``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
-import zlib
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,10 +20,22 @@ from typing import Any
 import torch
 
 from ..layout import Layout
-from .format import MASTER, META, CheckpointMeta, check_tag, read_latest, resolve_tag, state_key
+from .checksum import ChunkSums
+from .format import (
+    MASTER,
+    META,
+    CheckpointDamaged,
+    CheckpointMeta,
+    check_tag,
+    damage,
+    read_latest,
+    resolve_tag,
+    state_key,
+)
 from .recovery import lost_copy
-from .reshard import GroupReadPlan, ParamIndex, execute, index_layout, plan_reads
+from .reshard import GroupReadPlan, ParamIndex, index_layout, plan_reads
 from .stfile import open_safetensors
+from .tensorfile import TensorFile
 
 __all__ = ["CheckpointReader", "locate"]
 
@@ -65,15 +79,17 @@ class CheckpointReader:
             while replacing it is read from its complete copy (``locate``).
 
     Raises:
-        ValueError: no such checkpoint, a damaged ``meta.json``, a missing or truncated
-            rank file (each error names the file).
+        CheckpointDamaged: no such checkpoint, a damaged ``meta.json``, a missing or
+            truncated rank file (each error names the file).
     """
 
     def __init__(self, directory: str | os.PathLike[str], tag: str | None = None) -> None:
-        self.tag, self.path = locate(directory, tag)
-        self.meta = CheckpointMeta.read(self.path / META)
-        self.index: ParamIndex = index_layout(self.meta.layout)
+        with damage():
+            self.tag, self.path = locate(directory, tag)
+            self.meta = CheckpointMeta.read(self.path / META)
+            self.index: ParamIndex = index_layout(self.meta.layout)
         self._handles: dict[int, Any] = {}
+        self._files: dict[int, TensorFile] = {}
         self.check_files()
 
     @property
@@ -88,39 +104,40 @@ class CheckpointReader:
         self.close()
 
     def close(self) -> None:
-        """Drop the open file handles (their memory maps)."""
+        """Close the open rank files (and drop their memory maps)."""
         self._handles.clear()
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
 
     def file_path(self, rank: int) -> Path:
         """Path of rank ``rank``'s file."""
         return self.path / self.meta.files[rank].file
 
     def check_files(self) -> None:
-        """Every rank file exists and has the size ``meta.json`` recorded."""
+        """Every rank file exists and has the size ``meta.json`` recorded.
+
+        Raises:
+            CheckpointDamaged: one is missing or has another size.
+        """
         for record in self.meta.files:
             path = self.path / record.file
             try:
                 size = path.stat().st_size
             except FileNotFoundError:
-                raise ValueError(
+                raise CheckpointDamaged(
                     f"{path} is missing: the checkpoint was written by "
-                    f"{self.meta.world_size} ranks and rank {record.rank}'s file is gone; "
-                    "restore it or load another tag"
+                    f"{self.meta.world_size} ranks and rank {record.rank}'s file is gone"
                 ) from None
             if size != record.bytes:
-                raise ValueError(
+                raise CheckpointDamaged(
                     f"{path} has {size} bytes but {self.path / META} records {record.bytes}: "
-                    "the file is truncated or was replaced; load another tag"
+                    "the file is truncated or was replaced"
                 )
 
-    def handle(self, rank: int) -> Any:
-        """The open safetensors file of rank ``rank`` (opened and checked once)."""
-        handle = self._handles.get(rank)
-        if handle is not None:
-            return handle
+    def _check_header(self, rank: int, metadata: Mapping[str, str], keys: set[str]) -> None:
+        """Rank ``rank``'s file names this checkpoint and holds what ``meta.json`` lists."""
         path = self.file_path(rank)
-        handle = open_safetensors(path)
-        metadata = handle.metadata() or {}
         expected = {
             "rank": str(rank),
             "world_size": str(self.meta.world_size),
@@ -128,47 +145,57 @@ class CheckpointReader:
         }
         for key, value in expected.items():
             if metadata.get(key) != value:
-                raise ValueError(
+                raise CheckpointDamaged(
                     f"{path} belongs to another checkpoint ({key} is {metadata.get(key)!r}, "
                     f"expected {value!r}); it was copied in from elsewhere: restore the right "
-                    "file or load another tag"
+                    "file"
                 )
-        keys = set(handle.keys())
         wanted = set(self.meta.files[rank].tensors)
         if not wanted <= keys:
-            raise ValueError(
+            raise CheckpointDamaged(
                 f"{path} lacks tensors {sorted(wanted - keys)[:4]} that {META} lists; the "
-                "file is damaged: load another tag"
+                "file is damaged"
             )
-        self._handles[rank] = handle
+
+    def handle(self, rank: int) -> Any:
+        """The open (memory-mapped) safetensors file of rank ``rank``, checked once."""
+        handle = self._handles.get(rank)
+        if handle is None:
+            with damage():
+                handle = open_safetensors(self.file_path(rank))
+                self._check_header(rank, handle.metadata() or {}, set(handle.keys()))
+            self._handles[rank] = handle
         return handle
+
+    def tensor_file(self, rank: int) -> TensorFile:
+        """Rank ``rank``'s file opened for verified reads, checked once."""
+        file = self._files.get(rank)
+        if file is None:
+            with damage():
+                file = TensorFile(self.file_path(rank))
+                try:
+                    self._check_header(rank, file.metadata, set(file.tensors))
+                except BaseException:
+                    file.close()
+                    raise
+            self._files[rank] = file
+        return file
+
+    def sums(self, rank: int, key: str) -> ChunkSums | None:
+        """The checksums ``meta.json`` records for tensor ``key`` of rank ``rank``'s file
+        (None: saved without checksums)."""
+        info = self.meta.files[rank].tensors[key]
+        return ChunkSums.of_record(info, self.tensor_file(rank).info(key).nbytes)
 
     def state_dtype(self, group: int, state: str) -> torch.dtype:
         """The dtype ``state`` of saved group ``group`` was stored in."""
         info = self.meta.files[0].tensors.get(state_key(group, state))
         if info is None:
-            raise ValueError(
+            raise CheckpointDamaged(
                 f"{self.path / META}: group {group} has no saved state {state!r}; the "
                 "checkpoint is damaged"
             )
         return getattr(torch, info["dtype"])
-
-    def fetcher(self, state: str) -> Callable[[Hashable, int, int], torch.Tensor]:
-        """``fetch(source, start, numel)`` over saved shards of ``state`` (for ``execute``)."""
-
-        def fetch(source: Hashable, start: int, numel: int) -> torch.Tensor:
-            rank, group = source  # type: ignore[misc]
-            key = state_key(group, state)
-            handle = self.handle(rank)
-            try:
-                return handle.get_slice(key)[start : start + numel]
-            except Exception as error:
-                raise ValueError(
-                    f"reading {key}[{start}:{start + numel}] from {self.file_path(rank)} "
-                    f"failed ({error}); the file is damaged: load another tag"
-                ) from error
-
-        return fetch
 
     def plan(
         self,
@@ -183,44 +210,75 @@ class CheckpointReader:
             self.index, layout, rank, rename=rename, strict=strict, where=str(self.path)
         )
 
+    def _read_run(
+        self, source: Hashable, state: str, start: int, out: torch.Tensor, verify: bool
+    ) -> None:
+        """Read ``out.numel()`` elements of saved shard ``source`` (``(rank, group)``) of
+        ``state`` from ``start`` into ``out``."""
+        rank, group = source  # type: ignore[misc]
+        key = state_key(group, state)
+        with damage():
+            file = self.tensor_file(rank)
+            file.read_into(key, start, out, self.sums(rank, key) if verify else None)
+
     def read(
-        self, plan: GroupReadPlan, state: str, out: torch.Tensor | None = None
+        self,
+        plan: GroupReadPlan,
+        state: str,
+        out: torch.Tensor | None = None,
+        *,
+        verify: bool = True,
     ) -> torch.Tensor:
-        """Fill a new shard of ``state`` for ``plan`` (zeros where nothing is copied)."""
+        """Fill a new shard of ``state`` for ``plan`` (zeros where nothing is copied),
+        verifying what is read against the recorded checksums unless not ``verify``.
+
+        Raises:
+            CheckpointDamaged: a file is damaged or a chunk read fails its checksum.
+        """
         if out is None:
             groups = plan.source_groups or (0,)
             dtype = torch.float32 if state == MASTER else self.state_dtype(groups[0], state)
             out = torch.zeros(plan.shard_numel, dtype=dtype)
-        execute(plan, out, self.fetcher(state))
+        if out.numel() != plan.shard_numel:
+            raise ValueError(f"out has {out.numel()} elements, the shard {plan.shard_numel}")
+        for c in plan.copies:
+            self._read_run(
+                c.source, state, c.src_start, out[c.dst_start : c.dst_start + c.numel], verify
+            )
         return out
 
-    def read_param(self, name: str, state: str = MASTER) -> torch.Tensor:
-        """The whole of saved param ``name`` (its ``state``, fp32), shaped like the param."""
+    def read_tensor(self, rank: int, key: str, *, verify: bool = True) -> torch.Tensor:
+        """The whole of tensor ``key`` of rank ``rank``'s file, verified with ``verify``."""
+        with damage():
+            file = self.tensor_file(rank)
+            info = file.info(key)
+            out = torch.empty(math.prod(info.shape), dtype=info.dtype)
+            file.read_into(key, 0, out, self.sums(rank, key) if verify else None)
+        return out.view(info.shape)
+
+    def read_param(self, name: str, state: str = MASTER, *, verify: bool = False) -> torch.Tensor:
+        """The whole of saved param ``name`` (its ``state``, fp32), shaped like the param,
+        verified against the checksums with ``verify``."""
         record = self.index.get(name)
         if record is None:
             raise ValueError(f"param {name!r} is not in {self.path}")
         out = torch.empty(record.numel, dtype=torch.float32)
-        fetch = self.fetcher(state)
         for seg in record.segments:
-            n = seg.param_end - seg.param_start
-            out[seg.param_start : seg.param_end].copy_(fetch(seg.source, seg.offset, n))
+            piece = out[seg.param_start : seg.param_end]
+            self._read_run(seg.source, state, seg.offset, piece, verify)
         return out.view(record.shape)
 
     def verify(self, ranks: Iterable[int] | None = None) -> None:
-        """Check the crc32 of every tensor of the given ranks' files (default: all).
+        """Check the checksums of every tensor of the given ranks' files (default: all),
+        one chunk at a time.
 
         Raises:
-            ValueError: a checksum differs (naming file and tensor).
+            CheckpointDamaged: a checksum differs (naming file, tensor and bytes).
         """
         for rank in range(self.meta.world_size) if ranks is None else ranks:
-            handle = self.handle(rank)
-            for key, info in self.meta.files[rank].tensors.items():
-                if info.get("crc32") is None:
-                    continue
-                tensor = handle.get_tensor(key).contiguous()
-                raw = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
-                if zlib.crc32(raw) != info["crc32"]:
-                    raise ValueError(
-                        f"{self.file_path(rank)}: tensor {key} fails its checksum; the file "
-                        "is corrupt: load another tag"
-                    )
+            file = self.tensor_file(rank)
+            for key in self.meta.files[rank].tensors:
+                sums = self.sums(rank, key)
+                if sums is not None:
+                    with damage():
+                        file.verify(key, sums)

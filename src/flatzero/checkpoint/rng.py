@@ -11,13 +11,16 @@ import json
 import logging
 import random
 import sys
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 
 from .. import accel
 
-__all__ = ["capture_rng", "restore_rng"]
+__all__ = ["RNG_PREFIX", "capture_rng", "restore_rng"]
+
+RNG_PREFIX = "rng."
+"""Prefix of the RNG tensors' names in a rank file."""
 
 logger = logging.getLogger(__name__)
 
@@ -38,16 +41,17 @@ def capture_rng() -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
     return tensors, metadata
 
 
-def restore_rng(handle: Any, metadata: dict[str, str]) -> None:
-    """Restore the states captured by ``capture_rng`` from an open rank file."""
-    keys = set(handle.keys())
+def restore_rng(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+    """Restore the states captured by ``capture_rng``: its tensors (read from a rank file)
+    and that file's metadata."""
+    keys = set(tensors)
     if "rng.torch" in keys:
-        torch.set_rng_state(handle.get_tensor("rng.torch"))
+        torch.set_rng_state(tensors["rng.torch"])
     device_type = accel.accelerator_type()
     prefix = f"rng.{device_type}."
     names = sorted((k for k in keys if k.startswith(prefix)), key=lambda k: int(k[len(prefix) :]))
     if device_type is not None and names:
-        states = [handle.get_tensor(k) for k in names]
+        states = [tensors[k] for k in names]
         if not accel.set_rng_states(device_type, states):
             logger.warning(
                 "checkpoint has RNG states of %d %s devices, this process sees %d; "

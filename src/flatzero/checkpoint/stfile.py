@@ -4,9 +4,9 @@
 writer here takes the header up front (names, dtypes, shapes are known before any data)
 and then streams each tensor: a CPU tensor is written straight from its memory, a device
 tensor through two bounded host chunks, the device-to-host copy of one chunk overlapping
-the file write of the other (``staging_plan``). It checksums what it writes (crc32) and
-fsyncs. The files are ordinary safetensors files (the header padded to 8 bytes, as
-safetensors itself does), read back with ``safetensors.safe_open``.
+the file write of the other (``staging_plan``). It checksums what it writes in chunks
+(``checksum``) and fsyncs. The files are ordinary safetensors files (the header padded to
+8 bytes, as safetensors itself does), read back with ``safetensors.safe_open``.
 """
 
 from __future__ import annotations
@@ -133,14 +133,14 @@ class SafetensorsWriter:
     """Write one safetensors file, tensor by tensor, in the order of ``entries``.
 
     Use as a context manager; ``write`` every entry in order; leaving the block without an
-    error checks that all were written, flushes and fsyncs. ``crc32`` holds the checksum of
-    each written tensor (when ``checksums``).
+    error checks that all were written, flushes and fsyncs. ``checksum`` holds the chunked
+    checksums of each written tensor (when ``checksums``).
 
     Args:
         path: the file to create (it must not exist).
         entries: every tensor of the file, in the order they will be written.
         metadata: string-to-string metadata stored in the header.
-        checksums: compute crc32 of every tensor's bytes.
+        checksums: checksum every tensor's bytes in chunks (``checksum.Checksummer``).
     """
 
     def __init__(

@@ -9,16 +9,26 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..dtypes import dtype_name
 from .atomic import fault_point
+from .checksum import ChunkSums
 from .format import FileRecord, rank_file_name
 from .stfile import SafetensorsWriter, TensorEntry
 
 __all__ = ["model_extras", "write_rank_file", "write_tensors"]
+
+
+def _tensor_record(entry: TensorEntry, sums: ChunkSums | None) -> dict[str, Any]:
+    """A tensor's record in ``meta.json``: dtype, shape and its chunked checksums."""
+    record: dict[str, Any] = {"dtype": dtype_name(entry.dtype), "shape": list(entry.shape)}
+    if sums is not None:
+        record["checksum"] = sums.to_dict()
+    return record
 
 
 def write_tensors(
@@ -39,14 +49,7 @@ def write_tensors(
         rank=rank,
         file=path.name,
         bytes=os.path.getsize(path),
-        tensors={
-            e.name: {
-                "dtype": dtype_name(e.dtype),
-                "shape": list(e.shape),
-                "crc32": writer.crc32[e.name],
-            }
-            for e in entries
-        },
+        tensors={e.name: _tensor_record(e, writer.checksum[e.name]) for e in entries},
     )
 
 

@@ -187,6 +187,9 @@ class EngineCheckpoints:
         Returns:
             ``(path, client_state)``; ``(None, None)`` when ``tag`` is None and
             ``load_dir/latest`` does not exist (as DeepSpeed, which warns and returns).
+            With ``"flatzero": {"load_fallback": "newest_valid"}`` a missing, incomplete
+            or corrupt checkpoint is replaced by the newest that is complete and verifies
+            (with a warning; ``path`` is the one loaded).
         """
         from ..checkpoint import LoadConfig, load_checkpoint
 
@@ -203,6 +206,7 @@ class EngineCheckpoints:
             strict=load_module_strict,
             load_optimizer_states=load_optimizer_states and not load_module_only,
             load_scheduler=load_lr_scheduler_states and not load_module_only,
+            fallback=self.parsed_config.flatzero.load_fallback,
         )
         result = load_checkpoint(
             load_dir,

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ...checkpoint.config import LOAD_FALLBACKS
 from ...config import FlattenConfig
 from ...dtypes import SHORT_DTYPES
 from ...optim import LossScaleConfig, ZeroConfig
@@ -187,15 +188,25 @@ class FlatzeroSection:
             Skipped when the flatten tier already all-gathered (``sharded``).
         elementwise_optimizer: vouch that a client optimizer class flatzero does not know
             is elementwise (``ZeroOptimizer(elementwise_optimizer=True)``).
+        load_fallback: what ``engine.load_checkpoint`` does with a missing, incomplete or
+            corrupt checkpoint: ``none`` raises on every rank naming the newest tag that is
+            complete and verifies, ``newest_valid`` loads that tag with a warning
+            (``LoadConfig.fallback``).
     """
 
     param_sync: str = field(default="gather", metadata={"choices": PARAM_SYNC})
     elementwise_optimizer: bool = False
+    load_fallback: str = field(default="none", metadata={"choices": LOAD_FALLBACKS})
 
     def __post_init__(self) -> None:
         if self.param_sync not in PARAM_SYNC:
             raise ValueError(
                 f"FlatzeroSection.param_sync must be one of {PARAM_SYNC}, got {self.param_sync!r}"
+            )
+        if self.load_fallback not in LOAD_FALLBACKS:
+            raise ValueError(
+                f"FlatzeroSection.load_fallback must be one of {LOAD_FALLBACKS}, got "
+                f"{self.load_fallback!r}"
             )
 
 
