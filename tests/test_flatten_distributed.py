@@ -137,18 +137,18 @@ def _local_fallback_worker(rank: int, world_size: int) -> dict:
     model = Net()
     config = FlattenConfig(tier="device", device="cpu", bucket_numel=300, progress=False)
     calls = {"per_bucket": 0, "per_group": 0}
-    per_bucket, per_group = driver.any_rank_failed, driver.all_reduce_max_each
+    per_bucket, per_group = driver.all_reduce_max, driver.all_reduce_max_each
+    masters = alloc.any_rank_failed
 
-    def count_per_bucket(*args):
-        calls["per_bucket"] += 1
-        return per_bucket(*args)
+    def counted(fn):
+        def count(*args):
+            calls["per_group" if fn is per_group else "per_bucket"] += 1
+            return fn(*args)
 
-    def count_per_group(*args):
-        calls["per_group"] += 1
-        return per_group(*args)
+        return count
 
-    driver.any_rank_failed, driver.all_reduce_max_each = count_per_bucket, count_per_group
-    alloc.any_rank_failed = count_per_bucket
+    driver.all_reduce_max, driver.all_reduce_max_each = counted(per_bucket), counted(per_group)
+    alloc.any_rank_failed = counted(masters)
     try:
         if rank == 1:
             with (
@@ -163,8 +163,8 @@ def _local_fallback_worker(rank: int, world_size: int) -> dict:
         else:
             flat = flatten_parameters(model, config=config)
     finally:
-        driver.any_rank_failed, driver.all_reduce_max_each = per_bucket, per_group
-        alloc.any_rank_failed = per_bucket
+        driver.all_reduce_max, driver.all_reduce_max_each = per_bucket, per_group
+        alloc.any_rank_failed = masters
     _check(model, flat, reference)
     return {
         "tiers": flat.report.groups[0].bucket_tiers,

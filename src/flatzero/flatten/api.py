@@ -392,6 +392,8 @@ def flatten_parameters(
         ValueError / TypeError: bad input (named in the message, nothing changed).
         MemoryError: on every rank, when the buckets and shards fit in no tier (every
             param keeps its data; on a GPU buffers never fall back to host memory).
+        BucketFillError: on every rank, when reading or copying a bucket's values failed
+            on some rank (each such rank and its error named; every param keeps its data).
     """
     config = config or FlattenConfig()
     rank, ws = rank_of(process_group), world_size_of(process_group)
