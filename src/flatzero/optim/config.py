@@ -124,8 +124,8 @@ class ZeroConfig:
             (which flatzero's DeepSpeed door maps to the bucket size instead).
         loss_scale: fp16 loss scaling; ``None`` enables the defaults when any param is fp16
             and disables scaling otherwise. Scaling with no fp16 param is allowed.
-        learn_bucket_order: record in which order buckets complete during the first
-            backward pass and, from the first step on, launch reductions in that order
+        learn_bucket_order: record in which order buckets get their last gradient during
+            the first backward pass and, from the first step on, launch reductions in that order
             (rank 0's, agreed by all ranks). Reductions are always launched in one order
             agreed by all ranks; this only makes it the one backward actually follows.
     """
