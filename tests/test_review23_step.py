@@ -82,8 +82,8 @@ def _ids(step: int, micro: int, rank: int) -> torch.Tensor:
 @contextmanager
 def _staging_allocations() -> Iterator[dict[str, int]]:
     """Record what the staging pool allocates (``buckets.empty_buffer``): the most bytes
-    alive at once and the largest allocation."""
-    seen = {"live": 0, "peak": 0, "largest": 0}
+    alive at once."""
+    seen = {"live": 0, "peak": 0}
     original = buckets.empty_buffer
 
     def freed(nbytes: int) -> None:
@@ -94,7 +94,6 @@ def _staging_allocations() -> Iterator[dict[str, int]]:
         nbytes = numel * dtype.itemsize
         seen["live"] += nbytes
         seen["peak"] = max(seen["peak"], seen["live"])
-        seen["largest"] = max(seen["largest"], nbytes)
         weakref.finalize(tensor.untyped_storage(), freed, nbytes)
         return tensor
 
