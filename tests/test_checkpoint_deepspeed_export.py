@@ -5,9 +5,10 @@ two param groups of a model with a tied weight, a frozen param and a buffer) run
 case: ``flatzero.initialize`` trains ``K + M`` steps and saves after ``K`` (the
 uninterrupted reference), rank 0 exports the checkpoint, ``deepspeed.initialize`` +
 ``engine.load_checkpoint`` on the export trains the last ``M`` steps, and DeepSpeed saves
-its own checkpoint afterwards. Cases: ZeRO-2 bf16 with a WarmupLR schedule, ZeRO-1 fp16
-with a dynamic loss scale that grows during the run, and ZeRO-1 fp32 saved by one rank
-(``ZeroOptimizer`` in this process) and exported for two. The same spawn runs DeepSpeed's
+its own checkpoint afterwards. Cases: ZeRO-2 bf16 with a WarmupLR schedule and DeepSpeed's
+round-robin, parameter-aligned flat layout; ZeRO-1 fp16 with a dynamic loss scale that
+grows during the run; ZeRO-1 fp32 saved by one rank (``ZeroOptimizer`` in this process)
+and exported for two. The same spawn runs DeepSpeed's
 ``zero_to_fp32`` on the exports and on DeepSpeed's own checkpoints. Everything else
 (round trips, DeepSpeed's checkpoints imported by the safe reader, a crafted pickle, the
 errors, Trainer directories, the CLI) runs in this process without DeepSpeed.
@@ -31,11 +32,14 @@ from flatzero.bench.deepspeed_runner import deepspeed_available
 from flatzero.checkpoint import (
     CheckpointReader,
     ExportConfig,
+    deepspeed_pickle,
     export_checkpoint,
     export_deepspeed,
+    read_latest,
     save_checkpoint,
 )
 from flatzero.checkpoint.deepspeed_import import import_deepspeed
+from flatzero.checkpoint.deepspeed_pickle import ZeroStage
 from flatzero.checkpoint.deepspeed_reader import read_deepspeed
 from flatzero.checkpoint.stfile import open_safetensors
 from flatzero.cli import main
@@ -120,7 +124,10 @@ def case_config(case: str) -> dict:
     if case == WS1:
         return config(1, "fp32", scheduler=False)
     stage, dtype = CASES[case]
-    return config(stage, dtype, scheduler=dtype == "bf16")
+    cfg = config(stage, dtype, scheduler=dtype == "bf16")
+    if case == "zero2_bf16":  # DeepSpeed's other flat layouts (no effect in flatzero)
+        cfg["zero_optimization"] |= {"round_robin_gradients": True, "parameter_alignment": True}
+    return cfg
 
 
 def global_mean(loss: torch.Tensor, ws: int) -> float:
@@ -330,6 +337,59 @@ def test_zero_to_fp32_equals_flatzero_export(runs, case):
     assert torch.equal(theirs["head.weight"], theirs["embed.weight"])
 
 
+def structure(value):
+    """``value`` without its numbers: tensors as dtype and shape, DeepSpeed's records as
+    their class and attribute names."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape))
+    if isinstance(value, dict):
+        return {k: structure(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [structure(v) for v in value]
+    if isinstance(value, ZeroStage):
+        return value
+    if hasattr(value, "deepspeed_name"):
+        return (type(value).__name__, sorted(vars(value)))
+    return type(value).__name__
+
+
+# what flatzero cannot know or writes more of (docs/checkpoints.md)
+LOOSER = ("buffer_names", "frozen_param_shapes", "frozen_param_fragments", "lr_scheduler")
+
+
+@pytest.mark.parametrize("case", [*CASES, WS1])
+def test_export_is_laid_out_as_deepspeeds_own_checkpoint(runs, case):
+    """DeepSpeed's own save after the load: the same keys, types, shapes, partitions,
+    paddings and fragment addresses as the export, rank by rank."""
+    root, _ = runs
+    ours = root / case / "ds" / read_latest(root / case / "ds")
+    theirs = root / case / "ds_after" / f"global_step{K + M}"
+    for name in sorted(p.name for p in theirs.glob("*optim_states.pt")):
+        mine, its = deepspeed_pickle.load(ours / name), deepspeed_pickle.load(theirs / name)
+        maps = [f["optimizer_state_dict"].pop("param_slice_mappings") for f in (mine, its)]
+        assert structure(mine) == structure(its), name
+        mine, its = mine["optimizer_state_dict"], its["optimizer_state_dict"]
+        for key in ("group_paddings", "param_alignment_paddings", "partition_count"):
+            assert mine[key] == its[key]
+        for pads, a, b in zip(its["param_alignment_paddings"], *maps, strict=True):
+            # DeepSpeed 0.19.8 maps a round-robin group without alignment padding as if
+            # its params were in their original order (link_hp_params gets no offsets)
+            if case != "zero2_bf16" or any(pads):
+                assert a == b
+    mine, its = (deepspeed_pickle.load(d / "mp_rank_00_model_states.pt") for d in (ours, theirs))
+    if case == WS1:  # a PyTorch-door checkpoint does not count samples: DeepSpeed derives it
+        its.pop("global_samples")
+    assert {k: structure(v) for k, v in mine.items() if k not in LOOSER} == {
+        k: structure(v) for k, v in its.items() if k not in LOOSER
+    }
+    assert set(its["buffer_names"]) <= set(mine["buffer_names"])
+    if its["frozen_param_shapes"] is not None:
+        assert set(its["frozen_param_shapes"]) <= set(mine["frozen_param_shapes"])
+    if mine["lr_scheduler"] is not None:
+        assert mine["lr_scheduler"]["last_batch_iteration"] == K - 1
+        assert its["lr_scheduler"] == {"last_batch_iteration": K + M - 1}
+
+
 # ------------------------------------------------------------------------ round trips
 def tensors(directory: Path) -> dict[str, torch.Tensor]:
     out = {}
@@ -345,6 +405,7 @@ def test_round_trip_through_deepspeed_is_bitwise(runs, case):
     with CheckpointReader(source) as reader:
         meta, tag = reader.meta, reader.tag
     cfg = case_config(case) | {"train_micro_batch_size_per_gpu": BATCH // meta.world_size}
+    cfg["zero_optimization"] = {"stage": cfg["zero_optimization"]["stage"]}  # plain order
     export_deepspeed(source, root / case / "ds_rt", world_size=meta.world_size, ds_config=cfg)
     back = import_deepspeed(
         root / case / "ds_rt", root / case / "back", bucket_numel=meta.layout.bucket_numel
@@ -506,7 +567,35 @@ def test_bad_input_errors(trainer_dir, tmp_path):
         ValueError, match=r"trained in torch\.bfloat16 but ds_config trains in torch\.float16"
     ):
         export_deepspeed(trainer_dir, out, world_size=2, ds_config=config(2, "fp16", False))
+    accumulating = config(1, "bf16", False) | {"data_types": {"grad_accum_dtype": "fp32"}}
+    with pytest.raises(ValueError, match="BF16_Optimizer"):
+        export_deepspeed(trainer_dir, out, world_size=2, ds_config=accumulating)
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_hugging_face_auto_values(trainer_dir, tmp_path):
+    """A Trainer's config with unresolved "auto" values: checked where it is concrete,
+    ``clip_grad`` left to the run."""
+    cfg = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto", "loss_scale_window": 500},
+        "zero_optimization": {"stage": 2, "allgather_bucket_size": "auto"},
+    }
+    export_deepspeed(trainer_dir, tmp_path / "auto", world_size=2, ds_config=cfg)
+    state = deepspeed_pickle.load(
+        tmp_path / "auto" / "global_step1" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    )
+    assert "clip_grad" not in state["optimizer_state_dict"] and state["ds_config"] == cfg
+    with pytest.raises(ValueError, match="gradient_clipping is 'none'"):
+        export_deepspeed(
+            trainer_dir,
+            tmp_path / "bad",
+            world_size=2,
+            ds_config=cfg | {"gradient_clipping": "none"},
+        )
 
 
 class Lion(torch.optim.Optimizer):

@@ -39,6 +39,9 @@ _DEEPSPEED_ONLY = (
 )
 """Config optimizer types DeepSpeed builds from its own kernels (not ``torch.optim``)."""
 
+_FP32_NAMES = ("fp32", "float32", "float", "torch.float32")
+"""``data_types.grad_accum_dtype`` values DeepSpeed reads as fp32."""
+
 
 @dataclass(frozen=True)
 class DeepSpeedTarget:
@@ -50,8 +53,8 @@ class DeepSpeedTarget:
         dtype: the training dtype (of the params in ``module`` and of the flat groups).
         fp16: the config's ``fp16`` section (loss-scaler keys) when training in fp16,
             else None.
-        clip_grad: the config's ``gradient_clipping``; None without a config (the key is
-            then left out and the run's own config applies).
+        clip_grad: the config's ``gradient_clipping``; None without a config or for
+            ``"auto"`` (the key is then left out and the run's own config applies).
         round_robin: ``zero_optimization.round_robin_gradients``.
         parameter_alignment: ``zero_optimization.parameter_alignment``.
         config: the DeepSpeed config stored as ``ds_config``.
@@ -128,8 +131,33 @@ def _config_optimizer(section: Any) -> str | None:
     return kind
 
 
-def _section_enabled(config: Mapping[str, Any], *names: str) -> bool:
-    return any(bool((config.get(n) or {}).get("enabled", False)) for n in names)
+def _concrete(section: Any) -> dict[str, Any]:
+    """A config section without Hugging Face's unresolved ``"auto"`` values."""
+    return {k: v for k, v in (section or {}).items() if v != "auto"}
+
+
+def _configured_dtype(config: Mapping[str, Any]) -> torch.dtype | None:
+    """The training dtype the config asks for; None when ``"auto"`` leaves it open."""
+    flags = {
+        torch.bfloat16: [(config.get(n) or {}).get("enabled", False) for n in ("bf16", "bfloat16")],
+        torch.float16: [(config.get("fp16") or {}).get("enabled", False)],
+    }
+    for dtype, values in flags.items():
+        if any(v is True for v in values):
+            return dtype
+    if any(v == "auto" for values in flags.values() for v in values):
+        return None
+    return torch.float32
+
+
+def _clip_grad(value: Any) -> float | None:
+    """``gradient_clipping`` as DeepSpeed's ``clip_grad``; None for ``"auto"`` (left out,
+    so the run's resolved value applies)."""
+    if value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"ds_config gradient_clipping is {value!r}; use a number >= 0")
+    return float(value)
 
 
 def _check_batch(config: Mapping[str, Any], world_size: int) -> None:
@@ -202,15 +230,18 @@ def deepspeed_target(
             f"ds_config zero_optimization.stage is {stage!r}: the export writes a ZeRO stage "
             "1 or 2 checkpoint; set the stage to 1 or 2"
         )
-    wants = {
-        torch.bfloat16: _section_enabled(ds_config, "bf16", "bfloat16"),
-        torch.float16: _section_enabled(ds_config, "fp16"),
-    }
-    configured = next((d for d, on in wants.items() if on), torch.float32)
-    if configured != dtype:
+    configured = _configured_dtype(ds_config)
+    if configured not in (None, dtype):
         raise ValueError(
             f"the checkpoint trained in {dtype} but ds_config trains in {configured}: enable "
             "the same precision (bf16.enabled / fp16.enabled) in the DeepSpeed config"
+        )
+    accumulation = str((ds_config.get("data_types") or {}).get("grad_accum_dtype", ""))
+    if dtype == torch.bfloat16 and stage == 1 and accumulation in _FP32_NAMES:
+        raise ValueError(
+            "ds_config trains bf16 ZeRO-1 with data_types.grad_accum_dtype fp32, which "
+            "DeepSpeed runs with its BF16_Optimizer: its checkpoint format is not the ZeRO "
+            "optimizer's that the export writes; drop grad_accum_dtype or use stage 2"
         )
     built = _config_optimizer(ds_config.get("optimizer"))
     if built is not None and meta.optimizer is not None and built != meta.optimizer:
@@ -224,8 +255,8 @@ def deepspeed_target(
         world_size=world_size,
         stage=int(stage),
         dtype=dtype,
-        fp16=dict(ds_config.get("fp16") or {}) if dtype == torch.float16 else None,
-        clip_grad=float(ds_config.get("gradient_clipping", 0.0) or 0.0),
+        fp16=_concrete(ds_config.get("fp16")) if dtype == torch.float16 else None,
+        clip_grad=_clip_grad(ds_config.get("gradient_clipping", 0.0)),
         round_robin=bool(zero.get("round_robin_gradients", False)),
         parameter_alignment=bool(zero.get("parameter_alignment", False)),
         config=dict(ds_config),
