@@ -159,8 +159,8 @@ class _Pending:
                 f, obj, [s for s, _ in self.items], pickler=deepspeed_pickle.pickler
             )
             for stored, produce in self.items:
-                data = produce()
-                writer.write(stored, data.to(stored.dtype).reshape(stored.shape).contiguous())
+                # produced inline: no earlier tensor is alive while the next is produced
+                writer.write(stored, produce().to(stored.dtype).reshape(stored.shape).contiguous())
             writer.finish()
             f.flush()
             os.fsync(f.fileno())
