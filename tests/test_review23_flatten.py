@@ -367,9 +367,9 @@ def _flatten_outcome(model: torch.nn.Module, config: FlattenConfig) -> dict:
     return {"type": None, "changed": unchanged(model, before)}
 
 
-def _read_errors(rank: int, buckets: list[int]) -> list[dict]:
+def _read_errors(rank: int, buckets: list[int], tier: str) -> list[dict]:
     read = TensorSource.copy_into
-    config = _config(tier="sharded", device="cpu")
+    config = _config(tier=tier, device="cpu")
     results = []
     for at_bucket in buckets:
         TensorSource.copy_into = _failing_read(read, at_bucket) if rank == 1 else read
@@ -393,6 +393,17 @@ def test_review23_item8_a_read_error_on_one_rank_raises_on_every_rank_gloo(gloo_
         assert "every parameter still holds its data" in message
         assert all(r["changed"] == [] for r in results), results
         assert "OSError" in per_rank[1][buckets.index(k)]["cause"]  # the original, chained
+
+
+def test_review23_item8_a_read_error_in_a_local_tier_raises_on_every_rank(gloo_run):
+    """The same in a tier that fills locally (``cpu``): the failing rank used to raise its
+    own error alone while the others waited in the group's closing agreement, until its
+    process exited and gloo reported a lost peer; the failure now rides on that agreement."""
+    results = [r["local_read_error"][0] for r in gloo_run]
+    assert all(r["type"] == "BucketFillError" for r in results), results
+    assert len({r["message"] for r in results}) == 1, results
+    assert "rank 1 at bucket 2 (OSError: injected read error at bucket 2)" in results[0]["message"]
+    assert all(r["changed"] == [] for r in results), results
 
 
 def _checkpoint_read_error(rank: int, kind: str, path: str) -> dict:
@@ -546,7 +557,11 @@ def emu_run(tmp_path_factory) -> list[dict]:
 
 
 def _gloo_worker(rank: int, world_size: int) -> dict:
-    return {"read_errors": _read_errors(rank, READ_ERROR_BUCKETS), "overlap": _overlap()}
+    return {
+        "read_errors": _read_errors(rank, READ_ERROR_BUCKETS, "sharded"),
+        "local_read_error": _read_errors(rank, [2], "cpu"),
+        "overlap": _overlap(),
+    }
 
 
 @pytest.fixture(scope="module")
