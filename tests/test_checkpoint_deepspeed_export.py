@@ -535,6 +535,17 @@ def test_trainer_directory_is_copied_beside(trainer_dir, tmp_path):
     with pytest.raises(ValueError, match=r"already holds \['global_step1'"):
         export_deepspeed(trainer_dir, out, world_size=3)
     assert export_deepspeed(trainer_dir, out, world_size=2, overwrite=True).world_size == 2
+    inside = trainer_dir / "to_deepspeed"  # an output inside the directory is never copied
+    export_deepspeed(trainer_dir, inside, world_size=1)
+    again = export_deepspeed(trainer_dir, inside, world_size=1, overwrite=True)
+    assert "to_deepspeed" not in again.copied and sorted(p.name for p in inside.iterdir()) == [
+        "global_step1",
+        "latest",
+        "rng_state_0.pth",
+        "scheduler.pt",
+        "tokenizer",
+        "trainer_state.json",
+    ]
 
 
 def test_bad_input_errors(trainer_dir, tmp_path):

@@ -105,9 +105,9 @@ def _client_state(extra: Mapping[str, Any]) -> dict[str, Any]:
     return dict(extra)
 
 
-def _beside(checkpoint: Path, reader: CheckpointReader) -> list[Path]:
+def _beside(checkpoint: Path, reader: CheckpointReader, out: Path) -> list[Path]:
     """What sits beside the flatzero checkpoint in a Trainer/Accelerate directory: every
-    entry but ``latest``, flatzero checkpoints and unfinished saves."""
+    entry but ``latest``, flatzero checkpoints, unfinished saves and ``out`` itself."""
     if reader.path.parent.resolve() != checkpoint.resolve():
         return []
     return sorted(
@@ -116,6 +116,7 @@ def _beside(checkpoint: Path, reader: CheckpointReader) -> list[Path]:
         if entry.name != LATEST
         and not entry.name.startswith(TMP_PREFIX)
         and not (entry / META).is_file()
+        and entry.resolve() not in (out.resolve(), *out.resolve().parents)
     )
 
 
@@ -193,7 +194,7 @@ def export_deepspeed(
         target = deepspeed_target(meta, world_size, ds_config, any_optimizer=any_optimizer)
         plan = plan_deepspeed(reader, target)
         ds_tag = check_tag(out_tag or reader.tag)
-        beside = _beside(root, reader)
+        beside = _beside(root, reader, out)
         _check_out(out, ds_tag, beside, root, overwrite)
         extra = decode_value(meta.extra) if isinstance(meta.extra, dict) else {}
         counters = _counters(meta, extra)
