@@ -45,6 +45,10 @@ def _bucket_bytes(flat) -> list[bytes]:
 
 
 # ------------------------------------------------------------ a recording device seam
+def never_empty_the_pinned_cache() -> None:
+    raise AssertionError("the process-wide pinned cache must never be emptied")
+
+
 class _Stream:
     def __init__(self, log: list[tuple], name: str) -> None:
         self.log, self.name = log, name
@@ -109,9 +113,6 @@ class _Recorder:
             log.append(("pinned_empty", nbytes))
             return torch.empty(nbytes, dtype=torch.uint8)
 
-        def never(*args: Any) -> None:
-            raise AssertionError("the process-wide pinned cache must never be emptied")
-
         set_attr(tiers, "_streamed", lambda device: True)
         set_attr(stfile, "_streamed", lambda tensor: True)
         set_attr(accel, "new_stream", lambda device: _Stream(log, "copy"))
@@ -122,7 +123,7 @@ class _Recorder:
         set_attr(accel, "pin_host", pin_host)
         set_attr(accel, "unpin_host", lambda tensor: log.append(("unpin", tensor.data_ptr())))
         set_attr(accel, "pinned_empty", pinned_empty)
-        set_attr(accel, "release_pinned_cache", never)
+        set_attr(torch.accelerator, "empty_host_cache", never_empty_the_pinned_cache)
         set_attr(torch.Tensor, "record_stream", lambda t, s: log.append(("record_stream", s.name)))
         self._wrap_data_movers(set_attr)
 

@@ -48,7 +48,6 @@ __all__ = [
     "on_device",
     "pin_host",
     "pinned_empty",
-    "release_pinned_cache",
     "reset_peak_memory_stats",
     "rng_states",
     "set_current",
@@ -266,22 +265,6 @@ def pinned_empty(nbytes: int) -> torch.Tensor | None:
             str(error).splitlines()[0],
         )
     return None
-
-
-def release_pinned_cache() -> None:
-    """Give the page-locked blocks torch's host caching allocator keeps after they were
-    freed back to the system (a no-op without an accelerator)."""
-    if accelerator_type() is None:
-        return
-    accelerator = getattr(torch, "accelerator", None)
-    empty_host = getattr(accelerator, "empty_host_cache", None)
-    if empty_host is not None:
-        with contextlib.suppress(RuntimeError, NotImplementedError):
-            empty_host()
-        return
-    legacy = getattr(torch._C, "_host_emptyCache", None)  # torch < 2.9
-    if legacy is not None:
-        legacy()
 
 
 # --- random-number states -------------------------------------------------------------

@@ -18,7 +18,6 @@ from torch import nn
 
 from flatzero import FlattenConfig, flatten_parameters, inject_oom, plan_layout
 from flatzero.flatten.tiers import STAGING_CHUNK_BYTES
-from flatzero.accel import release_pinned_cache
 from flatzero.launch import free_port
 from flatzero.layout import Layout
 from flatzero.params import collect_param_groups
@@ -210,7 +209,7 @@ def test_host_tier_streams_a_large_bucket_through_bounded_pinned_staging():
     buckets = _bucket_bytes(layout)
     assert len(buckets) == 2 and max(buckets) > STAGING_CHUNK_BYTES  # the embedding alone
     torch.cuda.init()
-    release_pinned_cache()  # earlier tests' cached pinned blocks: not this test's
+    torch.accelerator.empty_host_cache()  # earlier tests' cached pinned blocks: not this test's
     pinned_before = _pinned_bytes()
     reset_peak = getattr(torch.cuda.memory, "reset_peak_host_memory_stats", None)
     if reset_peak is not None:
