@@ -119,6 +119,9 @@ TRAINER_ARGS = [
     "--disable_tqdm=true",
 ]
 
+CHECKSUM_REL = 1e-7
+"""Weights checksums, flatzero against DeepSpeed: fused against foreach AdamW kernels."""
+
 
 def _env(root: Path) -> dict[str, str]:
     env = dict(os.environ)
@@ -344,14 +347,17 @@ def test_accelerate_loop_lambda_lr_drives_flatzero(runs):
     assert ours[0]["lr"] == 0.0  # step 2 ran at lr 0 ...
     assert ours[1]["checksum"] == ours[0]["checksum"]  # ... and moved no weight
     assert ours[2]["checksum"] != ours[1]["checksum"]
+    # flatzero steps the client AdamW with its fused kernel (the client chose no
+    # implementation: issue 23 item 10), DeepSpeed with the client's own (foreach): the
+    # same update, rounded differently in the last bits (2.3e-9 of the checksum seen).
     for a, b in zip(theirs, ours, strict=True):
         assert b["losses"] == pytest.approx(a["losses"], rel=1e-6)
         assert b["lr"] == a["lr"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
-        assert b["checksum"] == pytest.approx(a["checksum"], rel=1e-9)
+        assert b["checksum"] == pytest.approx(a["checksum"], rel=CHECKSUM_REL)
         assert b["skipped"] is a["skipped"] is False
     state = fz["state"]  # (weights checksum, lr)
     assert state["restored"] == state["saved"]
     assert state["moved"][0] != state["saved"][0] and state["moved"][1] == 1e-2 * lambdas[10]
     for key in ("saved", "moved", "restored"):
-        assert state[key] == pytest.approx(ds["state"][key], rel=1e-9)
+        assert state[key] == pytest.approx(ds["state"][key], rel=CHECKSUM_REL)
