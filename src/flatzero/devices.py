@@ -33,6 +33,7 @@ __all__ = [
     "collective_device",
     "collectives_run_on",
     "collectives_run_on_cpu",
+    "default_backend",
     "device_backends",
     "local_device_index",
     "resolve_device",
@@ -70,6 +71,15 @@ def device_backends(backend: str) -> dict[str, str]:
     capability = getattr(dist.Backend, "backend_capability", {})
     devices = _HOST_ONLY.get(backend) or capability.get(backend) or ()
     return dict.fromkeys(devices, backend)
+
+
+def default_backend(device_type: str) -> str:
+    """The collective backend torch pairs with ``device_type`` (``"nccl"`` for CUDA,
+    ``"xccl"`` for XPU, a registered backend for its device); gloo for the host."""
+    default_for = getattr(dist, "get_default_backend_for_device", None)
+    if default_for is not None:
+        return str(default_for(device_type))
+    return {"cuda": "nccl", "xpu": "xccl"}.get(device_type, "gloo")  # torch < 2.6
 
 
 def collectives_run_on(group: dist.ProcessGroup | None, device_type: str) -> bool:

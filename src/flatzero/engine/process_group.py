@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .. import accel
-from ..devices import local_device_index
+from ..devices import default_backend, local_device_index
 from ..ports import free_port
 
 __all__ = ["ensure_process_group"]
@@ -78,7 +78,7 @@ def ensure_process_group(dist_init_required: bool | None) -> None:
     backend = "gloo"
     if device_type is not None:
         accel.set_current(torch.device(device_type, local_device_index(device_type)))
-        backend = dist.get_default_backend_for_device(device_type)
+        backend = default_backend(device_type)
     dist.init_process_group(backend, timeout=timedelta(minutes=30))
     logger.info(
         "initialized torch.distributed (%s): rank %d of %d",
