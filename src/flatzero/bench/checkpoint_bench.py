@@ -1,14 +1,25 @@
-"""Checkpoint benchmark: a verified load against an unverified one, on the same checkpoint.
+"""Checkpoint benchmark: verified against unverified loads; step time lost to a save.
 
 Every rank builds the model (seed 0) as a ``ZeroOptimizer`` with AdamW at ZeRO stage 2 and
 takes one training step (one sequence of ``--seq`` tokens) so that the optimizer holds its
-moments; the ranks save one checkpoint (fp32 master and both moments: 12 bytes a param over
-the ranks). Then each trial loads it back into the same optimizer with
-``LoadConfig(verify=True)`` (every byte read checked against its chunk's crc32c as read)
-and with ``verify=False``, alternately (the order rotates every round). The checkpoint is in
-the page cache for every trial (written, then re-read each trial): this measures the CPU
-and memory work of a load, where a checksum costs the most relative to the rest, not the
-disk. Per trial, the slowest rank's wall seconds.
+moments (fp32 master and both moments: 12 bytes a param over the ranks).
+
+``--what load``: the ranks save one checkpoint; each trial loads it back into the same
+optimizer with ``LoadConfig(verify=True)`` (every byte read checked against its chunk's
+crc32c as read) and with ``verify=False``, alternately (the order rotates every round). The
+checkpoint is in the page cache for every trial: this measures the CPU and memory work of a
+load, where a checksum costs the most relative to the rest, not the disk.
+
+``--what save``: the step time a save costs training. First ``--steps`` timed steps
+without a save give the step time; then each trial calls a save and runs ``--steps`` more
+steps, and waits for the save to be complete: lost = that wall time minus ``--steps`` step
+times. Methods: ``sync`` (``save_checkpoint``), ``async`` (``asynchronous=True``: a copy
+into host memory, a background thread writes), ``dcp_async``
+(``torch.distributed.checkpoint.async_save`` of the same tensors: each rank's master and
+moment shards under names of its own). Methods run in blocks of trials (after a warm-up
+trial each), so that no two methods' host copies are held at once.
+
+Per trial, the slowest rank's seconds; medians over trials.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -26,7 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import LoadConfig, load_checkpoint, save_checkpoint
+from ..checkpoint import LoadConfig, SaveConfig, load_checkpoint, save_checkpoint
+from ..checkpoint.async_save import release_snapshot, wait_for_save
 from ..checkpoint.checksum import DEFAULT_ALGORITHM
 from ..config import FlattenConfig
 from ..launch import run_ranks
@@ -37,9 +50,10 @@ from .results import emit, result_head
 from .settings import BENCH_DTYPES, TrialsSpec, parse_methods, spec_from_args
 from .trials import rotated, slowest_per_trial
 
-__all__ = ["LOAD_METHODS", "CheckpointSpec", "add_arguments", "run"]
+__all__ = ["LOAD_METHODS", "SAVE_METHODS", "CheckpointSpec", "add_arguments", "run"]
 
 LOAD_METHODS = ("verified", "unverified")
+SAVE_METHODS = ("sync", "async", "dcp_async")
 
 
 @dataclass(frozen=True)
@@ -48,10 +62,12 @@ class CheckpointSpec(TrialsSpec):
 
     Attributes:
         seq: tokens of the training step(s) (one sequence per rank).
+        steps: training steps timed after each save (``--what save``).
         workdir: the directory the checkpoints go to.
     """
 
     seq: int
+    steps: int
     workdir: str
 
 
@@ -77,11 +93,12 @@ def train_step(model: torch.nn.Module, opt: ZeroOptimizer, spec: CheckpointSpec,
     opt.zero_grad()
 
 
-def _timed_load(path: Path, opt: ZeroOptimizer, verify: bool) -> float:
+def _timed_load(path: Path, opt: ZeroOptimizer, verify: bool) -> tuple[float, float]:
+    """Wall and CPU seconds (all threads of this process) of one load."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     load_checkpoint(path, opt, config=LoadConfig(verify=verify))
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _load_rank(rank: int, world_size: int, spec: CheckpointSpec) -> dict[str, Any]:
@@ -93,22 +110,125 @@ def _load_rank(rank: int, world_size: int, spec: CheckpointSpec) -> dict[str, An
     save_checkpoint(path, opt, tag="bench")
     mine = path / "bench" / f"rank_{rank:05d}-of-{world_size:05d}.safetensors"
     walls: dict[str, list[float]] = {m: [] for m in spec.methods}
+    cpus: dict[str, list[float]] = {m: [] for m in spec.methods}
     for round_index in range(spec.warmup + spec.trials):
         for method in rotated(spec.methods, round_index):
-            wall = _timed_load(path, opt, verify=method == "verified")
+            wall, cpu = _timed_load(path, opt, verify=method == "verified")
             if round_index >= spec.warmup:
                 walls[method].append(wall)
-    return {"walls": walls, "file_bytes": os.path.getsize(mine)}
+                cpus[method].append(cpu)
+    return {"walls": walls, "cpus": cpus, "file_bytes": os.path.getsize(mine)}
 
 
 def _load_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> list[dict[str, Any]]:
     rows = []
     for method in spec.methods:
         walls = slowest_per_trial([r["walls"][method] for r in ranks])
+        cpus = [c for r in ranks for c in r["cpus"][method]]
         rows.append(
-            {"method": method, "wall_s_median": statistics.median(walls), "wall_s_all": walls}
+            {
+                "method": method,
+                "wall_s_median": statistics.median(walls),
+                "wall_s_min": min(walls),
+                "cpu_s_median_per_rank": statistics.median(cpus),
+                "wall_s_all": walls,
+            }
         )
     return rows
+
+
+def _dcp_state(opt: ZeroOptimizer) -> dict[str, torch.Tensor]:
+    """What ``save_checkpoint`` writes of this rank, under names of its own (DCP writes
+    each key once over all ranks)."""
+    groups = opt.sharded_state().groups
+    state = {}
+    for gi, group in enumerate(groups):
+        state[f"rank{opt.rank}.g{gi}.master"] = group.master
+        state |= {f"rank{opt.rank}.g{gi}.{k}": v for k, v in group.shards.items()}
+    return state
+
+
+def _start_save(method: str, path: Path, opt: ZeroOptimizer, index: int, group: Any) -> Any:
+    """Start a save by ``method``; returns what ``_finish_save`` waits on. DCP's runs its
+    collectives on ``group``, a gloo group of its own (its background thread's collectives
+    would otherwise interleave with training's, as torch's documentation warns)."""
+    if method == "dcp_async":
+        import torch.distributed.checkpoint as dcp
+
+        return dcp.async_save(
+            _dcp_state(opt), checkpoint_id=str(path / f"dcp{index}"), process_group=group
+        )
+    config = SaveConfig(overwrite=True, keep_last=1)
+    save_checkpoint(path, opt, f"bench{index}", config=config, asynchronous=method == "async")
+    return None
+
+
+def _finish_save(method: str, opt: ZeroOptimizer, handle: Any) -> None:
+    if method == "dcp_async":
+        handle.result()
+    elif method == "async":
+        wait_for_save(opt)
+
+
+def _timed_steps(model: torch.nn.Module, opt: ZeroOptimizer, spec: CheckpointSpec) -> float:
+    t0 = time.perf_counter()
+    for i in range(spec.steps):
+        train_step(model, opt, spec, i)
+    return time.perf_counter() - t0
+
+
+def _save_rank(rank: int, world_size: int, spec: CheckpointSpec) -> dict[str, Any]:
+    """This rank's step times without a save, and per method and trial: the seconds the
+    save call blocked, and the wall seconds of the save plus ``spec.steps`` steps."""
+    torch.manual_seed(0)
+    model, opt = build(spec)
+    train_step(model, opt, spec, 0)
+    path = Path(spec.workdir) / "ckpt"
+    dcp_group = dist.new_group(backend="gloo")
+    dist.barrier()
+    baseline = [_timed_steps(model, opt, spec) / spec.steps for _ in range(spec.trials)]
+    trials: dict[str, list[dict[str, float]]] = {m: [] for m in spec.methods}
+    index = 0
+    for method in spec.methods:
+        for trial in range(spec.warmup + spec.trials):
+            dist.barrier()
+            t0 = time.perf_counter()
+            handle = _start_save(method, path, opt, index, dcp_group)
+            call = time.perf_counter() - t0
+            _timed_steps(model, opt, spec)
+            _finish_save(method, opt, handle)
+            if trial >= spec.warmup:
+                trials[method].append({"call_s": call, "wall_s": time.perf_counter() - t0})
+            index += 1
+        if method == "async":
+            release_snapshot(opt)
+        dist.barrier()
+        if rank == 0:
+            for old in path.glob("dcp*"):
+                shutil.rmtree(old)
+    return {"step_s": baseline, "trials": trials}
+
+
+def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, Any]:
+    step = statistics.median(max(s) for s in zip(*(r["step_s"] for r in ranks), strict=True))
+    rows = []
+    for method in spec.methods:
+        walls = slowest_per_trial([[t["wall_s"] for t in r["trials"][method]] for r in ranks])
+        calls = slowest_per_trial([[t["call_s"] for t in r["trials"][method]] for r in ranks])
+        lost = [w - spec.steps * step for w in walls]
+        rows.append(
+            {
+                "method": method,
+                "call_s_median": statistics.median(calls),
+                "lost_s_median": statistics.median(lost),
+                "lost_s_all": lost,
+                "wall_s_all": walls,
+            }
+        )
+    by = {r["method"]: r["lost_s_median"] for r in rows}
+    for row in rows:
+        row["lost_vs_sync"] = row["lost_s_median"] / by["sync"] if by.get("sync") else None
+    return {"step_s_median": step, "rows": rows}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,7 +238,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--methods", default=",".join(LOAD_METHODS))
+    parser.add_argument("--what", default="load", choices=("load", "save"))
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help=f"load: {','.join(LOAD_METHODS)} (default); save: {','.join(SAVE_METHODS)}",
+    )
+    parser.add_argument("--steps", type=int, default=3, help="steps timed after each save")
     parser.add_argument("--bucket-numel", type=int, default=2**24)
     parser.add_argument("--seq", type=int, default=16, help="tokens of a training step")
     parser.add_argument(
@@ -127,29 +253,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="write the JSON result to this file")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the benchmark; print a table and write/print one JSON result."""
-    methods = parse_methods(args.methods, LOAD_METHODS)
-    with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
-        spec = spec_from_args(CheckpointSpec, args, methods=methods, workdir=workdir)
-        ranks = run_ranks(_load_rank, args.world_size, spec, timeout_s=3600)
-    rows = _load_rows(ranks, spec)
+def _head(args: argparse.Namespace, spec: CheckpointSpec, ranks: list[dict]) -> dict[str, Any]:
     params = count_params(build_model(MODELS[args.model](), device="meta"))
-    ratio = None
-    if set(methods) == set(LOAD_METHODS):
-        by = {r["method"]: r["wall_s_median"] for r in rows}
-        ratio = by["verified"] / by["unverified"]
-    print(
-        f"model {args.model} ({params / 1e6:.0f}M params), world size {args.world_size}, "
-        f"{args.trials} trials, checksum {DEFAULT_ALGORITHM}; "
-        f"{sum(r['file_bytes'] for r in ranks) / 2**30:.2f} GiB of rank files"
-    )
-    for row in rows:
-        print(f"{row['method']:<12}{row['wall_s_median']:>8.3f} s")
-    if ratio is not None:
-        print(f"verified / unverified: {ratio:.3f}x")
-    result = {
-        **result_head("checkpoint-load", args),
+    return {
+        **result_head(f"checkpoint-{args.what}", args),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
@@ -157,10 +264,62 @@ def run(args: argparse.Namespace) -> int:
         "spec": {k: v for k, v in asdict(spec).items() if k != "workdir"},
         "world_size": args.world_size,
         "params": params,
-        "rank_file_bytes": [r["file_bytes"] for r in ranks],
-        "rows": rows,
-        "verified_over_unverified": ratio,
     }
+
+
+def _report_load(args: argparse.Namespace, spec: CheckpointSpec, ranks: list[dict]) -> dict:
+    rows = _load_rows(ranks, spec)
+    result = {**_head(args, spec, ranks), "rank_file_bytes": [r["file_bytes"] for r in ranks]}
+    by = {r["method"]: r for r in rows}
+    ratio = None
+    if set(by) == set(LOAD_METHODS):
+        ratio = {
+            key: by["verified"][key] / by["unverified"][key]
+            for key in ("wall_s_median", "wall_s_min", "cpu_s_median_per_rank")
+        }
+    print(
+        f"model {args.model} ({result['params'] / 1e6:.0f}M params), world size "
+        f"{args.world_size}, {args.trials} trials, checksum {DEFAULT_ALGORITHM}; "
+        f"{sum(result['rank_file_bytes']) / 2**30:.2f} GiB of rank files"
+    )
+    print(f"{'method':<12}{'wall s (median)':>16}{'wall s (min)':>14}{'cpu s/rank':>12}")
+    for row in rows:
+        print(
+            f"{row['method']:<12}{row['wall_s_median']:>16.3f}{row['wall_s_min']:>14.3f}"
+            f"{row['cpu_s_median_per_rank']:>12.3f}"
+        )
+    if ratio is not None:
+        print("verified / unverified: " + ", ".join(f"{k} {v:.3f}x" for k, v in ratio.items()))
+    return {**result, "rows": rows, "verified_over_unverified": ratio}
+
+
+def _report_save(args: argparse.Namespace, spec: CheckpointSpec, ranks: list[dict]) -> dict:
+    summary = _save_rows(ranks, spec)
+    result = {**_head(args, spec, ranks), **summary}
+    print(
+        f"model {args.model} ({result['params'] / 1e6:.0f}M params), world size "
+        f"{args.world_size}, {args.trials} trials; step {summary['step_s_median']:.3f} s"
+    )
+    print(f"{'method':<12}{'call s':>10}{'lost s':>10}{'vs sync':>10}")
+    for row in summary["rows"]:
+        versus = row["lost_vs_sync"]
+        print(
+            f"{row['method']:<12}{row['call_s_median']:>10.3f}{row['lost_s_median']:>10.3f}"
+            f"{'' if versus is None else f'{versus:.3f}':>10}"
+        )
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; print a table and write/print one JSON result."""
+    known = LOAD_METHODS if args.what == "load" else SAVE_METHODS
+    methods = parse_methods(args.methods or ",".join(known), known)
+    main = _load_rank if args.what == "load" else _save_rank
+    with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
+        spec = spec_from_args(CheckpointSpec, args, methods=methods, workdir=workdir)
+        ranks = run_ranks(main, args.world_size, spec, timeout_s=3600)
+    report = _report_load if args.what == "load" else _report_save
+    result = report(args, spec, ranks)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     emit(result, args.out)

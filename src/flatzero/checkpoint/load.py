@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..comm import all_gather_buckets_from_own_slices, all_reduce_max
 from ..control import control_group, wait_for_host_work
 from ..optim.state import GroupState, ShardedOptimizerState
+from .async_save import wait_for_save
 from .config import LoadConfig
 from .fallback import newest_valid, refused
 from .format import (
@@ -305,7 +306,8 @@ def load_checkpoint(
     """Load a checkpoint saved at any world size into ``optimizer`` (and its params).
 
     Collective: call on every rank of the optimizer's process group. Params are matched
-    by name (``rename`` maps the optimizer's names to the checkpoint's), never by order.
+    by name (``rename`` maps the optimizer's names to the checkpoint's), never by order. An
+    asynchronous save of the optimizer still writing is waited for first.
 
     Args:
         directory: the checkpoint directory (or a checkpoint itself).
@@ -331,6 +333,7 @@ def load_checkpoint(
     t0 = time.perf_counter()
     flat = optimizer.flat
     control_group(flat.process_group)  # created (collective) now, not while some rank reads
+    wait_for_save(optimizer)  # an asynchronous save of this optimizer finishes first
     read = _read_or_fall_back(directory, tag, optimizer, scheduler, model, rename, config)
     reader, meta = read.reader, read.reader.meta
 

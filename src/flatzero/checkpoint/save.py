@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 from .._version import __version__
 from ..comm import raise_if_any_failed, world_size_of
-from ..control import control_group, wait_for_host_work
+from ..control import control_group, host_work_timeout, wait_for_host_work
+from .async_save import collect_marks, mark, snapshot, start, wait_for_save
 from .atomic import fault_point, publish, remove_stale_tmp, tmp_dir_name, write_latest
 from .config import SaveConfig
 from .format import (
@@ -82,6 +83,17 @@ class _Collected:
     rest: dict[str, torch.Tensor]
     model_names: dict[str, str]
     aliases: dict[str, str]
+
+
+@dataclass(frozen=True)
+class _Files:
+    """What this rank writes: its rank file's tensors (state shards, then RNG states) and
+    metadata, and on rank 0 the model's rest. Live tensors for a synchronous save, their
+    copies in host memory for an asynchronous one."""
+
+    tensors: list[tuple[str, torch.Tensor]]
+    metadata: dict[str, str]
+    rest: list[tuple[str, torch.Tensor]]
 
 
 def _versions() -> dict[str, str]:
@@ -187,54 +199,56 @@ def _create_tmp(root: Path, tmp: Path, final: Path, flat: Any, config: SaveConfi
     _all_ok(error, flat.process_group, f"creating {tmp}")
 
 
-def _write_files(
-    tmp: Path, tag: str, collected: _Collected, flat: Any, config: SaveConfig
-) -> tuple[FileRecord, FileRecord | None]:
-    """Write this rank's file (and, on rank 0, the model's rest) into ``tmp``; their
-    records."""
+def _files(collected: _Collected, flat: Any, config: SaveConfig) -> _Files:
+    """What this rank writes (its RNG states captured now, with ``save_rng``)."""
     tensors = list(collected.captured.tensors)
     metadata: dict[str, str] = {}
     if config.save_rng:
         rng_tensors, metadata = capture_rng()
         tensors += rng_tensors
+    rest = list(collected.rest.items()) if flat.rank == 0 else []
+    return _Files(tensors, metadata, rest)
+
+
+def _write_files(
+    tmp: Path, tag: str, files: _Files, flat: Any, config: SaveConfig
+) -> tuple[FileRecord, FileRecord | None]:
+    """Write this rank's file (and, on rank 0, the model's rest) into ``tmp``; their
+    records."""
     record = write_rank_file(
         tmp,
         flat.rank,
         flat.world_size,
-        tensors,
+        files.tensors,
         layout_digest=flat.layout.digest(),
         tag=tag,
-        metadata=metadata,
+        metadata=files.metadata,
         checksums=config.checksums,
     )
     rest_record = None
-    if flat.rank == 0 and collected.rest:
+    if files.rest:
         rest_record = write_tensors(  # device tensors stream through two host chunks
-            tmp / MODEL_REST,
-            list(collected.rest.items()),
-            {"format": "pt", "tag": tag},
-            checksums=config.checksums,
+            tmp / MODEL_REST, files.rest, {"format": "pt", "tag": tag}, checksums=config.checksums
         )
     return record, rest_record
 
 
 def _write_everywhere(
-    tmp: Path, tag: str, collected: _Collected, flat: Any, config: SaveConfig
+    tmp: Path, tag: str, collected: _Collected, files: _Files, flat: Any, config: SaveConfig
 ) -> tuple[list[Any], FileRecord | None]:
     """Every rank writes its files and all agree that they did; returns every rank's file
     record (in rank order) and the model rest's. On any failure rank 0 removes ``tmp``."""
     error: BaseException | None = None
     record = rest_record = None
     try:
-        record, rest_record = _write_files(tmp, tag, collected, flat, config)
+        record, rest_record = _write_files(tmp, tag, files, flat, config)
     except (OSError, ValueError, TypeError) as e:
         error = e
     group = flat.process_group
     try:
-        written = [t for _, t in collected.captured.tensors] + list(collected.rest.values())
         # Allow for the most any rank writes: rank 0 its shards (every rank's are the same
         # size) and the model's rest.
-        wait_for_host_work(group, _tensor_bytes(written))
+        wait_for_host_work(group, _written_at_most(collected))
         _all_ok(error, group, f"writing its rank file into {tmp}")
     except BaseException:
         if flat.rank == 0:
@@ -271,30 +285,111 @@ def _meta(
     )
 
 
+def _written_at_most(collected: _Collected) -> int:
+    """Bytes the busiest rank writes: rank 0, its shards (every rank's are the same size)
+    and the model's rest."""
+    return _tensor_bytes([t for _, t in collected.captured.tensors] + list(collected.rest.values()))
+
+
+def _publish_here(root: Path, tmp: Path, meta: CheckpointMeta, config: SaveConfig) -> None:
+    """(Rank 0.) Write ``meta.json``, make ``tmp`` appear as ``root/<tag>``, point
+    ``latest`` at it and prune old checkpoints; on failure remove ``tmp`` and raise."""
+    try:
+        meta.write(tmp / "meta.json")
+        fault_point("before_publish", 0)
+        publish(tmp, root / meta.tag, overwrite=config.overwrite)
+        fault_point("before_latest", 0)
+        if config.update_latest:
+            write_latest(root, meta.tag)
+        if config.keep_last is not None:
+            keep = {meta.tag}
+            with contextlib.suppress(ValueError):
+                keep.add(read_latest(root))
+            _prune(root, config.keep_last, keep)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def _publish(root: Path, tmp: Path, meta: CheckpointMeta, flat: Any, config: SaveConfig) -> None:
-    """Rank 0 writes ``meta.json``, renames ``tmp`` to ``root/<tag>``, points ``latest`` at
-    it and prunes old checkpoints (removing ``tmp`` on failure); every rank learns whether
-    that worked."""
+    """Rank 0 publishes (``_publish_here``); every rank learns whether that worked."""
     error: BaseException | None = None
-    final = root / meta.tag
     if flat.rank == 0:
         try:
-            meta.write(tmp / "meta.json")
-            fault_point("before_publish", flat.rank)
-            publish(tmp, final, overwrite=config.overwrite)
-            fault_point("before_latest", flat.rank)
-            if config.update_latest:
-                write_latest(root, meta.tag)
-            if config.keep_last is not None:
-                keep = {meta.tag}
-                with contextlib.suppress(ValueError):
-                    keep.add(read_latest(root))
-                _prune(root, config.keep_last, keep)
+            _publish_here(root, tmp, meta, config)
         except (OSError, ValueError, TypeError) as e:
             error = e
-            shutil.rmtree(tmp, ignore_errors=True)
     wait_for_host_work(flat.process_group, 0)  # rank 0 writes meta.json, renames and prunes
-    _all_ok(error, flat.process_group, f"publishing {final}")
+    _all_ok(error, flat.process_group, f"publishing {root / meta.tag}")
+
+
+def _write_in_background(
+    root: Path,
+    tmp: Path,
+    tag: str,
+    collected: _Collected,
+    files: _Files,
+    flat: Any,
+    config: SaveConfig,
+) -> None:
+    """(A background thread of every rank.) Write this rank's files from the snapshot and
+    leave a mark; rank 0 then waits for every rank's mark and publishes (removing ``tmp``
+    when any rank failed). Raises this rank's error, or on rank 0 any rank's."""
+    error: BaseException | None = None
+    record = rest_record = None
+    try:
+        record, rest_record = _write_files(tmp, tag, files, flat, config)
+    except (OSError, ValueError, TypeError) as e:
+        error = e
+    mark(tmp, flat.rank, record, error)
+    if flat.rank == 0:
+        timeout = host_work_timeout(_written_at_most(collected)).total_seconds()
+        try:
+            records = collect_marks(tmp, flat.world_size, timeout)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if error is None:
+            meta = _meta(collected, tag, records, rest_record, flat, config)
+            _publish_here(root, tmp, meta, config)
+            logger.info("saved checkpoint %s in the background", root / tag)
+    if error is not None:
+        raise error
+
+
+def _start_in_background(
+    root: Path,
+    tmp: Path,
+    tag: str,
+    collected: _Collected,
+    files: _Files,
+    optimizer: Any,
+    config: SaveConfig,
+) -> None:
+    """Copy this rank's files into host memory (every rank agrees it could; rank 0 removes
+    ``tmp`` if not), then write and publish them in a background thread."""
+    flat = optimizer.flat
+    error: BaseException | None = None
+    copied = files
+    try:
+        copies = snapshot(optimizer, [*files.tensors, *files.rest])
+        n = len(files.tensors)
+        copied = _Files(copies[:n], files.metadata, copies[n:])
+    except (RuntimeError, OSError) as e:  # out of host memory
+        error = e
+    try:
+        _all_ok(error, flat.process_group, f"copying its shards into host memory for {tmp}")
+    except BaseException:
+        if flat.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fault_point("snapshot_taken", flat.rank)
+    start(
+        optimizer,
+        lambda: _write_in_background(root, tmp, tag, collected, copied, flat, config),
+        root / tag,
+        flat.process_group,
+    )
 
 
 def _prune(root: Path, keep_last: int, keep: set[str]) -> None:
@@ -318,11 +413,13 @@ def save_checkpoint(
     model: torch.nn.Module | None = None,
     extra: Any = None,
     config: SaveConfig | None = None,
+    asynchronous: bool = False,
 ) -> Path:
     """Save a ZeRO checkpoint: each rank writes its shard; loadable at any world size.
 
     Collective: call on every rank of the optimizer's process group with the same
-    ``directory`` (on a file system every rank sees) and ``tag``.
+    ``directory`` (on a file system every rank sees) and ``tag``. A previous asynchronous
+    save of the optimizer is waited for first (its error raised here on every rank).
 
     Args:
         directory: the checkpoint directory (created if needed); the checkpoint goes to
@@ -335,9 +432,14 @@ def save_checkpoint(
         extra: JSON-able client state (e.g. ``{"epoch": 3, "samples": 12800}``) returned
             by ``load_checkpoint``.
         config: ``SaveConfig`` (RNG states, checksums, overwrite, keep_last, ...).
+        asynchronous: copy this rank's shards into reusable host memory and return; a
+            background thread writes and publishes them (``async_save``). The checkpoint
+            appears once every rank's file is complete; the next save, load or
+            ``wait_for_save`` waits for it.
 
     Returns:
-        The path of the new checkpoint, ``directory/tag``.
+        The path of the new checkpoint, ``directory/tag`` (after an asynchronous save:
+        where it will appear).
 
     Raises:
         ValueError: the tag exists (without ``overwrite``), tags differ between ranks, or
@@ -350,6 +452,7 @@ def save_checkpoint(
     group = flat.process_group
     root = Path(directory)
     control_group(group)  # created (collective) now, not while some rank writes
+    wait_for_save(optimizer)
 
     error: BaseException | None = None
     collected: _Collected | None = None
@@ -362,7 +465,11 @@ def save_checkpoint(
     tag, nonce = _agree_tag(collected.tag, group)
     tmp = root / tmp_dir_name(tag, nonce)
     _create_tmp(root, tmp, root / tag, flat, config)
-    records, rest_record = _write_everywhere(tmp, tag, collected, flat, config)
+    files = _files(collected, flat, config)
+    if asynchronous:
+        _start_in_background(root, tmp, tag, collected, files, optimizer, config)
+        return root / tag
+    records, rest_record = _write_everywhere(tmp, tag, collected, files, flat, config)
     _publish(root, tmp, _meta(collected, tag, records, rest_record, flat, config), flat, config)
     if flat.rank == 0:
         logger.info(

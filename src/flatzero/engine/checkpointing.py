@@ -16,6 +16,7 @@ from torch import nn
 from ..comm import raise_if_any_failed
 from ..control import control_group, wait_for_host_work
 from .client import link_client_optimizer
+from .rank_agreement import agree_on_checkpoint_to_load, check_shared_directory
 
 if TYPE_CHECKING:
     from ..optim import ZeroOptimizer
@@ -116,7 +117,10 @@ class EngineCheckpoints:
 
         Returns:
             True, as DeepSpeed does. An existing checkpoint of the same tag is replaced (as
-            DeepSpeed overwrites it) once the new one is complete.
+            DeepSpeed overwrites it) once the new one is complete. With
+            ``"flatzero": {"async_save": true}`` it returns once the shards are copied to
+            host memory and a background thread writes and publishes them (the next save,
+            load or ``destroy()`` waits for it).
         """
         from ..checkpoint import SaveConfig, save_checkpoint
         from ..checkpoint.save import save_nbytes
@@ -127,6 +131,7 @@ class EngineCheckpoints:
         extra = {_ENGINE_STATE: counters, "client_state": client_state or {}}
         model = None if exclude_frozen_parameters else self.module
         kwargs = {
+            "asynchronous": self.parsed_config.flatzero.async_save,
             "scheduler": self.lr_scheduler,
             "model": model,
             "extra": extra,
@@ -134,6 +139,7 @@ class EngineCheckpoints:
             # resumes into the directory it came from); flatzero replaces it atomically.
             "config": SaveConfig(update_latest=save_latest, overwrite=True),
         }
+        check_shared_directory(Path(save_dir), self._pg)
         if self.parsed_config.replicated:
             self._save_on_rank0(
                 lambda: save_checkpoint(save_dir, self.optimizer, tag, **kwargs),
@@ -193,12 +199,13 @@ class EngineCheckpoints:
         """
         from ..checkpoint import LoadConfig, load_checkpoint
 
+        self.wait_for_save()
         if custom_load_fn is not None:
             raise NotImplementedError(
                 "engine.load_checkpoint(custom_load_fn=...) is not implemented by flatzero: it "
                 "loads the module's weights itself; drop custom_load_fn"
             )
-        if tag is None and not (Path(load_dir) / "latest").is_file():
+        if not agree_on_checkpoint_to_load(Path(load_dir), tag, self._pg):
             self._warn_nothing_to_load(Path(load_dir) / "latest")
             return None, None
         _refuse_deepspeed_checkpoint(Path(load_dir), tag)
@@ -219,6 +226,13 @@ class EngineCheckpoints:
         extra = result.extra if isinstance(result.extra, dict) else {}
         self._after_load(extra, restore_counters=not load_module_only)
         return str(result.path), extra.get("client_state", {})
+
+    def wait_for_save(self) -> None:
+        """Wait for an asynchronous save still being written, raising its error on every
+        rank (collective when one is pending; ``destroy()`` calls it)."""
+        from ..checkpoint.async_save import wait_for_save
+
+        wait_for_save(self.optimizer)
 
     def _warn_nothing_to_load(self, latest: Path) -> None:
         if self.global_rank == 0:

@@ -290,9 +290,11 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
         return self.train(False)
 
     def destroy(self) -> None:
-        """Remove the gradient hooks from the params (the engine cannot train after; the
+        """Wait for an asynchronous save still being written (``wait_for_save``), then
+        remove the gradient hooks from the params (the engine cannot train after; the
         module stays usable). Calling it again does nothing."""
         if not self._destroyed:
+            self.wait_for_save()
             self._destroyed = True
             self.optimizer.close()
 

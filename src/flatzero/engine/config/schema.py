@@ -192,11 +192,16 @@ class FlatzeroSection:
             corrupt checkpoint: ``none`` raises on every rank naming the newest tag that is
             complete and verifies, ``newest_valid`` loads that tag with a warning
             (``LoadConfig.fallback``).
+        async_save: ``engine.save_checkpoint`` copies the rank's shards into reusable host
+            memory and returns; a background thread writes and publishes the checkpoint
+            (``save_checkpoint(asynchronous=True)``); the next save or load, and
+            ``engine.destroy()``, wait for it and raise its error on every rank.
     """
 
     param_sync: str = field(default="gather", metadata={"choices": PARAM_SYNC})
     elementwise_optimizer: bool = False
     load_fallback: str = field(default="none", metadata={"choices": LOAD_FALLBACKS})
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         if self.param_sync not in PARAM_SYNC:

@@ -1,0 +1,160 @@
+"""Asynchronous saves (issue 24 item 4): the checkpoint holds the state at the call, the
+snapshot buffer is reused, a background error is raised at the next call on every rank,
+and a kill during the background write leaves the previous checkpoint loadable."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from flatzero import FlattenConfig
+from flatzero.checkpoint import load_checkpoint, read_latest, save_checkpoint
+from flatzero.checkpoint.async_save import _snapshots, wait_for_save
+from flatzero.checkpoint.atomic import set_fault_hook
+from flatzero.launch import run_ranks
+from flatzero.optim import ZeroOptimizer
+
+
+def make() -> tuple[torch.nn.Module, ZeroOptimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    opt = ZeroOptimizer(
+        model.named_parameters(),
+        torch.optim.AdamW,
+        lr=1e-2,
+        flatten_config=FlattenConfig(bucket_numel=256, progress=False),
+    )
+    return model, opt
+
+
+def step(model: torch.nn.Module, opt: ZeroOptimizer, i: int) -> None:
+    g = torch.Generator().manual_seed(100 * i + opt.rank)
+    model(torch.randn(4, 16, generator=g)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def state(opt: ZeroOptimizer) -> dict[str, torch.Tensor]:
+    """This rank's master and moment shards (copies)."""
+    sd = opt.sharded_state()
+    out = {}
+    for gi, g in enumerate(sd.groups):
+        out[f"{gi}.master"] = g.master.clone()
+        out |= {f"{gi}.{k}": v.clone() for k, v in g.shards.items()}
+    return out
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def slow_writes(point: str, _rank: int) -> None:
+    if point == "tensor_written":
+        time.sleep(0.05)  # the background write outlasts the training steps below
+
+
+def async_saves(rank: int, ws: int, base: str) -> dict:
+    root = Path(base)
+    model, opt = make()
+    step(model, opt, 0)
+    set_fault_hook(slow_writes)
+    at_a = state(opt)
+    save_checkpoint(root, opt, tag="a", asynchronous=True)
+    writing = [t.name for t in threading.enumerate() if t.name.startswith("flatzero-save")]
+    returned_before_published = not (root / "a").exists()
+    buffer = _snapshots[opt].data.data_ptr()
+    for i in (1, 2):  # train on while "a" is written: it must keep the state at the call
+        step(model, opt, i)
+    at_b = state(opt)
+    save_checkpoint(root, opt, tag="b", asynchronous=True)  # waits for "a" first
+    a_published_then = (root / "a" / "meta.json").is_file()
+    reused = _snapshots[opt].data.data_ptr() == buffer
+    step(model, opt, 3)
+    wait_for_save(opt)
+    set_fault_hook(None)
+    loaded = {}
+    for tag in ("a", "b"):
+        _, fresh = make()
+        load_checkpoint(root, fresh, tag)
+        loaded[tag] = same(state(fresh), at_a if tag == "a" else at_b)
+        fresh.close()
+
+    # an error in rank 1's background write is raised at the next call, on every rank
+    def fail(point: str, r: int) -> None:
+        if point == "rank_file_written" and r == 1:
+            raise OSError("disk full (injected)")
+
+    set_fault_hook(fail)
+    save_checkpoint(root, opt, tag="c", asynchronous=True)
+    try:
+        save_checkpoint(root, opt, tag="d")  # raises before it writes anything
+        error = "no error"
+    except (OSError, RuntimeError) as e:
+        error = f"{type(e).__name__}: {e}"
+    set_fault_hook(None)
+    return {
+        "writing": writing,
+        "returned_before_published": returned_before_published,
+        "a_published_then": a_published_then,
+        "reused": reused,
+        "loaded": loaded,
+        "error": error,
+        "latest": read_latest(root),
+        "entries": sorted(p.name for p in root.iterdir()),
+    }
+
+
+def test_async_saves_at_two_ranks(tmp_path):
+    out = run_ranks(async_saves, 2, str(tmp_path), timeout_s=120)
+    for rank, o in enumerate(out):
+        assert o["writing"] == ["flatzero-save-a"] and o["returned_before_published"]
+        assert o["a_published_then"] and o["reused"]
+        assert o["loaded"] == {"a": True, "b": True}
+        if rank == 1:
+            assert o["error"] == "OSError: disk full (injected)"
+        else:
+            # rank 0's thread read rank 1's error from its mark
+            assert o["error"].startswith("RuntimeError: rank 1 failed to write its file")
+            assert o["error"].endswith("OSError: disk full (injected)")
+        # c was never published and its directory is gone; d was not started
+        assert o["latest"] == "b" and o["entries"] == ["a", "b", "latest"]
+
+
+def killed_in_the_background(root: str) -> None:
+    """(Forked child.) Start an asynchronous save of ``b`` and die in its thread."""
+    torch.set_num_threads(1)
+    model, opt = make()
+    load_checkpoint(root, opt)
+    step(model, opt, 1)
+
+    def die(point: str, _rank: int) -> None:
+        if point == "tensor_written" and threading.current_thread().name != "MainThread":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    set_fault_hook(die)
+    save_checkpoint(root, opt, tag="b", asynchronous=True)
+    time.sleep(30)  # killed before this ends
+    os._exit(0)
+
+
+def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint(tmp_path):
+    model, opt = make()
+    step(model, opt, 0)
+    saved = state(opt)
+    save_checkpoint(tmp_path, opt, tag="a")
+    child = multiprocessing.get_context("fork").Process(
+        target=killed_in_the_background, args=(str(tmp_path),)
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    assert read_latest(tmp_path) == "a" and not (tmp_path / "b").exists()
+    _, fresh = make()
+    assert load_checkpoint(tmp_path, fresh).tag == "a"
+    assert same(state(fresh), saved)
