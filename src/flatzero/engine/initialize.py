@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import rank_of, world_size_of
+from ..comm import raise_if_any_failed, rank_of, world_size_of
 from ..config import FlattenConfig
 from ..devices import activate, resolve_device
 from ..flatten.registry import gathering_tier
@@ -47,6 +47,7 @@ from .lr_scheduler import build_scheduler, check_client_scheduler, probe_schedul
 from .optimizer_choice import OptimizerChoice, choose_optimizer
 from .param_sync import place_rest, sync_params
 from .process_group import ensure_process_group
+from .rank_agreement import agree_on_config
 from .report import EngineInitReport
 from .weights import Weights, get_weights
 
@@ -88,8 +89,14 @@ def _config_argument(
     if config is not None and config_params is not None:
         raise ValueError("pass the DeepSpeed config as config= or config_params=, not both")
     config = config if config is not None else config_params
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None)
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if config is not None and from_args is not None:
+        raise ValueError(
+            f"two DeepSpeed configs: args.deepspeed_config={from_args!r} and config= (as "
+            "DeepSpeed, flatzero refuses to pick one); drop one of them"
+        )
+    if config is None:
+        config = from_args
     if config is None:
         raise ValueError(
             "flatzero.initialize needs a DeepSpeed config: pass config=dict(...) or the path "
@@ -99,7 +106,21 @@ def _config_argument(
 
 
 def _parsed(config: Any, world_size: int, rank: int) -> EngineConfig:
-    cfg = parse_config(config, world_size=world_size)
+    """The parsed config, the same on every rank: a rank whose config fails to parse
+    raises its error and the others a ``ValueError`` naming it; configs that parse to
+    different settings are a ``ValueError`` on every rank (``agree_on_config``)."""
+    error: BaseException | None = None
+    try:
+        cfg = parse_config(config, world_size=world_size)
+    except Exception as e:
+        error = e
+    raise_if_any_failed(
+        error,
+        None,
+        "the DeepSpeed config failed to parse on another rank (see its error)",
+        error_type=ValueError,
+    )
+    agree_on_config(cfg, None)
     if cfg.ignored and rank == 0:
         logger.warning(
             "flatzero.initialize: these config keys have no effect in flatzero: %s",
