@@ -747,16 +747,12 @@ def test_config_from_json_file(tmp_path):
     path.write_text(json.dumps({**B, "zero_optimization": {"stage": 2}}))
     assert parse_config(path, world_size=1).zero.stage == 2
     assert parse_config(str(path), world_size=1).zero.stage == 2
-    with pytest.raises(
-        ValueError, match="does not exist; pass a dict or the path of a DeepSpeed JSON config"
-    ):
+    with pytest.raises(ValueError, match=r"missing.json' does not exist .*; pass a dict"):
         parse_config(tmp_path / "missing.json", world_size=1)
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="is not valid JSON"):
         parse_config(tmp_path / "bad.json", world_size=1)
-    with pytest.raises(
-        TypeError, match="config must be a dict or the path of a JSON file, got int"
-    ):
+    with pytest.raises(TypeError, match=r"config must be a dict, the path .* got int"):
         parse_config(3, world_size=1)
 
 

@@ -26,6 +26,7 @@ from .format import MASTER, CheckpointMeta, GroupRecord, decode_value, encode_va
 __all__ = [
     "CapturedState",
     "capture",
+    "check_same_optimizer",
     "merge_group_records",
     "restored_state",
     "saved_step",
@@ -181,6 +182,19 @@ def _restored_group(
     return GroupState(master, state, options)
 
 
+def check_same_optimizer(saved: str | None, live: str | None) -> None:
+    """Raise ``ValueError`` when the checkpoint's optimizer state is another optimizer
+    class's (an AdamW state would give an SGD group ``betas``); None on either side (a
+    state dict, an older checkpoint) is not checked."""
+    if saved is None or live is None or saved == live:
+        return
+    raise ValueError(
+        f"the checkpoint holds {saved} optimizer state and this optimizer is {live}: "
+        f"configure {saved}, or load the weights only (load_optimizer_states=False, or "
+        "load_module_only=True on the engine)"
+    )
+
+
 def restored_state(
     current: ShardedOptimizerState,
     meta: CheckpointMeta,
@@ -201,6 +215,8 @@ def restored_state(
         load_optimizer_states: False keeps the current inner state, hyperparameters and
             loss scaler (masters only).
     """
+    if load_optimizer_states:
+        check_same_optimizer(meta.optimizer, current.optimizer)
     # The learned bucket order is reused only by the layout it was learned for; else the
     # optimizer learns its own at the next step.
     order = meta.bucket_order if meta.layout.digest() == current.layout_digest else None

@@ -79,6 +79,7 @@ def _config_argument(
         raise ValueError("flatzero.initialize needs model=; pass the nn.Module to train")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _refuse_wrapped(model)
     if mpu is not None or mesh_param is not None:
         raise UnsupportedFeatureError(
             "mpu/mesh_param ask for model parallelism, which flatzero does not implement: "
@@ -103,6 +104,31 @@ def _config_argument(
             "of a JSON file (or args with a deepspeed_config attribute)"
         )
     return config
+
+
+def _wrapper_fix(model: nn.Module) -> str | None:
+    """What to pass instead of a model already wrapped for parallelism or compiled, or
+    None for a plain module."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(model, (DistributedDataParallel, DataParallel)):
+        return "pass the module it wraps (model.module): flatzero does the data parallelism"
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        return (
+            "pass the uncompiled module (model._orig_mod) and compile after initialize: "
+            "torch.compile's wrapper renames every parameter"
+        )
+    if any(c.__module__.startswith("torch.distributed.fsdp") for c in type(model).__mro__):
+        return "pass the unsharded module: flatzero shards the optimizer state itself (ZeRO)"
+    return None
+
+
+def _refuse_wrapped(model: nn.Module) -> None:
+    """A ``TypeError`` for a model wrapped in DDP/DataParallel/FSDP or ``torch.compile``'s
+    wrapper (its all-reduce would run beside flatzero's, its names would change)."""
+    fix = _wrapper_fix(model)
+    if fix is not None:
+        raise TypeError(f"model is a {type(model).__name__}, already wrapped: {fix}")
 
 
 def _parsed(config: Any, world_size: int, rank: int) -> EngineConfig:

@@ -77,8 +77,8 @@ def _sgd_params(p: Section) -> dict[str, Any]:
 
 def _typed_section(top: Section, name: str, example: str) -> tuple[Section, str] | None:
     """The section ``name`` and its ``type`` (a string such as ``example``); None when the
-    section is absent."""
-    if top.raw(name, None) is None:
+    section is absent (null is an error, as in DeepSpeed)."""
+    if name not in top:
         return None
     section = top.section(name)
     kind = section.raw("type", None)

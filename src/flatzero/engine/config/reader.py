@@ -9,6 +9,9 @@ ask for a DeepSpeed feature flatzero lacks go through ``no_effect`` and ``refuse
 
 from __future__ import annotations
 
+import base64
+import binascii
+import collections
 import json
 import math
 import os
@@ -36,27 +39,114 @@ def fmt(value: Any) -> str:
 
 
 def load_config_dict(config: Any) -> dict[str, Any]:
-    """The config as a dict: a mapping (copied), or the path of a JSON file."""
+    """The config as a dict, read as ``deepspeed.DeepSpeedConfig`` reads it: a mapping
+    (copied); the path of an existing file (JSON, or hjson: comments, trailing commas);
+    else a URL-safe base64 string of such a text. Unlike DeepSpeed, a duplicate key is an
+    error in a base64 string too. Every error is a ``ValueError`` or ``TypeError`` naming
+    the input and the fix."""
     if isinstance(config, Mapping):
         return dict(config)
-    if isinstance(config, (str, os.PathLike)):
+    if isinstance(config, (os.PathLike, str)):
         path = os.fspath(config)
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            raise ValueError(
-                f"config file {path!r} does not exist; pass a dict or the path of a DeepSpeed "
-                "JSON config"
-            ) from None
-        except json.JSONDecodeError as error:
-            raise ValueError(f"config file {path!r} is not valid JSON: {error}") from error
-        if not isinstance(data, dict):
-            raise TypeError(f"config file {path!r} must hold a JSON object, not a {type(data)}")
-        return data
+        if isinstance(config, str) and not os.path.lexists(path):
+            from_base64 = _base64_config(config)
+            if from_base64 is not None:
+                return from_base64
+        return _parse_text(_read_text(path), f"config file {path!r}")
     raise TypeError(
-        f"config must be a dict or the path of a JSON file, got {type(config).__name__}"
+        "config must be a dict, the path of a DeepSpeed JSON config or a base64 string of "
+        f"one, got {type(config).__name__}"
     )
+
+
+def _read_text(path: str) -> str:
+    """The UTF-8 text of the file at ``path``; a ``ValueError`` naming it and what the OS
+    said when it cannot be read."""
+    if not os.path.lexists(path):
+        raise ValueError(
+            f"config file {path!r} does not exist (nor is it a base64 string of a JSON "
+            "object); pass a dict, the path of a DeepSpeed JSON config, or a base64 string of "
+            "one"
+        )
+    if os.path.isdir(path):
+        raise ValueError(
+            f"config file {path!r} is a directory; pass the path of the JSON file in it"
+        )
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as error:
+        raise ValueError(
+            f"cannot read config file {path!r}: {error.strerror or error}; check the path "
+            "and its permissions"
+        ) from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"config file {path!r} is not UTF-8 text (byte {error.start} is "
+            f"{raw[error.start : error.start + 1]!r}); save it as UTF-8 JSON"
+        ) from None
+
+
+def _base64_config(text: str) -> dict[str, Any] | None:
+    """The config in ``text`` read as URL-safe base64 of a JSON object (DeepSpeed's third
+    form); None when it is not one (then ``text`` is taken for a missing file's path)."""
+    try:
+        decoded = base64.urlsafe_b64decode(text.encode("ascii")).decode("utf-8")
+        return _parse_text(decoded, "the base64 config string")
+    except (ValueError, TypeError, binascii.Error):
+        return None
+
+
+class _DuplicateKeyError(ValueError):
+    """A JSON object with a key given twice."""
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` that refuses duplicate keys (as DeepSpeed does)."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        counts = collections.Counter(key for key, _ in pairs)
+        raise _DuplicateKeyError(sorted(k for k, n in counts.items() if n > 1))
+    return result
+
+
+def _parse_text(text: str, what: str) -> dict[str, Any]:
+    """The JSON (or hjson, as DeepSpeed accepts) object in ``text`` (``what`` it is)."""
+    try:
+        data = _loads(text)
+    except _DuplicateKeyError as error:
+        raise ValueError(
+            f"{what} has duplicate keys {error.args[0]} (DeepSpeed refuses them too); keep "
+            "one of each"
+        ) from None
+    except ValueError as error:
+        raise ValueError(f"{what} is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise TypeError(f"{what} must hold a JSON object, not {type(data).__name__} {fmt(data)}")
+    return data
+
+
+def _loads(text: str) -> Any:
+    """Strict JSON first; then hjson (comments, trailing commas, ...), which DeepSpeed
+    reads with, when it is installed (it comes with DeepSpeed)."""
+    try:
+        return json.loads(text, object_pairs_hook=_refuse_duplicates)
+    except _DuplicateKeyError:
+        raise
+    except json.JSONDecodeError as strict_error:
+        try:
+            import hjson
+        except ImportError:
+            raise ValueError(
+                f"{strict_error} (comments and trailing commas need the hjson package, "
+                "which DeepSpeed installs: pip install hjson)"
+            ) from None
+        try:
+            return hjson.loads(text, object_pairs_hook=_refuse_duplicates)
+        except hjson.HjsonDecodeError:
+            raise ValueError(str(strict_error)) from None
 
 
 class Section:
@@ -174,9 +264,14 @@ class Section:
         return value
 
     def section(self, name: str) -> Section:
-        """The object under ``name`` (empty when absent or null)."""
+        """The object under ``name`` (empty when absent); null is an error (DeepSpeed fails
+        on it too), not the defaults."""
         value = self.raw(name, {})
-        return Section({} if value is None else value, self.key(name), self.ignored)
+        if value is None:
+            raise self.fail(
+                name, value, "it must be a JSON object", "write {} for the defaults or remove it"
+            )
+        return Section(value, self.key(name), self.ignored)
 
     def no_effect(self, name: str, reason: str) -> None:
         """``name``, when present, is accepted and listed as having no effect."""

@@ -103,9 +103,9 @@ def _note_switches(zero: Section, stage: int) -> None:
 def parse_zero(top: Section) -> tuple[ZeroSection, int | None]:
     """``zero_optimization``: the stage, and the bucket size its keys ask for
     (``reduce_bucket_size``, else ``allgather_bucket_size``; None when neither is given)."""
-    raw = top.raw("zero_optimization", None)
-    if raw is None:
+    if "zero_optimization" not in top:
         return ZeroSection(), None
+    raw = top.raw("zero_optimization", None)
     if isinstance(raw, bool):  # DeepSpeed's legacy form
         return ZeroSection(stage=1 if raw else 0), None
     zero = top.section("zero_optimization")
