@@ -267,8 +267,14 @@ def test_import_cli_with_another_world_size(runs, capsys):
     )
     assert import_deepspeed_main(args) == 0
     assert "wrote flatzero checkpoint" in capsys.readouterr().out
-    assert import_deepspeed_main(args) == 1  # the tag exists: an error, nothing overwritten
-    assert "already exists" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="already exists"):  # nothing overwritten
+        import_deepspeed_main(args)
+    huge = parser.parse_args(
+        [str(root / "ds_fp32"), str(root / "fz_huge"), "--world-size", "65536"]
+    )
+    with pytest.raises(ValueError, match=r"world size 65536 for \d+ elements: .* padding only"):
+        import_deepspeed_main(huge)  # refused before anything is written
+    assert not (root / "fz_huge").exists()
     with CheckpointReader(out) as three, CheckpointReader(root / "fz_fp32") as two:
         assert three.meta.world_size == 3 and two.meta.world_size == 2
         for name in two.index:

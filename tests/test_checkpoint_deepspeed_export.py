@@ -657,11 +657,11 @@ def test_cli(trainer_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"wrote DeepSpeed ZeRO-2 checkpoint {out / 'global_step1'} for 2 ranks" in printed
     assert "copied rng_state_0.pth, scheduler.pt, tokenizer, trainer_state.json" in printed
-    assert main(argv) == 1
-    assert "already holds" in capsys.readouterr().out
+    assert main(argv) == 2
+    assert "already holds" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("{not json")
-    assert main([*argv, "--overwrite", "--ds-config", str(tmp_path / "bad.json")]) == 1
-    assert "is not readable JSON" in capsys.readouterr().out
+    assert main([*argv, "--overwrite", "--ds-config", str(tmp_path / "bad.json")]) == 2
+    assert "bad.json' is not valid JSON" in capsys.readouterr().err
     (tmp_path / "ds.json").write_text(
         '{"zero_optimization": {"stage": 1}, "bf16": {"enabled": true}}'
     )

@@ -99,8 +99,8 @@ def test_export_cli(tmp_path, capsys):
     args = parser.parse_args([str(ckpt), str(out), "--dtype", "fp32", "--max-shard-size", "8KB"])
     assert export_main(args) == 0
     assert "model.safetensors.index.json" in capsys.readouterr().out
-    assert export_main(args) == 1  # files exist: a clear error, nothing overwritten
-    assert "already holds" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="already holds"):  # nothing overwritten
+        export_main(args)
     args = parser.parse_args([str(ckpt), str(out), "--overwrite", "--verify"])
     assert export_main(args) == 0
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]

@@ -30,3 +30,52 @@ def test_subcommands_parse(argv, capsys):
 def test_info_runs(capsys):
     assert main(["info"]) == 0
     assert "tiers: auto, device, host, sharded, offload, cpu" in capsys.readouterr().out
+
+
+def _exit(argv: list[str], capsys) -> tuple[int, str]:
+    """``main(argv)``'s exit status (argparse's too) and its stderr."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    captured = capsys.readouterr()
+    return code, captured.err
+
+
+# (argv with {tmp} for the test's directory, a text the one error line must hold)
+_BAD_COMMANDS: list[tuple[list[str], str]] = [
+    (["export", "{tmp}/nope", "{tmp}/out"], "{tmp}/nope"),
+    (["import-deepspeed", "{tmp}/nope", "{tmp}/out"], "{tmp}/nope"),
+    (["import-deepspeed", "{tmp}/nope", "{tmp}/out", "--world-size", "100000000"],
+     "--world-size: 100000000 is not in [1, 65536]"),
+    (["import-deepspeed", "{tmp}/nope", "{tmp}/out", "--bucket-numel", "many"],
+     "--bucket-numel: 'many' is not a whole number"),
+    (["export-deepspeed", "{tmp}/nope", "{tmp}/out", "--world-size", "0"],
+     "--world-size: 0 is not in [1, 65536]"),
+    (["export-deepspeed", "{tmp}/nope", "{tmp}/out", "--world-size", "2", "--ds-config", "{tmp}"],
+     "config file '{tmp}' is a directory"),
+    (["plan", "--model", "no-such-model"], "no-such-model"),
+    (["plan", "--model", "qwen3-moe-narrow-unfused", "--layers", "-5"],
+     "--layers: -5 is not in [1, 100000]"),
+    (["plan", "--model", "qwen3-moe-narrow-unfused", "--json", "{tmp}"], "Is a directory"),
+    (["demo", "--world-size", "100000"], "--world-size: 100000 is not in [1, 64]"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"), _BAD_COMMANDS, ids=[" ".join(a)[:60] for a, _ in _BAD_COMMANDS]
+)
+def test_a_bad_input_is_one_line_and_exit_status_2(argv, expected, tmp_path, capsys):
+    before = sorted(tmp_path.rglob("*"))
+    code, err = _exit([a.replace("{tmp}", str(tmp_path)) for a in argv], capsys)
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if "error:" in line]  # argparse: usage too
+    assert len(lines) == 1 and lines[0].startswith("flatzero"), err
+    assert "Traceback" not in err
+    assert expected.replace("{tmp}", str(tmp_path)) in lines[0], err
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_debug_shows_the_traceback(tmp_path, capsys):
+    with pytest.raises((ValueError, OSError)):
+        main(["--debug", "export", str(tmp_path / "nope"), str(tmp_path / "out")])

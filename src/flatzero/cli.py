@@ -7,7 +7,11 @@ import logging
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main"]
+__all__ = ["USER_ERRORS", "main", "one_line"]
+
+USER_ERRORS = (ValueError, TypeError, OSError)
+"""What a command raises for a bad input (a path, a value, a file): one line on stderr and
+exit code 2, never a traceback (``--debug`` shows it). Anything else is a bug: traceback."""
 
 
 def _info(_args: argparse.Namespace) -> int:
@@ -47,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
         description="ZeRO-1/2 for PyTorch with initialization as fast as the hardware allows.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error in the input"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="versions, devices and tiers")
     info.set_defaults(run=_info)
@@ -107,7 +114,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    return int(args.run(args) or 0)
+    try:
+        return int(args.run(args) or 0)
+    except USER_ERRORS as error:
+        if args.debug:
+            raise
+        print(f"flatzero {args.command}: error: {one_line(error)}", file=sys.stderr)
+        return 2
+
+
+def one_line(error: BaseException) -> str:
+    """``error`` as one line: its message's lines joined, an ``OSError`` in the OS's words
+    with the file it names."""
+    text = str(error) or type(error).__name__
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 if __name__ == "__main__":

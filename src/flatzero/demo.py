@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .cli_types import count
 from .config import FlattenConfig
 from .flatten import flatten_parameters
 from .launch import run_ranks
@@ -380,13 +381,19 @@ def _compare_doors(spec: DemoSpec) -> dict[str, Any]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``flatzero demo`` options."""
     d = DemoSpec()
-    parser.add_argument("--world-size", type=int, default=d.world_size, help="ranks to spawn")
-    parser.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
-    parser.add_argument("--layers", type=int, default=d.layers)
+    parser.add_argument(
+        "--world-size", type=count(1, 64), default=d.world_size, help="ranks to spawn"
+    )
+    parser.add_argument(
+        "--steps", type=count(0, 1_000_000), default=d.steps, help="optimizer steps"
+    )
+    parser.add_argument("--layers", type=count(1, 1000), default=d.layers)
     parser.add_argument("--hidden", type=int, default=d.hidden)
-    parser.add_argument("--experts", type=int, default=d.experts)
+    parser.add_argument("--experts", type=count(1, 1024), default=d.experts)
     parser.add_argument("--vocab", type=int, default=d.vocab)
-    parser.add_argument("--trials", type=int, default=d.trials, help="timed inits per method")
+    parser.add_argument(
+        "--trials", type=count(1, 1000), default=d.trials, help="timed inits per method"
+    )
     parser.add_argument("--bucket-numel", type=int, default=d.bucket_numel, help="elements")
     parser.add_argument(
         "--door-trials", type=int, default=d.door_trials, help="launches per door (0: skip)"

@@ -22,7 +22,6 @@ last.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import secrets
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..cli_types import MAX_WORLD_SIZE, count
 from .atomic import publish, tmp_dir_name, write_latest
 from .deepspeed_import import ENGINE_STATE_KEY
 from .deepspeed_state import deepspeed_scheduler
@@ -258,7 +258,10 @@ def add_export_deepspeed_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="flatzero (or Trainer/Accelerate) checkpoint dir")
     parser.add_argument("out_dir", help="DeepSpeed checkpoint directory to write")
     parser.add_argument(
-        "--world-size", type=int, required=True, help="data-parallel ranks of the DeepSpeed run"
+        "--world-size",
+        type=count(1, MAX_WORLD_SIZE),
+        required=True,
+        help="data-parallel ranks of the DeepSpeed run",
     )
     parser.add_argument("--tag", default=None, help="flatzero tag (default: its latest)")
     parser.add_argument("--out-tag", default=None, help="DeepSpeed tag (default: the same)")
@@ -277,29 +280,21 @@ def add_export_deepspeed_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def export_deepspeed_main(args: argparse.Namespace) -> int:
-    """Run ``flatzero export-deepspeed``; returns the exit status."""
-    try:
-        config = None
-        if args.ds_config is not None:
-            try:
-                config = json.loads(Path(args.ds_config).read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError) as error:
-                raise ValueError(
-                    f"--ds-config {args.ds_config} is not readable JSON: {error}"
-                ) from error
-        result = export_deepspeed(
-            args.checkpoint,
-            args.out_dir,
-            world_size=args.world_size,
-            tag=args.tag,
-            out_tag=args.out_tag,
-            ds_config=config,
-            any_optimizer=args.any_optimizer,
-            overwrite=args.overwrite,
-        )
-    except (ValueError, TypeError) as error:
-        print(f"flatzero export-deepspeed: error: {error}")
-        return 1
+    """Run ``flatzero export-deepspeed``; returns the exit status (``flatzero.cli.main``
+    turns an error in the input into one line and exit status 2)."""
+    from ..engine.config import load_config_dict
+
+    config = None if args.ds_config is None else load_config_dict(args.ds_config)
+    result = export_deepspeed(
+        args.checkpoint,
+        args.out_dir,
+        world_size=args.world_size,
+        tag=args.tag,
+        out_tag=args.out_tag,
+        ds_config=config,
+        any_optimizer=args.any_optimizer,
+        overwrite=args.overwrite,
+    )
     print(
         f"wrote DeepSpeed ZeRO-{result.stage} checkpoint {result.path} for "
         f"{result.world_size} ranks ({len(result.files)} files"

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
+from ..cli_types import MAX_WORLD_SIZE, count
 from ..config import DEFAULT_BUCKET_NUMEL
-from ..layout import Layout, plan_layout
+from ..layout import DEFAULT_ALIGNMENT, Layout, plan_layout
 from .atomic import publish, tmp_dir_name, write_latest
 from .deepspeed_reader import DeepSpeedCheckpoint, read_deepspeed
 from .deepspeed_state import flatzero_loss_scaler, flatzero_scheduler
@@ -119,7 +120,20 @@ def _json_or_none(value: Any, what: str) -> Any:
 def _layout(ds: DeepSpeedCheckpoint, world_size: int, bucket_numel: int) -> Layout:
     """A flatzero layout over DeepSpeed's groups and params."""
     specs = [[slot.spec for slot in g.slots] for g in ds.layout.groups]
+    _check_world_size(world_size, ds, sum(s.numel for group in specs for s in group))
     return plan_layout(specs, world_size=world_size, bucket_numel=bucket_numel)
+
+
+def _check_world_size(world_size: int, ds: DeepSpeedCheckpoint, numel: int) -> None:
+    """Refuse, before anything is written, a world size with more ranks than the model
+    has 64-element chunks (beyond DeepSpeed's own): their files would hold padding only."""
+    limit = max(ds.world_size, -(-numel // DEFAULT_ALIGNMENT), 1)
+    if not 1 <= world_size <= limit:
+        raise ValueError(
+            f"world size {world_size} for {numel} elements: every rank past {limit} would "
+            f"write a file of padding only; pass a world size in [1, {limit}] (any loads at "
+            "any world size)"
+        )
 
 
 def _group_records(ds: DeepSpeedCheckpoint, layout: Layout) -> list[GroupRecord]:
@@ -307,13 +321,13 @@ def add_import_deepspeed_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-tag", default=None, help="flatzero tag (default: DeepSpeed's)")
     parser.add_argument(
         "--world-size",
-        type=int,
+        type=count(1, MAX_WORLD_SIZE),
         default=None,
         help="ranks of the written layout (default: DeepSpeed's; loads at any world size)",
     )
     parser.add_argument(
         "--bucket-numel",
-        type=int,
+        type=count(1, 2**40),
         default=DEFAULT_BUCKET_NUMEL,
         help="bucket size of the written layout, in elements",
     )
@@ -321,19 +335,16 @@ def add_import_deepspeed_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def import_deepspeed_main(args: argparse.Namespace) -> int:
-    """Run ``flatzero import-deepspeed``; returns the exit status."""
-    try:
-        path = import_deepspeed(
-            args.ds_dir,
-            args.out_dir,
-            tag=args.tag,
-            out_tag=args.out_tag,
-            world_size=args.world_size,
-            bucket_numel=args.bucket_numel,
-            overwrite=args.overwrite,
-        )
-    except ValueError as error:
-        print(f"flatzero import-deepspeed: error: {error}")
-        return 1
+    """Run ``flatzero import-deepspeed``; returns the exit status (``flatzero.cli.main``
+    turns an error in the input into one line and exit status 2)."""
+    path = import_deepspeed(
+        args.ds_dir,
+        args.out_dir,
+        tag=args.tag,
+        out_tag=args.out_tag,
+        world_size=args.world_size,
+        bucket_numel=args.bucket_numel,
+        overwrite=args.overwrite,
+    )
     print(f"wrote flatzero checkpoint {path}")
     return 0
