@@ -147,3 +147,17 @@ def test_optimizer_state_of_another_class_is_refused(tmp_path: Path) -> None:
         model=other,
         config=flatzero.checkpoint.LoadConfig(load_optimizer_states=False),
     )
+
+
+def test_unreadable_rank_file_says_what_the_os_said(tmp_path: Path, monkeypatch) -> None:
+    from flatzero.checkpoint import stfile
+
+    path = tmp_path / "rank0.safetensors"
+    path.write_bytes(b"\0" * 16)
+
+    def denied(*_args: Any, **_kwargs: Any) -> Any:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(stfile, "open", denied, raising=False)  # root reads a chmod-0 file
+    with pytest.raises(ValueError, match=r"cannot read .*rank0.safetensors: Permission denied"):
+        stfile.open_safetensors(path)

@@ -296,11 +296,25 @@ class SafetensorsWriter:
             buffer.release()
 
 
+def _check_readable(path: str) -> None:
+    """A ``ValueError`` in the OS's words when ``path`` cannot be opened (permission denied,
+    an I/O error): not to be mistaken for a damaged file."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"cannot read {path}: {error.strerror or error}; give this process read access "
+            "to the checkpoint (or fix the file system)"
+        ) from error
+
+
 def open_safetensors(path: str | os.PathLike[str]) -> Any:
     """``safe_open(path)`` for torch, with errors that name the file and what to do.
 
     Raises:
-        ValueError: the file is missing, truncated or not a safetensors file.
+        ValueError: the file is missing, unreadable (in the OS's words), truncated or not a
+            safetensors file.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -308,6 +322,7 @@ def open_safetensors(path: str | os.PathLike[str]) -> Any:
             f"{path} is missing; the checkpoint is incomplete (a rank file was deleted or "
             "never written): load another tag"
         )
+    _check_readable(path)
     try:
         return safe_open(path, framework="pt")
     except Exception as error:  # safetensors raises its own SafetensorError
