@@ -76,6 +76,43 @@ def test_a_bad_input_is_one_line_and_exit_status_2(argv, expected, tmp_path, cap
     assert sorted(tmp_path.rglob("*")) == before  # nothing written
 
 
+_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
+
+# (a change to a valid config.json, a text the one error line must hold)
+_BAD_MODEL_CONFIGS: list[tuple[dict, str]] = [
+    ({"num_hidden_layers": 10**9}, "num_hidden_layers=1000000000 is more than 10,000"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive int, got 0"),
+    ({"hidden_size": "abc"}, "the config's 'hidden_size' is 'abc'; it must be a whole number"),
+    ({"vocab_size": 1.5}, "the config's 'vocab_size' is 1.5"),
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+    (
+        {"model_type": "qwen3_moe", "moe_intermediate_size": 8, "num_experts": 10**6,
+         "num_experts_per_tok": 2},
+        "are 2,000,000 experts, more than 1,000,000",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("change", "expected"), _BAD_MODEL_CONFIGS, ids=lambda c: str(c)[:40])
+def test_plan_refuses_a_nonsensical_model_config(change, expected, tmp_path, capsys):
+    import json
+    import time
+
+    (tmp_path / "config.json").write_text(json.dumps({**_LLAMA, **change}))
+    t0 = time.perf_counter()
+    code, err = _exit(["plan", "--model", str(tmp_path)], capsys)
+    assert time.perf_counter() - t0 < 30
+    assert code == 2, err
+    assert err.count("\n") == 1 and expected in err, err
+
+
 def test_debug_shows_the_traceback(tmp_path, capsys):
     with pytest.raises((ValueError, OSError)):
         main(["--debug", "export", str(tmp_path / "nope"), str(tmp_path / "out")])

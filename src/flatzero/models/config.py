@@ -15,9 +15,23 @@ EXPERT_LAYOUTS = ("fused", "unfused")
 (transformers 5.x), ``"unfused"`` as three ``nn.Linear`` per expert (transformers 4.x)."""
 
 
-def _check_positive_int(owner: str, name: str, value: object) -> None:
+MAX_LAYERS = 10_000
+"""The most decoder layers a config may have (the largest models have a few hundred): the
+layer count drives loops that build modules and plan layouts."""
+
+MAX_EXPERT_MODULES = 1_000_000
+"""The most experts over all layers (``num_hidden_layers * num_experts``; DeepSeek-V3 has
+about 15,000): each is a module, or three, to build and lay out."""
+
+
+def _check_positive_int(owner: str, name: str, value: object, high: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}; pass e.g. 1 or 64")
+    if high is not None and value > high:
+        raise ValueError(
+            f"{owner}.{name}={value} is more than {high:,}, far beyond any real model; "
+            "use the value of the model's config.json"
+        )
 
 
 def _check_positive_float(owner: str, name: str, value: object) -> None:
@@ -52,6 +66,7 @@ class _DecoderConfig:
             "head_dim",
         ):
             _check_positive_int(owner, name, getattr(self, name))
+        _check_positive_int(owner, "num_hidden_layers", self.num_hidden_layers, MAX_LAYERS)
         _check_positive_float(owner, "rms_norm_eps", self.rms_norm_eps)
         _check_positive_float(owner, "rope_theta", self.rope_theta)
         if self.num_attention_heads % self.num_key_value_heads:
@@ -127,6 +142,13 @@ class Qwen3MoeConfig(_DecoderConfig):
         super().__post_init__()
         for name in ("moe_intermediate_size", "num_experts", "num_experts_per_tok"):
             _check_positive_int("Qwen3MoeConfig", name, getattr(self, name))
+        experts = self.num_experts * self.num_hidden_layers
+        if experts > MAX_EXPERT_MODULES:
+            raise ValueError(
+                f"Qwen3MoeConfig: {self.num_hidden_layers} layers of {self.num_experts} experts "
+                f"are {experts:,} experts, more than {MAX_EXPERT_MODULES:,}, far beyond any real "
+                "model; use the values of the model's config.json"
+            )
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(
                 f"Qwen3MoeConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "

@@ -11,13 +11,13 @@ the plan comes from the real layout, not from a parameter-count formula.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..engine.config.reader import load_config_dict
 from ..layout import ParamSpec
 from ..models import LlamaConfig, ModelConfig, Qwen3MoeConfig, build_model
 from ..models.zoo import PRESETS
@@ -74,17 +74,28 @@ def _get(data: dict[str, Any], key: str, default: Any = None) -> Any:
     return value
 
 
+def _int(data: dict[str, Any], key: str, default: Any = None) -> int:
+    """``data[key]`` as a whole number, or a ``ValueError`` naming the key."""
+    value = _get(data, key, default)
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole:
+        raise ValueError(f"the config's {key!r} is {value!r}; it must be a whole number")
+    return int(value)
+
+
 def _common_fields(data: dict[str, Any]) -> dict[str, Any]:
-    heads = int(_get(data, "num_attention_heads"))
-    hidden = int(_get(data, "hidden_size"))
-    head_dim = data.get("head_dim") or hidden // heads
+    heads = _int(data, "num_attention_heads")
+    hidden = _int(data, "hidden_size")
+    head_dim = data.get("head_dim") or (hidden // heads if heads > 0 else 0)
     return {
-        "vocab_size": int(_get(data, "vocab_size")),
+        "vocab_size": _int(data, "vocab_size"),
         "hidden_size": hidden,
-        "num_hidden_layers": int(_get(data, "num_hidden_layers")),
+        "num_hidden_layers": _int(data, "num_hidden_layers"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(data.get("num_key_value_heads") or heads),
-        "head_dim": int(head_dim),
+        "num_key_value_heads": _int(
+            {"num_key_value_heads": data.get("num_key_value_heads") or heads}, "num_key_value_heads"
+        ),
+        "head_dim": _int({"head_dim": head_dim}, "head_dim"),
         "rms_norm_eps": float(data.get("rms_norm_eps", 1e-6)),
         "rope_theta": float(data.get("rope_theta") or 10000.0),
     }
@@ -110,7 +121,7 @@ def config_from_hf(
         for flag in ("attention_bias", "mlp_bias"):
             if data.get(flag):
                 raise ValueError(f"{flag}=true is not modeled (the zoo's Llama has no biases)")
-        return LlamaConfig(intermediate_size=int(_get(data, "intermediate_size")), **fields), tie
+        return LlamaConfig(intermediate_size=_int(data, "intermediate_size"), **fields), tie
     if model_type == "qwen3_moe":
         if data.get("mlp_only_layers") or int(data.get("decoder_sparse_step", 1)) != 1:
             raise ValueError(
@@ -118,9 +129,9 @@ def config_from_hf(
                 "are not modeled; the zoo's Qwen3-MoE is sparse in every layer"
             )
         moe = Qwen3MoeConfig(
-            moe_intermediate_size=int(_get(data, "moe_intermediate_size")),
-            num_experts=int(_get(data, "num_experts")),
-            num_experts_per_tok=int(_get(data, "num_experts_per_tok")),
+            moe_intermediate_size=_int(data, "moe_intermediate_size"),
+            num_experts=_int(data, "num_experts"),
+            num_experts_per_tok=_int(data, "num_experts_per_tok"),
             norm_topk_prob=bool(data.get("norm_topk_prob", True)),
             expert_layout=expert_layout,
             **fields,
@@ -169,7 +180,7 @@ def resolve_model(
                 f"{text!r} is neither a model preset, a benchmark model, a config.json nor a "
                 f"directory with one; presets: {', '.join(PRESETS)}"
             )
-        data = json.loads(path.read_text())
+        data = load_config_dict(str(path))  # errors name the file
         config, tie = config_from_hf(data, expert_layout=expert_layout or "fused")
     changes: dict[str, Any] = {}
     if layers is not None:
