@@ -161,3 +161,11 @@ def test_unreadable_rank_file_says_what_the_os_said(tmp_path: Path, monkeypatch)
     monkeypatch.setattr(stfile, "open", denied, raising=False)  # root reads a chmod-0 file
     with pytest.raises(ValueError, match=r"cannot read .*rank0.safetensors: Permission denied"):
         stfile.open_safetensors(path)
+
+
+def test_empty_param_group_is_refused_with_its_index() -> None:
+    model = nn.Linear(4, 4)
+    groups = [{"params": [model.weight]}, {"params": [], "lr": 0.5}, {"params": [model.bias]}]
+    with pytest.raises(ValueError, match=r"param group\(s\) \[1\] have no trainable params"):
+        flatzero.ZeroOptimizer(groups, optimizer=torch.optim.SGD, lr=0.1)
+    flatzero.ZeroOptimizer([groups[0], groups[2]], optimizer=torch.optim.SGD, lr=0.1).close()

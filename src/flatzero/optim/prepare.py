@@ -98,6 +98,7 @@ def flat_params_for(
         check_same_everywhere("the ZeroOptimizer setup", fields, control_group(params.deciders))
         return params
     groups = collect_param_groups(params)
+    _refuse_empty_groups(groups)
     _probe_optimizer(optimizer, [g.options for g in groups], defaults)
     check_unclaimed(p for g in groups for p in (*g.params, *g.frozen))
     check_same_everywhere("the ZeroOptimizer setup", setup, control_group(process_group))
@@ -106,6 +107,20 @@ def flat_params_for(
         process_group=process_group,
         config=flatten_config or _leave_params_in_place(groups),
     )
+
+
+def _refuse_empty_groups(groups: list[ParamGroup]) -> None:
+    """A ``ValueError`` for a param group without trainable params: ``param_groups`` holds
+    one group per (param group, dtype), so it would have none and every later group's index
+    would shift (a scheduler's per-group values, ``param_groups[i]["lr"] = ...`` would reach
+    the wrong group)."""
+    empty = [i for i, g in enumerate(groups) if not g.params]
+    if empty:
+        raise ValueError(
+            f"param group(s) {empty} have no trainable params, so the groups after them would "
+            "shift down in ZeroOptimizer.param_groups; remove the empty group(s) (or pass "
+            "the optimizer to flatzero.initialize, whose client optimizer keeps its indices)"
+        )
 
 
 def check_buckets_usable(flat: FlatParams) -> None:
