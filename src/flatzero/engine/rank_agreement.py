@@ -39,19 +39,22 @@ _MARKER_WAIT_S = 5.0
 
 def config_fields(cfg: EngineConfig) -> dict[str, str]:
     """The parsed config's settings that shape what every step, save and load runs: one
-    text per section, its frozen dataclass's ``repr`` (numbers, flags, dtypes, names)."""
+    text per section, its frozen dataclass's ``repr`` (numbers, flags, dtypes, names); the
+    flatten settings as ``FlattenConfig.compared_text`` (each rank has its own device)."""
     sections = {
         "batch sizes and gradient_accumulation_steps": cfg.batch,
         "zero_optimization": cfg.zero,
         "bf16/fp16": cfg.precision,
-        "flatten": cfg.flatten,
+        "flatten": cfg.flatten.compared_text(),  # device by type; progress dropped
         "ZeroOptimizer (buckets, clipping, reduce dtype)": cfg.zero_optimizer,
         "optimizer": cfg.optimizer,
         "scheduler": cfg.scheduler,
         "flatzero": cfg.flatzero,
         "dataloader_drop_last": cfg.dataloader_drop_last,
     }
-    return {name: repr(value) for name, value in sections.items()}
+    return {
+        name: value if isinstance(value, str) else repr(value) for name, value in sections.items()
+    }
 
 
 def agree_on_config(cfg: EngineConfig, group: dist.ProcessGroup | None) -> None:
