@@ -10,16 +10,17 @@ crc32c as read) and with ``verify=False``, alternately (the order rotates every 
 checkpoint is in the page cache for every trial: this measures the CPU and memory work of a
 load, where a checksum costs the most relative to the rest, not the disk.
 
-``--what save``: the step time a save costs training. First ``--steps`` timed steps
-without a save give the step time; then each trial calls a save and runs ``--steps`` more
-steps, and waits for the save to be complete: lost = that wall time minus ``--steps`` step
-times. Methods: ``sync`` (``save_checkpoint``), ``async`` (``asynchronous=True``: a copy
-into host memory, a background thread writes), ``dcp_async``
-(``torch.distributed.checkpoint.async_save`` of the same tensors: each rank's master and
-moment shards under names of its own). Methods run in blocks of trials (after a warm-up
-trial each), so that no two methods' host copies are held at once.
+``--what save``: the step time a save costs training. A window is a save, ``--steps``
+training steps, and the wait until the save is complete; every round also runs a window
+without a save (``none``), and a method's lost time in a round is its window minus that
+round's ``none`` window. Methods: ``sync`` (``save_checkpoint``), ``async``
+(``asynchronous=True``: a copy into host memory, a background thread writes), rotating in
+every round with ``none``; then ``dcp_async`` (``torch.distributed.checkpoint.async_save``
+of the same tensors: each rank's master and moment shards under names of its own, on a
+gloo group of its own), rotating with ``none`` windows of its own, after flatzero's host
+copy is freed (so that no two host copies are held at once).
 
-Per trial, the slowest rank's seconds; medians over trials.
+Per window, the slowest rank's seconds; medians over rounds (after ``--warmup`` rounds).
 """
 
 from __future__ import annotations
@@ -170,65 +171,92 @@ def _finish_save(method: str, opt: ZeroOptimizer, handle: Any) -> None:
         wait_for_save(opt)
 
 
-def _timed_steps(model: torch.nn.Module, opt: ZeroOptimizer, spec: CheckpointSpec) -> float:
-    t0 = time.perf_counter()
+def _timed_steps(model: torch.nn.Module, opt: ZeroOptimizer, spec: CheckpointSpec) -> None:
     for i in range(spec.steps):
         train_step(model, opt, spec, i)
-    return time.perf_counter() - t0
+
+
+def _window(
+    method: str,
+    path: Path,
+    model: torch.nn.Module,
+    opt: ZeroOptimizer,
+    spec: CheckpointSpec,
+    index: int,
+    group: Any,
+) -> dict[str, float]:
+    """One trial: a save by ``method`` (``none``: no save), ``spec.steps`` steps, the wait
+    for the save; the seconds the call blocked and the wall seconds of it all."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    handle = None if method == "none" else _start_save(method, path, opt, index, group)
+    call = time.perf_counter() - t0
+    _timed_steps(model, opt, spec)
+    if method != "none":
+        _finish_save(method, opt, handle)
+    return {"call_s": call, "wall_s": time.perf_counter() - t0}
 
 
 def _save_rank(rank: int, world_size: int, spec: CheckpointSpec) -> dict[str, Any]:
-    """This rank's step times without a save, and per method and trial: the seconds the
-    save call blocked, and the wall seconds of the save plus ``spec.steps`` steps."""
+    """Per round and method (``none`` included: the same steps without a save), the
+    seconds the save call blocked and the wall seconds of the save, ``spec.steps`` steps
+    and the wait for the save. flatzero's methods rotate in every round; DCP's, with
+    ``none`` windows of their own, run after them, once flatzero's host copy is freed."""
     torch.manual_seed(0)
     model, opt = build(spec)
     train_step(model, opt, spec, 0)
     path = Path(spec.workdir) / "ckpt"
     dcp_group = dist.new_group(backend="gloo")
-    dist.barrier()
-    baseline = [_timed_steps(model, opt, spec) / spec.steps for _ in range(spec.trials)]
-    trials: dict[str, list[dict[str, float]]] = {m: [] for m in spec.methods}
+    ours = ["none", *(m for m in spec.methods if m != "dcp_async")]
+    blocks = [ours] + ([["none", "dcp_async"]] if "dcp_async" in spec.methods else [])
+    trials: dict[str, list[dict[str, float]]] = {}
     index = 0
-    for method in spec.methods:
-        for trial in range(spec.warmup + spec.trials):
-            dist.barrier()
-            t0 = time.perf_counter()
-            handle = _start_save(method, path, opt, index, dcp_group)
-            call = time.perf_counter() - t0
-            _timed_steps(model, opt, spec)
-            _finish_save(method, opt, handle)
-            if trial >= spec.warmup:
-                trials[method].append({"call_s": call, "wall_s": time.perf_counter() - t0})
-            index += 1
-        if method == "async":
-            release_snapshot(opt)
+    for block, methods in enumerate(blocks):
+        for round_index in range(spec.warmup + spec.trials):
+            for method in rotated(methods, round_index):
+                window = _window(method, path, model, opt, spec, index, dcp_group)
+                index += 1
+                if round_index >= spec.warmup:
+                    trials.setdefault(f"{method}@{block}", []).append(window)
+        release_snapshot(opt)
         dist.barrier()
         if rank == 0:
             for old in path.glob("dcp*"):
                 shutil.rmtree(old)
-    return {"step_s": baseline, "trials": trials}
+    return {"trials": trials}
 
 
 def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, Any]:
-    step = statistics.median(max(s) for s in zip(*(r["step_s"] for r in ranks), strict=True))
+    """Per method: the median over rounds of (its window - the same round's window without
+    a save), the slowest rank's; and the blocking time of the call."""
+
+    def slowest(key: str, field: str) -> list[float]:
+        return slowest_per_trial([[t[field] for t in r["trials"][key]] for r in ranks])
+
     rows = []
-    for method in spec.methods:
-        walls = slowest_per_trial([[t["wall_s"] for t in r["trials"][method]] for r in ranks])
-        calls = slowest_per_trial([[t["call_s"] for t in r["trials"][method]] for r in ranks])
-        lost = [w - spec.steps * step for w in walls]
+    steps = []
+    for key in ranks[0]["trials"]:
+        method, block = key.split("@")
+        if method == "none":
+            continue
+        walls, base = slowest(key, "wall_s"), slowest(f"none@{block}", "wall_s")
+        lost = [w - b for w, b in zip(walls, base, strict=True)]
+        steps += [b / spec.steps for b in base]
         rows.append(
             {
                 "method": method,
-                "call_s_median": statistics.median(calls),
+                "call_s_median": statistics.median(slowest(key, "call_s")),
                 "lost_s_median": statistics.median(lost),
                 "lost_s_all": lost,
                 "wall_s_all": walls,
+                "no_save_wall_s_all": base,
             }
         )
+    rows.sort(key=lambda r: spec.methods.index(r["method"]))
     by = {r["method"]: r["lost_s_median"] for r in rows}
     for row in rows:
         row["lost_vs_sync"] = row["lost_s_median"] / by["sync"] if by.get("sync") else None
-    return {"step_s_median": step, "rows": rows}
+    return {"step_s_median": statistics.median(steps), "rows": rows}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
