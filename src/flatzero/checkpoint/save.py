@@ -16,6 +16,10 @@ Protocol (collective; every rank of the optimizer's process group calls it):
 An error on any rank makes every rank raise and rank 0 remove the temporary directory; a
 process killed mid-save leaves only the ``.tmp-*`` directory, which loaders ignore.
 
+With ``asynchronous=True``, steps 3 and 4 run in a background thread of every rank from a
+copy of the rank's tensors in host memory, and the ranks meet through marks in the
+temporary directory instead of collectives (``async_save``).
+
 Every agreement (the tag, errors, the file records) runs on the process group's control
 group (``flatzero.control``: gloo, never queued behind GPU work or the NCCL watchdog).
 Where ranks wait for writing (their own and rank 0's files, rank 0's publishing), they
