@@ -381,7 +381,8 @@ def _staged_on_fake_cuda(monkeypatch, fail_at_write: int | None = None):
     monkeypatch.setattr(stfile, "_streamed", lambda tensor: True)
     monkeypatch.setattr(accel, "pin_host", lambda t: cuda.log.append(("pin", t.data_ptr())) or True)
     monkeypatch.setattr(accel, "unpin_host", lambda t: cuda.log.append(("unpin", t.data_ptr())))
-    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: cuda.log.append(("release",)))
+    release = lambda: cuda.log.append(("release",))  # noqa: E731
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", release)
     real_emit = stfile.SafetensorsWriter._emit
     writes = 0
 

@@ -331,7 +331,7 @@ def test_backends_decide_where_buffers_and_control_tensors_go(fake_gpus, monkeyp
     monkeypatch.setattr(devices, "backend_of", lambda group: "gloo")
     assert devices.collective_device(None, torch.device("cuda", 5)) == torch.device("cpu")
     assert devices.resolve_device(None, None) == torch.device("cpu")  # a gloo group, GPUs seen
-    with pytest.raises(ValueError, match="backend .gloo. cannot reduce-scatter cuda"):
+    with pytest.raises(ValueError, match=r"backend .gloo. cannot reduce-scatter cuda"):
         devices.resolve_device("cuda", None)
 
 
