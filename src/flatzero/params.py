@@ -24,9 +24,7 @@ def rebind_param(param: nn.Parameter, tensor: torch.Tensor) -> None:
     not count as shallow-copy compatible with the host (every PrivateUse1 backend, Ascend's
     NPU among them).
     """
-    if param.device.type == "meta" or not torch._has_compatible_shallow_copy_type(
-        param, tensor
-    ):
+    if param.device.type == "meta" or not torch._has_compatible_shallow_copy_type(param, tensor):
         replacement = nn.Parameter(tensor, requires_grad=param.requires_grad)
         torch.utils.swap_tensors(param, replacement)
     else:
