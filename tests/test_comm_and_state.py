@@ -13,7 +13,8 @@ from torch import nn
 
 from flatzero import FlattenConfig
 from flatzero.checkpoint.optimizer_state import capture
-from flatzero.comm import all_gather_buckets_from_own_slices, raise_if_any_failed
+from flatzero.comm import all_gather_buckets_from_own_slices
+from flatzero.control import raise_if_any_failed
 from flatzero.launch import run_ranks
 from flatzero.optim import GroupState, ShardedOptimizerState, ZeroOptimizer
 

@@ -68,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         doors,
         init_bench,
         load_bench,
+        offload_bench,
         plan_bench,
         step,
     )
@@ -100,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
         ("doors", doors),
         ("plan", plan_bench),
         ("device-memory", device_memory),
+        ("offload", offload_bench),
     ):
         command(bench_sub, name, module.__doc__.splitlines()[0], module.add_arguments, module.run)
     return parser

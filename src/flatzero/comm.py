@@ -18,10 +18,8 @@ __all__ = [
     "all_reduce_max",
     "all_reduce_max_each",
     "all_reduce_min",
-    "any_rank_failed",
     "check_same_everywhere",
     "describe_differences",
-    "raise_if_any_failed",
     "rank_of",
     "reduce_scatter_into",
     "world_size_of",
@@ -75,42 +73,6 @@ def all_reduce_max_each(values: list[int], group: dist.ProcessGroup | None) -> l
     """Element-wise maximum of a list of integers (the same length everywhere) over all
     ranks, in one collective."""
     return _all_reduce_ints(values, dist.ReduceOp.MAX, group)
-
-
-def any_rank_failed(error: BaseException | None, group: dist.ProcessGroup | None) -> bool:
-    """Whether any rank of ``group`` passed an ``error`` (the same answer on every rank).
-
-    Collective: one all-reduce on ``group``'s control group (``flatzero.control``: gloo,
-    never queued behind GPU work), so a failure on one rank never leaves the others
-    waiting in their next collective.
-    """
-    from .control import control_group  # here, not at the top: control builds on comm
-
-    return all_reduce_max(int(error is not None), control_group(group)) > 0
-
-
-def raise_if_any_failed(
-    error: BaseException | None,
-    group: dist.ProcessGroup | None,
-    elsewhere: str,
-    *,
-    error_type: type[Exception] = RuntimeError,
-) -> None:
-    """Raise on every rank of ``group`` when any rank failed: a rank's own ``error``, or
-    ``error_type(elsewhere)`` on the ranks that had none. Collective (``any_rank_failed``).
-
-    Args:
-        error: this rank's error, or None.
-        group: the ranks that agree (their control group takes the all-reduce).
-        elsewhere: the message on ranks without an error of their own ("saving the
-            checkpoint failed on another rank (see its error)").
-        error_type: the exception those ranks raise.
-    """
-    if not any_rank_failed(error, group):
-        return
-    if error is not None:
-        raise error
-    raise error_type(elsewhere)
 
 
 def check_same_everywhere(

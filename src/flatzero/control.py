@@ -27,13 +27,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .comm import all_reduce_max_each, world_size_of
+from .comm import all_reduce_max, all_reduce_max_each, world_size_of
 from .devices import collectives_run_on_cpu
 
 __all__ = [
+    "any_rank_failed",
     "control_group",
     "host_work_timeout",
     "prepare_control_groups",
+    "raise_if_any_failed",
     "wait_for_host_work",
 ]
 
@@ -180,3 +182,37 @@ def wait_for_host_work(group: dist.ProcessGroup | None, nbytes: int) -> None:
         token = torch.zeros(1, dtype=torch.uint8)
         dist.isend(token, dst=peers[0], group=control).wait(timeout)
         dist.irecv(token, src=peers[0], group=control).wait(timeout)
+
+
+def any_rank_failed(error: BaseException | None, group: dist.ProcessGroup | None) -> bool:
+    """Whether any rank of ``group`` passed an ``error`` (the same answer on every rank).
+
+    Collective: one all-reduce on ``group``'s control group (gloo, never queued
+    behind GPU work), so a failure on one rank never leaves the others
+    waiting in their next collective.
+    """
+    return all_reduce_max(int(error is not None), control_group(group)) > 0
+
+
+def raise_if_any_failed(
+    error: BaseException | None,
+    group: dist.ProcessGroup | None,
+    elsewhere: str,
+    *,
+    error_type: type[Exception] = RuntimeError,
+) -> None:
+    """Raise on every rank of ``group`` when any rank failed: a rank's own ``error``, or
+    ``error_type(elsewhere)`` on the ranks that had none. Collective (``any_rank_failed``).
+
+    Args:
+        error: this rank's error, or None.
+        group: the ranks that agree (their control group takes the all-reduce).
+        elsewhere: the message on ranks without an error of their own ("saving the
+            checkpoint failed on another rank (see its error)").
+        error_type: the exception those ranks raise.
+    """
+    if not any_rank_failed(error, group):
+        return
+    if error is not None:
+        raise error
+    raise error_type(elsewhere)

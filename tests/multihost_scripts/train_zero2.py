@@ -26,8 +26,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import flatzero
-from flatzero.comm import raise_if_any_failed
-from flatzero.control import control_group, wait_for_host_work
+from flatzero.control import control_group, raise_if_any_failed, wait_for_host_work
 from flatzero.flatten.threads import usable_cores
 from flatzero.models import LlamaConfig, LlamaForCausalLM, materialize
 

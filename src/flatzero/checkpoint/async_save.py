@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from .. import accel
-from ..comm import raise_if_any_failed
+from ..control import raise_if_any_failed
 from ..hostmem import StagingBuffer, staging_buffer
 from .format import FileRecord
 

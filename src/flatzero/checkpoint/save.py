@@ -42,8 +42,13 @@ import torch
 import torch.distributed as dist
 
 from .._version import __version__
-from ..comm import raise_if_any_failed, world_size_of
-from ..control import control_group, host_work_timeout, wait_for_host_work
+from ..comm import world_size_of
+from ..control import (
+    control_group,
+    host_work_timeout,
+    raise_if_any_failed,
+    wait_for_host_work,
+)
 from .async_save import collect_marks, mark, snapshot, start, wait_for_save
 from .atomic import fault_point, publish, remove_stale_tmp, tmp_dir_name, write_latest
 from .config import SaveConfig

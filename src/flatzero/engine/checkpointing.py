@@ -13,8 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import raise_if_any_failed
-from ..control import control_group, wait_for_host_work
+from ..control import control_group, raise_if_any_failed, wait_for_host_work
 from .client import link_client_optimizer
 from .rank_agreement import agree_on_checkpoint_to_load, check_shared_directory
 

@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import raise_if_any_failed, rank_of, world_size_of
+from ..comm import rank_of, world_size_of
 from ..config import FlattenConfig
+from ..control import raise_if_any_failed
 from ..devices import activate, resolve_device
 from ..flatten.registry import gathering_tier
 from ..gcpause import paused_gc

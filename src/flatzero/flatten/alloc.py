@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from .. import accel
-from ..comm import any_rank_failed, rank_of
+from ..comm import rank_of
+from ..control import any_rank_failed
 from ..hostmem import empty_host
 from ..layout import Layout
 from ..memory import is_oom, out_of_memory

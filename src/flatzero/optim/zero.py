@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import all_gather_buckets_from_own_slices, raise_if_any_failed, rank_of, world_size_of
+from ..comm import all_gather_buckets_from_own_slices, rank_of, world_size_of
 from ..config import FlattenConfig
+from ..control import raise_if_any_failed
 from ..flatten import FlatParams
 from ..gcpause import paused_gc
 from .agreement import setup_fields
