@@ -3,14 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FlattenConfig"]
+__all__ = ["FlattenConfig", "register_check"]
 
 DEFAULT_BUCKET_NUMEL = 2**26
 """Default bucket size: 64 Mi elements (128 MiB in bf16)."""
+
+
+_CHECKS: list[Callable[[FlattenConfig], None]] = []
+"""Checks run on every ``FlattenConfig`` at construction, registered by the rooms above
+that own what they check (``register_check``). This module is data at the bottom of the
+package and imports none of them: ``flatten.registry`` registers its tier check when it is
+imported, which ``import flatzero`` (and so any ``flatzero.*`` import) does first."""
+
+
+def register_check(check: Callable[[FlattenConfig], None]) -> None:
+    """Run ``check(config)`` in every ``FlattenConfig.__post_init__`` from now on; it raises
+    ``ValueError`` naming the field for a config it refuses. Registering twice is a no-op."""
+    if check not in _CHECKS:
+        _CHECKS.append(check)
 
 
 def _check_positive_int(name: str, value: object, *, allow_none: bool = False) -> None:
@@ -60,14 +75,8 @@ class FlattenConfig:
     host_huge_pages: bool = True
 
     def __post_init__(self) -> None:
-        # Imported here: the registry imports the tiers, which take this config.
-        from .flatten.registry import REGISTRY
-
-        if self.tier != "auto" and self.tier not in REGISTRY:
-            raise ValueError(
-                f"FlattenConfig.tier is {self.tier!r}; it must be one of "
-                f"{', '.join(('auto', *REGISTRY))}"
-            )
+        for check in _CHECKS:  # the tier registry's: ``tier`` is one of its tiers
+            check(self)
         _check_positive_int("bucket_numel", self.bucket_numel)
         _check_positive_int("alignment", self.alignment)
         _check_positive_int("staging_buffers", self.staging_buffers)

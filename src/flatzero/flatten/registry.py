@@ -3,7 +3,7 @@
 Each tier is one ``TierSpec``: how it is built, what it can read, where its buffers
 live, how much accelerator memory it needs, whether its fill is a collective, where it
 goes when memory runs out, and how many host threads it may use. Everything that asks a
-question about tiers (``FlattenConfig`` validation, ``memory.choose_tier``, the
+question about tiers (``FlattenConfig.tier``'s check, ``memory.choose_tier``, the
 fallback driver in ``flatten.driver``, the DeepSpeed door, the planner) reads it here.
 Adding a tier is one entry in ``REGISTRY`` plus its class in ``flatten.tiers``.
 
@@ -20,16 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from .. import accel
+from ..config import FlattenConfig, register_check
 from .threads import host_threads
 from .tiers import DirectTier, OffloadTier, Tier, TierContext, UploadTier
-
-if TYPE_CHECKING:
-    from ..config import FlattenConfig
 
 __all__ = [
     "REGISTRY",
@@ -37,6 +34,7 @@ __all__ = [
     "TIERS",
     "TierSpec",
     "chain",
+    "check_tier",
     "gathering_tier",
     "make_tier",
     "next_tier_down",
@@ -184,6 +182,19 @@ REGISTRY: dict[str, TierSpec] = {
 
 TIERS = ("auto", *REGISTRY)
 """What ``FlattenConfig.tier`` accepts: ``auto`` or a registered tier."""
+
+
+def check_tier(config: FlattenConfig) -> None:
+    """Raise ``ValueError`` unless ``config.tier`` is ``auto`` or a registered tier. Run by
+    every ``FlattenConfig`` at construction (registered with ``config.register_check``)."""
+    if config.tier != "auto" and config.tier not in REGISTRY:
+        raise ValueError(
+            f"FlattenConfig.tier is {config.tier!r}; it must be one of "
+            f"{', '.join(('auto', *REGISTRY))}"
+        )
+
+
+register_check(check_tier)
 
 
 def spec(name: str) -> TierSpec:
