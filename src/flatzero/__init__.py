@@ -8,7 +8,7 @@ from .flatten import FlatGroup, FlatParams, flatten_parameters, inject_oom
 from .flatten.registry import TIERS
 from .layout import Layout, ParamSpec, plan_layout
 from .loading import load_flat
-from .optim import LossScaleConfig, ZeroConfig, ZeroOptimizer
+from .optim import LossScaleConfig, OffloadConfig, ZeroConfig, ZeroOptimizer
 from .patch import DeepSpeedPatch, patch_deepspeed
 from .report import InitReport
 from .safetensors_index import SafetensorsCheckpoint
@@ -22,6 +22,7 @@ __all__ = [
     "InitReport",
     "Layout",
     "LossScaleConfig",
+    "OffloadConfig",
     "ParamSpec",
     "SafetensorsCheckpoint",
     "UnsupportedFeatureError",

@@ -52,6 +52,8 @@ class FlattenConfig:
             rank's share of its host's cores (``flatten.threads.core_share``: usable
             cores over the ranks on the host, counted through the process group).
         build_master: also build this rank's fp32 master shard of every group.
+        master_on_host: build the master shards in host memory whatever the tier, straight
+            from the buckets (optimizer offload: the optimizer steps on the host).
         progress: show a progress bar on rank 0 when init takes more than two seconds.
         dtype: cast every trainable param to this floating dtype (``"bfloat16"``, a
             ``torch.dtype``, ...) as it is copied into its bucket: no separate cast pass, and
@@ -70,6 +72,7 @@ class FlattenConfig:
     staging_buffers: int = 2
     host_threads: int | None = None
     build_master: bool = True
+    master_on_host: bool = False
     progress: bool = True
     dtype: str | None = None
     host_huge_pages: bool = True
@@ -81,6 +84,11 @@ class FlattenConfig:
         _check_positive_int("alignment", self.alignment)
         _check_positive_int("staging_buffers", self.staging_buffers)
         _check_positive_int("host_threads", self.host_threads, allow_none=True)
+        for name in ("build_master", "master_on_host"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"FlattenConfig.{name} must be True or False, got {getattr(self, name)!r}"
+                )
         if not isinstance(self.host_huge_pages, bool):
             raise ValueError(
                 f"FlattenConfig.host_huge_pages must be True or False, got {self.host_huge_pages!r}"

@@ -7,10 +7,11 @@ Hugging Face Trainer and Accelerate never call ``flatzero.initialize``: Accelera
 - ZeRO stage 1 or 2 with an optimizer flatzero supports: ``flatzero.initialize`` builds the
   engine (an instance of ``deepspeed.DeepSpeedEngine`` for ``isinstance``, with the API
   Accelerate and Trainer use).
-- Everything else goes to the real ``deepspeed.initialize``: stage 0 or 3, optimizer or
-  param offload, ``mpu``/``mesh_param``, a pipeline module, no optimizer (a frozen reference
-  model), optimizers that are not elementwise, and every other config key flatzero refuses
-  with an ``UnsupportedFeatureError``.
+- Everything else goes to the real ``deepspeed.initialize``: stage 0 or 3, NVMe optimizer
+  offload (``offload_optimizer.device: cpu`` is flatzero's own), param offload,
+  ``mpu``/``mesh_param``, a pipeline module, no optimizer (a frozen reference model),
+  optimizers that are not elementwise, and every other config key flatzero refuses with an
+  ``UnsupportedFeatureError``.
 - A user error (bad value, misspelled key, inconsistent batch sizes) is raised as it is,
   whoever would have run the config.
 

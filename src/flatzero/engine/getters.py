@@ -11,7 +11,7 @@ import torch.distributed as dist
 from ..comm import rank_of, world_size_of
 
 if TYPE_CHECKING:
-    from ..optim import ZeroOptimizer
+    from ..optim import OffloadConfig, ZeroOptimizer
     from .config import EngineConfig
 
 __all__ = ["DeepSpeedGetters"]
@@ -93,17 +93,19 @@ class DeepSpeedGetters:
         """Always False: params are never partitioned (no stage 3)."""
         return False
 
-    def zero_offload_optimizer(self) -> bool:
-        """Always False: no offload."""
-        return False
+    def zero_offload_optimizer(self) -> OffloadConfig | None:
+        """The optimizer offload settings (``zero_optimization.offload_optimizer`` with
+        device ``cpu``), or None; DeepSpeed returns its offload config object or None."""
+        return self.parsed_config.zero_optimizer.offload_optimizer
 
     def zero_offload_param(self) -> bool:
-        """Always False: no offload."""
+        """Always False: params are never offloaded (ZeRO-3's ``offload_param``)."""
         return False
 
     def zero_cpu_offload(self) -> bool:
-        """Always False: no offload."""
-        return False
+        """Whether the optimizer is offloaded to host memory (``offload_optimizer.device``
+        ``cpu``, or the older ``cpu_offload: true``)."""
+        return self.parsed_config.zero_optimizer.offload_optimizer is not None
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """Always False: stage 3 only (the module holds whole weights)."""

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..optim import ZeroOptimizer
 from ..optim.inner import check_optimizer_class
+from ..optim.offload import check_host_kernel
 from ..params import ParamGroup
 from .config import EngineConfig
 from .errors import UnsupportedFeatureError
@@ -91,6 +92,9 @@ def _client_choice(
         raise UnsupportedFeatureError(
             f"optimizer: {error}", key="optimizer", feature=f"the {cls.__name__}"
         ) from None
+    if cfg.zero_optimizer.offload_optimizer is not None:
+        options = [{k: v for k, v in g.items() if k != "params"} for g in client.param_groups]
+        check_host_kernel(cls, options, {})
     return OptimizerChoice(
         cls,
         name=f"{cls.__name__} (client)",
@@ -108,7 +112,8 @@ def choose_optimizer(
     Raises:
         UnsupportedFeatureError: no optimizer at all, or a client optimizer that is not
             elementwise.
-        ValueError / TypeError: both given, or a bad client optimizer.
+        ValueError / TypeError: both given, or a bad client optimizer (with optimizer
+            offload: one that cannot step host tensors).
     """
     if optimizer is not None:
         if cfg.optimizer is not None:

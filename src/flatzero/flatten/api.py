@@ -419,10 +419,12 @@ def flatten_parameters(
             device,
             control,
             world_size=ws,
-            shards_per_group=int(config.build_master) + int(reserve_grad_shards),
+            shards_per_group=int(config.build_master and not config.master_on_host)
+            + int(reserve_grad_shards),
         )
         # Before the first bucket, so that running out of memory here changes nothing.
-        master_device = torch.device("cpu") if spec(decision.tier).buffers_on_host else device
+        on_host = spec(decision.tier).buffers_on_host or config.master_on_host
+        master_device = torch.device("cpu") if on_host else device
         masters: list[torch.Tensor | None] = [None] * len(plan.layout.groups)
         if config.build_master:
             masters = list(

@@ -1,6 +1,6 @@
 """ZeRO stage 1 and 2 optimizer over flatzero's flat, sharded buffers (the PyTorch door)."""
 
-from .config import LossScaleConfig, ZeroConfig
+from .config import LossScaleConfig, OffloadConfig, ZeroConfig
 from .inner import ELEMENTWISE_OPTIMIZERS
 from .state import STATE_DICT_FORMAT, GroupState, ShardedOptimizerState
 from .zero import ZeroOptimizer
@@ -10,6 +10,7 @@ __all__ = [
     "STATE_DICT_FORMAT",
     "GroupState",
     "LossScaleConfig",
+    "OffloadConfig",
     "ShardedOptimizerState",
     "ZeroConfig",
     "ZeroOptimizer",

@@ -9,7 +9,7 @@ import torch
 
 from .buckets import CHUNK_ALIGNMENT
 
-__all__ = ["LossScaleConfig", "ZeroConfig"]
+__all__ = ["LossScaleConfig", "OffloadConfig", "ZeroConfig"]
 
 _REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -89,6 +89,39 @@ class LossScaleConfig:
 
 
 @dataclass(frozen=True)
+class OffloadConfig:
+    """Optimizer offload (ZeRO-Offload, DeepSpeed's ``offload_optimizer: {device: cpu}``):
+    the optimizer steps in host memory.
+
+    This rank's fp32 master shard, the inner optimizer's state and a host fp32 gradient
+    shard live in host memory; the reduced gradient shard is copied to the host bucket by
+    bucket (its own stream, an event per bucket), the inner optimizer steps there with
+    torch's fused CPU kernel where it has one, and the updated shard is cast to the params'
+    dtype and uploaded into this rank's slice of every bucket before the all-gather. Not to
+    be confused with the flatten tier ``offload`` (params parked in host memory during init).
+
+    Attributes:
+        pin_memory: page-lock the host gradient shard (also the upload's source), so that
+            the copies to and from the accelerator are asynchronous; where pinning fails,
+            pageable memory with one warning (synchronous copies: slower, never wrong).
+            Without an accelerator nothing is pinned.
+        threads: intra-op CPU threads of the host step; ``None``: the rank's share of its
+            host's cores (usable cores over the ranks on the host, as init uses).
+    """
+
+    pin_memory: bool = True
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pin_memory, bool):
+            raise ValueError(
+                f"OffloadConfig.pin_memory must be True or False, got {self.pin_memory!r}"
+            )
+        if self.threads is not None:
+            _positive_int("OffloadConfig", "threads", self.threads)
+
+
+@dataclass(frozen=True)
 class ZeroConfig:
     """How ``ZeroOptimizer`` reduces gradients and steps.
 
@@ -128,6 +161,8 @@ class ZeroConfig:
             the first backward pass and, from the first step on, launch reductions in that order
             (rank 0's, agreed by all ranks). Reductions are always launched in one order
             agreed by all ranks; this only makes it the one backward actually follows.
+        offload_optimizer: step the optimizer in host memory (``OffloadConfig``); ``None``
+            keeps the master shards and the optimizer state beside the buckets.
     """
 
     stage: int = 2
@@ -138,6 +173,7 @@ class ZeroConfig:
     reduce_staging_bytes: int = field(default=DEFAULT_REDUCE_STAGING_BYTES, metadata=_BYTES)
     loss_scale: LossScaleConfig | None = None
     learn_bucket_order: bool = True
+    offload_optimizer: OffloadConfig | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2) or isinstance(self.stage, bool):
@@ -178,6 +214,13 @@ class ZeroConfig:
         if not isinstance(self.learn_bucket_order, bool):
             raise ValueError(
                 f"ZeroConfig.learn_bucket_order must be a bool, got {self.learn_bucket_order!r}"
+            )
+        if self.offload_optimizer is not None and not isinstance(
+            self.offload_optimizer, OffloadConfig
+        ):
+            raise TypeError(
+                f"ZeroConfig.offload_optimizer must be an OffloadConfig or None, got "
+                f"{type(self.offload_optimizer).__name__}; pass OffloadConfig(pin_memory=...)"
             )
 
     def accumulation_dtype(self, param_dtype: torch.dtype) -> torch.dtype:

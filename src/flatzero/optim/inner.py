@@ -21,6 +21,7 @@ __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "build_inner_optimizer",
     "check_optimizer_class",
+    "step_with_grad_scale",
     "takes_grad_scale",
     "with_fused_default",
 ]
@@ -175,6 +176,19 @@ def takes_grad_scale(inner: torch.optim.Optimizer) -> bool:
     return inspect.unwrap(type(inner).step) in _GRAD_SCALE_STEPS and all(
         g.get("fused") for g in inner.param_groups
     )
+
+
+def step_with_grad_scale(inner: torch.optim.Optimizer, grad_scale: torch.Tensor | None) -> None:
+    """``inner.step()``, its fused kernel dividing every gradient by ``grad_scale`` as it
+    reads it (``takes_grad_scale``); None: a plain step."""
+    if grad_scale is None:
+        inner.step()
+        return
+    inner.grad_scale = grad_scale  # type: ignore[attr-defined]
+    try:
+        inner.step()
+    finally:
+        inner.grad_scale = None  # type: ignore[attr-defined]
 
 
 def build_inner_optimizer(

@@ -10,6 +10,7 @@ Nothing is flattened before every check passed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from ..layout import GroupLayout
 from ..params import ParamGroup, collect_param_groups
 from .buckets import empty_buffer
 from .inner import build_inner_optimizer
+from .offload import check_host_kernel
 from .reducers import check_unclaimed
 
 __all__ = ["allocate_grad_shards", "check_buckets_usable", "flat_params_for"]
@@ -67,6 +69,19 @@ def _leave_params_in_place(groups: list[ParamGroup]) -> FlattenConfig:
     return FlattenConfig(device=str(device) if device.type != "meta" else None)
 
 
+def _probe(
+    optimizer: Callable[..., torch.optim.Optimizer],
+    options: list[dict[str, Any]],
+    defaults: dict[str, Any],
+    offload: bool,
+) -> None:
+    """Bad optimizer arguments, and (with optimizer offload) an optimizer that cannot step
+    host tensors, fail here, before anything is flattened."""
+    _probe_optimizer(optimizer, options, defaults)
+    if offload:
+        check_host_kernel(optimizer, options, defaults)
+
+
 def flat_params_for(
     params: Any,
     optimizer: Callable[..., torch.optim.Optimizer],
@@ -75,6 +90,7 @@ def flat_params_for(
     *,
     process_group: dist.ProcessGroup | None,
     flatten_config: FlattenConfig | None,
+    offload: bool = False,
 ) -> FlatParams:
     """The ``FlatParams`` a ``ZeroOptimizer`` runs on: ``params`` flattened, or given.
 
@@ -86,12 +102,14 @@ def flat_params_for(
         setup: what every rank must agree on (``check_same_everywhere`` fields).
         process_group: ranks to shard over.
         flatten_config: how to flatten; default: on the params' device.
+        offload: optimizer offload: the optimizer must step host tensors, and the master
+            shards are built in host memory (``FlattenConfig.master_on_host``).
 
     Raises:
         ValueError / TypeError: bad params, optimizer arguments or setup; nothing flattened.
     """
     if isinstance(params, FlatParams):
-        _probe_optimizer(optimizer, [g.options for g in params.groups], defaults)
+        _probe(optimizer, [g.options for g in params.groups], defaults, offload)
         check_unclaimed(p for g in params.groups for p in g.params)
         _check_given_flat(params, process_group)
         fields = {"layout digest": params.layout.digest(), **setup}
@@ -99,14 +117,13 @@ def flat_params_for(
         return params
     groups = collect_param_groups(params)
     _refuse_empty_groups(groups)
-    _probe_optimizer(optimizer, [g.options for g in groups], defaults)
+    _probe(optimizer, [g.options for g in groups], defaults, offload)
     check_unclaimed(p for g in groups for p in (*g.params, *g.frozen))
     check_same_everywhere("the ZeroOptimizer setup", setup, control_group(process_group))
-    return flatten_parameters(
-        _as_group_dicts(groups),
-        process_group=process_group,
-        config=flatten_config or _leave_params_in_place(groups),
-    )
+    config = flatten_config or _leave_params_in_place(groups)
+    if offload:
+        config = dataclasses.replace(config, master_on_host=True)
+    return flatten_parameters(_as_group_dicts(groups), process_group=process_group, config=config)
 
 
 def _refuse_empty_groups(groups: list[ParamGroup]) -> None:

@@ -22,19 +22,22 @@ from torch import nn
 
 from ..comm import all_gather_buckets_from_own_slices, rank_of, world_size_of
 from ..config import FlattenConfig
-from ..control import raise_if_any_failed
+from ..control import control_group, raise_if_any_failed
 from ..flatten import FlatParams
+from ..flatten.threads import core_share, init_threads
 from ..gcpause import paused_gc
 from .agreement import setup_fields
-from .config import LossScaleConfig, ZeroConfig
+from .config import LossScaleConfig, OffloadConfig, ZeroConfig
 from .gather import full_param, full_params
 from .inner import (
     build_inner_optimizer,
     check_optimizer_class,
+    step_with_grad_scale,
     takes_grad_scale,
     with_fused_default,
 )
 from .norm import global_sq_norm
+from .offload import HOST, HostOffload, OffloadHostBytes, host_step
 from .prepare import allocate_grad_shards, check_buckets_usable, flat_params_for
 from .reducers import GradReducer, make_reducer
 from .scaler import LossScaler
@@ -53,6 +56,29 @@ def _with_stage(config: ZeroConfig | None, stage: int | None) -> ZeroConfig:
     if stage is not None and stage != config.stage:
         config = dataclasses.replace(config, stage=stage)
     return config
+
+
+def _with_offload(config: ZeroConfig, offload: bool | OffloadConfig | None) -> ZeroConfig:
+    """``config`` with ``offload_optimizer`` set from the constructor's argument (``True``:
+    ``OffloadConfig()``; ``False``: off; ``None``: as ``config`` says)."""
+    if offload is None:
+        return config
+    if isinstance(offload, bool):
+        offload = OffloadConfig() if offload else None
+    elif not isinstance(offload, OffloadConfig):
+        raise TypeError(
+            f"offload_optimizer must be True, False, None or an OffloadConfig, got "
+            f"{type(offload).__name__}; pass offload_optimizer=True or OffloadConfig(...)"
+        )
+    return dataclasses.replace(config, offload_optimizer=offload)
+
+
+def _masters_to_host(flat: FlatParams) -> None:
+    """Move master shards built on the device (``FlatParams`` flattened without
+    ``FlattenConfig.master_on_host``) to host memory, for optimizer offload."""
+    for group in flat.groups:
+        if group.master is not None and group.master.device.type != "cpu":
+            group.master = group.master.to(HOST)
 
 
 def _loss_scaler(config: ZeroConfig, flat: FlatParams) -> LossScaler | None:
@@ -95,6 +121,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``FlattenConfig(device=<the params' device>)``: the params stay where they are.
         elementwise_optimizer: ``True`` vouches that an optimizer class flatzero does not
             know updates each element from its own gradient and state only.
+        offload_optimizer: ``True`` or an ``OffloadConfig``: optimizer offload (ZeRO-Offload;
+            overrides ``config.offload_optimizer``): master shards, optimizer state and a
+            gradient shard in host memory, the optimizer stepping there with torch's fused
+            CPU kernel; the master shards are built in host memory straight from the
+            buckets. The optimizer must be able to step host tensors.
         **defaults: keyword arguments of the optimizer (``lr=...``, ``betas=...``, ...).
             Unless they (or a group's options) give ``fused`` or ``foreach`` a value other
             than ``None``, the optimizer's fused kernel is used where it has one for the
@@ -118,9 +149,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         config: ZeroConfig | None = None,
         flatten_config: FlattenConfig | None = None,
         elementwise_optimizer: bool | None = None,
+        offload_optimizer: bool | OffloadConfig | None = None,
         **defaults: Any,
     ) -> None:
-        config = _with_stage(config, stage)
+        config = _with_offload(_with_stage(config, stage), offload_optimizer)
+        offload = config.offload_optimizer
         optimizer_cls = check_optimizer_class(optimizer, elementwise=elementwise_optimizer)
         flat = flat_params_for(
             params,
@@ -129,25 +162,35 @@ class ZeroOptimizer(torch.optim.Optimizer):
             setup_fields(config, optimizer_cls, {**getattr(optimizer, "keywords", {}), **defaults}),
             process_group=process_group,
             flatten_config=flatten_config,
+            offload=offload is not None,
         )
         check_buckets_usable(flat)
+        if offload is not None:
+            _masters_to_host(flat)
         self.flat = flat
         self.config = config
         self._pg = flat.process_group
         self._world_size = world_size_of(self._pg)
         self._rank = rank_of(self._pg)
         self._grads = allocate_grad_shards(flat)
+        self._offload: HostOffload | None = None
+        if offload is not None:
+            threads = offload.threads or core_share(control_group(flat.deciders)).threads
+            self._offload = HostOffload(flat, self._grads, offload, threads)
+        self._step_grads = self._grads if self._offload is None else self._offload.host_grads
+        """The gradient shards the inner optimizer reads (host ones with offload)."""
         self._masters: list[nn.Parameter] = []
-        for group, grad in zip(flat.groups, self._grads, strict=True):
+        for group, grad in zip(flat.groups, self._step_grads, strict=True):
             master = nn.Parameter(group.master, requires_grad=True)
             master.grad = grad
             self._masters.append(master)
         options = [g.options for g in flat.groups]
+        step_device = HOST if offload is not None else flat.groups[0].device
         self.inner = build_inner_optimizer(
             optimizer,
             self._masters,
             options,
-            with_fused_default(optimizer, defaults, options, flat.groups[0].device),
+            with_fused_default(optimizer, defaults, options, step_device),
         )
         self._scaler = _loss_scaler(config, flat)
         self._reducer: GradReducer = make_reducer(flat, self._grads, config)
@@ -163,12 +206,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._init_optimizer_plumbing()
         if self._rank == 0:
             logger.info(
-                "ZeroOptimizer stage %d over %d ranks: %d group(s), %s, %d params",
+                "ZeroOptimizer stage %d over %d ranks: %d group(s), %s, %d params%s",
                 config.stage,
                 self._world_size,
                 len(flat.groups),
                 type(self.inner).__name__,
                 flat.layout.num_params,
+                ""
+                if self._offload is None
+                else f", optimizer offloaded to the host ({self._offload.threads} threads, "
+                f"{'pinned' if self._offload.pinned else 'pageable'} copies)",
             )
 
     def _init_optimizer_plumbing(self) -> None:
@@ -226,6 +273,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def stage(self) -> int:
         """ZeRO stage, 1 or 2."""
         return self.config.stage
+
+    @property
+    def offload_optimizer(self) -> OffloadConfig | None:
+        """The optimizer offload settings, or None when the optimizer steps beside the
+        buckets."""
+        return self.config.offload_optimizer
+
+    def offload_host_bytes(self) -> OffloadHostBytes | None:
+        """Host bytes of optimizer offload on this rank now (master shards, host gradient
+        shards, optimizer state), measured from the tensors; None without offload."""
+        if self._offload is None:
+            return None
+        return self._offload.host_bytes(self.inner, self.master_shards)
 
     @property
     def loss_scale(self) -> float:
@@ -344,6 +404,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "the accumulation window, so every step needs its own backward pass)"
             )
         reducer.agree_order()
+        offload = self._offload
+        if offload is not None:
+            offload.download()  # overlaps the norm's all-reduce
         max_norm = self.config.max_grad_norm
         if self._clip_request is not None:
             max_norm = self._clip_request if max_norm is None else min(max_norm, self._clip_request)
@@ -354,6 +417,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if max_norm is not None or self._scaler is not None:
             norm = self._last_norm = self._norm()
             if self._scaler is not None and not bool(norm.isfinite()):
+                if offload is not None:
+                    offload.wait()  # the next backward pass rewrites what it reads
                 self._scaler.update(found_inf=True)
                 self.last_step_skipped = True
                 self._end_window()
@@ -361,30 +426,38 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if max_norm is not None:
                 clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)
                 coef = (clip * inv).to(device=self._grads[0].device, dtype=torch.float32)
-        scaled = isinstance(coef, torch.Tensor) or coef != 1.0
-        if scaled and takes_grad_scale(self.inner):
-            # The fused kernel divides by grad_scale as it reads the gradient: no extra pass.
-            self.inner.grad_scale = self._grad_scale(coef)  # type: ignore[attr-defined]
-            try:
-                self.inner.step()
-            finally:
-                self.inner.grad_scale = None  # type: ignore[attr-defined]
+        if offload is None:
+            step_with_grad_scale(self.inner, self._scale_grads(coef))
         else:
-            if scaled:
-                torch._foreach_mul_(self._grads, coef)
-            self.inner.step()
+            if isinstance(coef, torch.Tensor):
+                coef = offload.to_host(coef)
+            offload.wait()
+            with init_threads(offload.threads):
+                grad_scale = self._scale_grads(coef)
+                host_step(self.inner, threads=offload.threads, grad_scale=grad_scale)
         if self._scaler is not None:
             self._scaler.update(found_inf=False)
         self._write_back()
         self._end_window()
         return loss
 
+    def _scale_grads(self, coef: float | torch.Tensor) -> torch.Tensor | None:
+        """Make the inner step see the gradients times ``coef``: the fused kernel's
+        ``grad_scale`` (it divides by it as it reads the gradient: no extra pass), else the
+        gradients multiplied in place and None."""
+        if not isinstance(coef, torch.Tensor) and coef == 1.0:
+            return None
+        if takes_grad_scale(self.inner):
+            return self._grad_scale(coef)
+        torch._foreach_mul_(self._step_grads, coef)
+        return None
+
     def _grad_scale(self, coef: float | torch.Tensor) -> torch.Tensor:
         """``1 / coef``, the fused kernel's ``grad_scale``: a 0-d fp32 tensor on the
         gradients' device, made there (a fill, not a copy from the host)."""
         if isinstance(coef, torch.Tensor):
             return coef.reciprocal()
-        device = self._grads[0].device
+        device = self._step_grads[0].device
         return torch.full((), 1.0 / coef, dtype=torch.float32, device=device)
 
     def _end_window(self) -> None:
@@ -394,9 +467,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _write_back(self) -> None:
         """Cast the master shards into this rank's bucket slices; all-gather every bucket."""
-        all_gather_buckets_from_own_slices(
-            self._buckets, self._bucket_shards, self._pg, sources=self._master_slices
-        )
+        if self._offload is None:
+            all_gather_buckets_from_own_slices(
+                self._buckets, self._bucket_shards, self._pg, sources=self._master_slices
+            )
+            return
+        with init_threads(self._offload.threads):
+            self._offload.upload(self.master_shards, self._master_slices)
+        all_gather_buckets_from_own_slices(self._buckets, self._bucket_shards, self._pg)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new accumulation window (gradients so far are dropped).
@@ -486,7 +564,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for group, master in zip(state.groups, self._masters, strict=True):
                 master.copy_(group.master)
             self.inner.load_state_dict(state.inner_state_dict())
-            for master, grad in zip(self._masters, self._grads, strict=True):
+            for master, grad in zip(self._masters, self._step_grads, strict=True):
                 master.grad = grad
             if self._scaler is not None:
                 self._scaler.load_state_dict(dict(state.loss_scaler or {}))

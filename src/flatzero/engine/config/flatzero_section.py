@@ -35,11 +35,13 @@ SET_ELSEWHERE: Mapping[tuple[type, str], str] = {
     (FlattenConfig, "alignment"): "fixed: 64 elements",
     (FlattenConfig, "build_master"): "the engine always builds the fp32 master shards",
     (FlattenConfig, "dtype"): "bf16.enabled / fp16.enabled",
+    (FlattenConfig, "master_on_host"): "zero_optimization.offload_optimizer",
     (ZeroConfig, "stage"): "zero_optimization.stage",
     (ZeroConfig, "max_grad_norm"): "gradient_clipping",
     (ZeroConfig, "reduce_dtype"): "communication_data_type",
     (ZeroConfig, "grad_accum_dtype"): "data_types.grad_accum_dtype",
     (ZeroConfig, "loss_scale"): "fp16 / bf16",
+    (ZeroConfig, "offload_optimizer"): "zero_optimization.offload_optimizer",
 }
 """Fields that are not keys of the section, and the DeepSpeed key that sets each."""
 

@@ -63,6 +63,8 @@ def _offload_active(value: Any) -> bool:
 
 _OFF = "remove it (or set enabled: false)"
 _OFFLOAD_FIX = "remove it (or set its device to 'none'); flatzero keeps everything on device"
+"""The fix of ``offload_param`` (ZeRO-3 in DeepSpeed); the optimizer's offload is parsed by
+``offload.parse_offload_optimizer``."""
 
 TOP_REFUSED: tuple[Refusal, ...] = (
     Refusal("amp", _enabled, "it asks for apex AMP", _OFF),
@@ -150,9 +152,7 @@ DATA_TYPES_NO_EFFECT: Mapping[str, str] = {
 """``data_types`` keys accepted without effect (``grad_accum_dtype`` is parsed), and why."""
 
 ZERO_REFUSED: tuple[Refusal, ...] = (
-    Refusal("offload_optimizer", _offload_active, "it asks to offload the optimizer", _OFFLOAD_FIX),
     Refusal("offload_param", _offload_active, "it asks to offload the params", _OFFLOAD_FIX),
-    Refusal("cpu_offload", bool, "it asks to offload the optimizer", _OFFLOAD_FIX),
     Refusal("cpu_offload_param", bool, "it asks to offload the params", _OFFLOAD_FIX),
     Refusal(
         "zero_hpz_partition_size",
@@ -186,7 +186,6 @@ ZERO_NO_EFFECT: Mapping[str, str] = {
     "elastic_checkpoint": "checkpoints always load at any world size",
     "compute_grad_norm": "the norm is computed when clipping or loss scaling needs it",
     "parameter_alignment": "params are always aligned to 64 elements",
-    "cpu_offload_use_pin_memory": "no offload",
     "save_muon_momentum_buffer_in_memory": "no Muon",
     "ratio": "no offload",
 }

@@ -97,7 +97,7 @@ def parse_config(config: Any, *, world_size: int) -> EngineConfig:
     ignored: list[tuple[str, str]] = []
     top = Section(data, "", ignored)
     batch = parse_batch(top, world_size)
-    zero, ds_bucket = parse_zero(top)
+    zero, ds_bucket, offload = parse_zero(top)
     precision = parse_precision(top)
     grad_accum_dtype = parse_data_types(top, precision, zero.stage)
     optimizer = parse_optimizer(top)
@@ -109,13 +109,18 @@ def parse_config(config: Any, *, world_size: int) -> EngineConfig:
         batch=batch,
         zero=zero,
         precision=precision,
-        flatten=_flatten_config(flatzero[FlattenConfig], ds_bucket, precision),
+        flatten=_flatten_config(
+            {**flatzero[FlattenConfig], "master_on_host": offload is not None},
+            ds_bucket,
+            precision,
+        ),
         zero_optimizer=ZeroConfig(
             stage=max(1, zero.stage),
             max_grad_norm=keys.gradient_clipping,
             reduce_dtype=keys.reduce_dtype,
             grad_accum_dtype=grad_accum_dtype,
             loss_scale=precision.loss_scale,
+            offload_optimizer=offload,
             **flatzero[ZeroConfig],
         ),
         optimizer=optimizer,

@@ -9,8 +9,9 @@ from typing import NamedTuple
 import torch
 
 from ...dtypes import dtype_name
-from ...optim import LossScaleConfig
+from ...optim import LossScaleConfig, OffloadConfig
 from .keys import DATA_TYPES_NO_EFFECT, STAGE3_KEYS, ZERO_MAIN_KEYS, ZERO_NO_EFFECT, ZERO_REFUSED
+from .offload import parse_offload_optimizer
 from .reader import Section
 from .schema import BatchConfig, PrecisionSection, ZeroSection
 
@@ -100,14 +101,15 @@ def _note_switches(zero: Section, stage: int) -> None:
         )
 
 
-def parse_zero(top: Section) -> tuple[ZeroSection, int | None]:
-    """``zero_optimization``: the stage, and the bucket size its keys ask for
-    (``reduce_bucket_size``, else ``allgather_bucket_size``; None when neither is given)."""
+def parse_zero(top: Section) -> tuple[ZeroSection, int | None, OffloadConfig | None]:
+    """``zero_optimization``: the stage, the bucket size its keys ask for
+    (``reduce_bucket_size``, else ``allgather_bucket_size``; None when neither is given) and
+    the optimizer offload (``offload_optimizer``; None for none)."""
     if "zero_optimization" not in top:
-        return ZeroSection(), None
+        return ZeroSection(), None, None
     raw = top.raw("zero_optimization", None)
     if isinstance(raw, bool):  # DeepSpeed's legacy form
-        return ZeroSection(stage=1 if raw else 0), None
+        return ZeroSection(stage=1 if raw else 0), None, None
     zero = top.section("zero_optimization")
     stage = _read_stage(zero)
     reduce = zero.int("reduce_bucket_size", None, unit=" (elements)")
@@ -120,6 +122,7 @@ def parse_zero(top: Section) -> tuple[ZeroSection, int | None]:
                 "flatzero uses one bucket size (reduce_bucket_size) for both collectives",
             )
         )
+    offload = parse_offload_optimizer(zero, stage)
     for refusal in ZERO_REFUSED:
         zero.refuse(*refusal)
     for name, reason in ZERO_NO_EFFECT.items():
@@ -127,7 +130,7 @@ def parse_zero(top: Section) -> tuple[ZeroSection, int | None]:
     for name in STAGE3_KEYS:
         zero.no_effect(name, "stage 3 only")
     zero.finish(unknown="error", main=ZERO_MAIN_KEYS)
-    return ZeroSection(stage), reduce or gather or None
+    return ZeroSection(stage), reduce or gather or None, offload
 
 
 class _Fp16(NamedTuple):

@@ -1,0 +1,355 @@
+"""Optimizer offload (ZeRO-Offload): the host half of a ``ZeroOptimizer`` step.
+
+With ``ZeroConfig.offload_optimizer`` the fp32 master shards and the inner optimizer's state
+live in host memory, beside a host fp32 gradient shard per group. A step then runs:
+
+1. ``HostOffload.download``: each bucket's reduced gradient shard slice is copied from the
+   device gradient shard into the host gradient shard, on a stream of its own (waiting for
+   the reductions first), with an event recorded per bucket;
+2. the norm, the inf/nan verdict and the clip coefficient are computed on the device as
+   without offload; ``HostOffload.to_host`` brings the coefficient over on the same stream;
+3. the host waits on the events (never a device-wide synchronize), and ``host_step`` runs
+   the inner optimizer over the host shards with torch's fused CPU kernel (Adam, AdamW,
+   SGD, Adagrad) on the rank's share of the cores;
+4. ``HostOffload.upload``: the master shard is cast to the params' dtype into the
+   (page-locked) host gradient shard's memory, which is no longer needed, and copied
+   asynchronously into this rank's slice of every bucket on the current stream, so the
+   all-gather that follows is ordered after it.
+
+Without an accelerator (buckets in host memory) the device gradient shard *is* the host one
+and the cast goes straight into the buckets: nothing is copied twice.
+
+Not the flatten tier ``offload`` (params parked in host memory while a full device makes
+room at init): this module is about where the optimizer steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import accel
+from ..flatten.buffers import FlatParams
+from ..flatten.threads import init_threads
+from ..hostmem import empty_host
+from .config import OffloadConfig
+from .inner import build_inner_optimizer, step_with_grad_scale, with_fused_default
+
+__all__ = [
+    "HostOffload",
+    "OffloadHostBytes",
+    "check_host_kernel",
+    "host_step",
+    "offload_host_bytes",
+    "state_floats",
+]
+
+logger = logging.getLogger(__name__)
+
+HOST = torch.device("cpu")
+"""Where an offloaded optimizer steps."""
+
+_REGISTER_MIN_BYTES = 2**23
+"""Host buffers from this size on are page-locked in place (``accel.pin_host``): they are
+``empty_host``'s own pages; smaller ones come from torch's pinned allocator."""
+
+
+def check_host_kernel(
+    optimizer: Callable[..., torch.optim.Optimizer],
+    group_options: Sequence[Mapping[str, Any]],
+    defaults: dict[str, Any],
+) -> None:
+    """Raise ``TypeError`` when ``optimizer`` cannot step tensors in host memory (a
+    CUDA-only fused optimizer, say): one step over one dummy host shard per group, with the
+    arguments the offloaded inner optimizer gets (``with_fused_default`` for the host).
+
+    Raises:
+        TypeError: naming the optimizer, what failed, and the fix.
+    """
+    options = [dict(o) for o in group_options]
+    host_defaults = with_fused_default(optimizer, defaults, options, HOST)
+    dummies = [nn.Parameter(torch.zeros(4)) for _ in options]
+    for dummy in dummies:
+        dummy.grad = torch.zeros(4)
+    probe = build_inner_optimizer(optimizer, dummies, options, host_defaults)
+    try:
+        probe.step()
+    except Exception as error:  # whatever the kernel raises, the answer is the same
+        name = type(probe).__name__
+        raise TypeError(
+            f"{name} cannot step tensors in host memory ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else 'no message'}); optimizer offload "
+            "(offload_optimizer device 'cpu') runs the optimizer on the host: use "
+            "torch.optim.AdamW, Adam, SGD or Adagrad (fused CPU kernels) or another optimizer "
+            "with a CPU implementation, or turn optimizer offload off"
+        ) from error
+
+
+def host_step(
+    inner: torch.optim.Optimizer, *, threads: int, grad_scale: torch.Tensor | None = None
+) -> None:
+    """One ``inner.step()`` over host shards with exactly ``threads`` intra-op threads (the
+    previous count restored after, also on error).
+
+    Args:
+        inner: the optimizer over the host master shards (their ``.grad`` set).
+        threads: intra-op CPU threads for the step (the rank's core share).
+        grad_scale: a 0-d fp32 host tensor the fused kernel divides every gradient by as
+            it reads it (``torch.optim``'s ``grad_scale``; fused Adam, AdamW, SGD, Adagrad
+            only); None: the gradients are used as they are.
+    """
+    with init_threads(threads):
+        step_with_grad_scale(inner, grad_scale)
+
+
+_STATE_FLOATS: Mapping[str, Callable[[Mapping[str, Any]], int]] = {
+    "Adam": lambda o: 2 + int(bool(o.get("amsgrad"))),
+    "AdamW": lambda o: 2 + int(bool(o.get("amsgrad"))),
+    "Adamax": lambda o: 2,
+    "NAdam": lambda o: 2,
+    "RAdam": lambda o: 2,
+    "Adadelta": lambda o: 2,
+    "Rprop": lambda o: 2,
+    "SGD": lambda o: int(bool(o.get("momentum", 0))),
+    "Adagrad": lambda o: 1,
+    "ASGD": lambda o: 1,
+    "RMSprop": lambda o: 1 + int(bool(o.get("centered"))) + int(bool(o.get("momentum", 0))),
+}
+"""Per ``torch.optim`` class: fp32 state tensors of the param's size it keeps."""
+
+
+def state_floats(optimizer: str | type, options: Mapping[str, Any] | None = None) -> int:
+    """How many param-sized fp32 state tensors the ``torch.optim`` class ``optimizer`` (or
+    its name) keeps with ``options`` (AdamW: 2, with ``amsgrad`` 3; SGD: 1 with momentum,
+    else 0; Adagrad: 1).
+
+    Raises:
+        ValueError: a class this table does not know.
+    """
+    name = optimizer if isinstance(optimizer, str) else optimizer.__name__
+    count = _STATE_FLOATS.get(name)
+    if count is None:
+        raise ValueError(
+            f"state_floats does not know {name}; known: {', '.join(sorted(_STATE_FLOATS))}"
+        )
+    return count(options or {})
+
+
+@dataclass(frozen=True)
+class OffloadHostBytes:
+    """Host memory one rank's offloaded optimizer holds, in bytes.
+
+    Attributes:
+        master: the fp32 master shards (4 bytes per shard element).
+        grads: the host fp32 gradient shards (4 bytes per shard element); their memory is
+            also the upload's source (the params' dtype fits in it).
+        state: the inner optimizer's per-element state (4 bytes per element per state
+            tensor: 8 for Adam/AdamW).
+        pinned: of ``grads``, the page-locked bytes (all of it with ``pin_memory`` on a
+            machine with an accelerator, else 0).
+    """
+
+    master: int
+    grads: int
+    state: int
+    pinned: int
+
+    @property
+    def total(self) -> int:
+        """All of it, in bytes (``pinned`` is part of ``grads``)."""
+        return self.master + self.grads + self.state
+
+
+def offload_host_bytes(
+    shard_numels: Sequence[int], state_per_element: int, *, pinned: bool
+) -> OffloadHostBytes:
+    """The host bytes of optimizer offload on one rank, from its shard lengths.
+
+    Args:
+        shard_numels: this rank's shard length of every group in elements
+            (``GroupLayout.shard_numel``: the same on every rank).
+        state_per_element: fp32 state tensors per element (``state_floats``).
+        pinned: whether the gradient shards are page-locked (``pin_memory`` and an
+            accelerator).
+
+    Without an accelerator the gradient shard is the one the reductions write (it is in
+    host memory either way), counted here all the same.
+    """
+    numel = sum(int(n) for n in shard_numels)
+    grads = 4 * numel
+    return OffloadHostBytes(
+        master=4 * numel,
+        grads=grads,
+        state=4 * state_per_element * numel,
+        pinned=grads if pinned else 0,
+    )
+
+
+def _unpin_all(tensors: list[torch.Tensor]) -> None:
+    for tensor in tensors:
+        accel.unpin_host(tensor)
+    tensors.clear()
+
+
+class HostOffload:
+    """Host gradient shards, the gradient download and the parameter upload of one
+    offloaded ``ZeroOptimizer`` (see the module docstring for the order of a step).
+
+    Args:
+        flat: the flattened params (buckets on the device, masters in host memory).
+        device_grads: per group, the fp32 gradient shard the reductions write.
+        config: ``pin_memory`` and ``threads``.
+        threads: the host step's intra-op threads (``config.threads`` or the core share).
+
+    Attributes:
+        host_grads: per group, the host fp32 gradient shard the inner optimizer reads
+            (``device_grads`` themselves when the buckets are in host memory).
+        copies: whether gradients and params cross to an accelerator (else nothing moves).
+        pinned: whether the host gradient shards are page-locked.
+        threads: the host step's intra-op threads.
+    """
+
+    def __init__(
+        self,
+        flat: FlatParams,
+        device_grads: list[torch.Tensor],
+        config: OffloadConfig,
+        threads: int,
+    ) -> None:
+        self.threads = threads
+        self.device = flat.groups[0].device
+        self.copies = accel.is_accelerator(self.device)
+        self.pinned = self.copies and config.pin_memory
+        self._registered: list[torch.Tensor] = []
+        weakref.finalize(self, _unpin_all, self._registered)
+        pairs = [(g, b) for g in flat.groups for b in range(len(g.buckets))]
+        self._own_slices = [g.bucket_shard(b) for g, b in pairs]
+        self._stream: Any = None
+        self._events: list[Any] = []
+        self._scalar_event: Any = None
+        if not self.copies:
+            self.host_grads = list(device_grads)
+            return
+        self.host_grads = [self._host_buffer(g.numel(), torch.float32) for g in device_grads]
+        self._scalar = self._host_buffer(1, torch.float32).view(())
+        # The upload's source: the master cast to the params' dtype, in the host gradient
+        # shard's memory (free once the inner step has read it; the dtype is never wider).
+        self._staging = [
+            host.view(torch.uint8)[: g.layout.shard_numel * g.dtype.itemsize].view(g.dtype)
+            for g, host in zip(flat.groups, self.host_grads, strict=True)
+        ]
+        self._downloads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._upload_sources: list[torch.Tensor] = []
+        for gi, group in enumerate(flat.groups):
+            for bucket in group.layout.buckets:
+                lo, hi = bucket.shard_offset, bucket.shard_offset + bucket.slice_numel
+                self._downloads.append((self.host_grads[gi][lo:hi], device_grads[gi][lo:hi]))
+                self._upload_sources.append(self._staging[gi][lo:hi])
+        if accel.has_streams(self.device):
+            self._stream = accel.new_stream(self.device)
+            self._events = [accel.new_event(self.device) for _ in pairs]
+            self._scalar_event = accel.new_event(self.device)
+
+    def _host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """An empty host tensor, page-locked while ``self.pinned`` (registered in place,
+        else from torch's pinned allocator); on the first failure every later buffer is
+        pageable too and one warning says so."""
+        host = empty_host(numel, dtype)
+        if not self.pinned:
+            return host
+        # A small buffer may share a page with other memory: registering it in place
+        # could collide with another registration; torch's pinned allocator takes it.
+        if host.nbytes >= _REGISTER_MIN_BYTES and accel.pin_host(host):
+            self._registered.append(host)
+            return host
+        cached = accel.pinned_empty(numel * dtype.itemsize)
+        if cached is not None:
+            return cached.view(dtype)
+        self.pinned = False
+        logger.warning(
+            "optimizer offload: pin_memory is on but host memory could not be page-locked; "
+            "the gradient and parameter copies between host and %s use pageable memory and "
+            "are synchronous (slower, not wrong)",
+            self.device.type,
+        )
+        return host
+
+    @contextlib.contextmanager
+    def _side_stream(self) -> Iterator[None]:
+        """Queue the block on the offload stream after everything queued so far on the
+        current stream (nothing happens without streams: copies are synchronous)."""
+        if self._stream is None:
+            yield
+            return
+        self._stream.wait_stream(accel.current_stream(self.device))
+        with accel.use_stream(self._stream):
+            yield
+
+    def download(self) -> None:
+        """Start copying every bucket's reduced gradient shard slice to the host gradient
+        shard (after the reductions queued so far), an event recorded after each."""
+        if not self.copies:
+            return
+        with self._side_stream():
+            for i, (dst, src) in enumerate(self._downloads):
+                dst.copy_(src, non_blocking=self.pinned)
+                if self._events:
+                    self._events[i].record(self._stream)
+
+    def wait(self) -> None:
+        """Block the host until every bucket's download has landed (its event)."""
+        for event in self._events:
+            event.synchronize()
+
+    def to_host(self, value: torch.Tensor) -> torch.Tensor:
+        """The 0-d fp32 tensor ``value`` in host memory, copied on the offload stream after
+        the work queued so far; waits on that copy's event only."""
+        if not self.copies:
+            return value
+        with self._side_stream():
+            self._scalar.copy_(value, non_blocking=self.pinned)
+            if self._scalar_event is not None:
+                self._scalar_event.record(self._stream)
+        if self._scalar_event is not None:
+            self._scalar_event.synchronize()
+        return self._scalar
+
+    def upload(
+        self, masters: Sequence[torch.Tensor], master_slices: Sequence[torch.Tensor]
+    ) -> None:
+        """Cast the master shards to the params' dtype and write them into this rank's
+        slice of every bucket (through the host gradient shards' memory, asynchronously
+        on the current stream when it is page-locked). Call it with ``threads`` set."""
+        if not self.copies:
+            torch._foreach_copy_(self._own_slices, list(master_slices))
+            return
+        for staging, master in zip(self._staging, masters, strict=True):
+            staging.copy_(master)
+        for own, source in zip(self._own_slices, self._upload_sources, strict=True):
+            own.copy_(source, non_blocking=self.pinned)
+
+    def host_bytes(
+        self, inner: torch.optim.Optimizer, masters: Sequence[torch.Tensor]
+    ) -> OffloadHostBytes:
+        """The host bytes held now: masters, host gradient shards, the inner optimizer's
+        per-element state (``OffloadHostBytes``; measured from the tensors)."""
+        state = sum(
+            v.nbytes
+            for s in inner.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+        grads = sum(g.nbytes for g in self.host_grads)
+        return OffloadHostBytes(
+            master=sum(m.nbytes for m in masters),
+            grads=grads,
+            state=state,
+            pinned=grads if self.pinned else 0,
+        )

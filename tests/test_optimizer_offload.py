@@ -1,0 +1,327 @@
+"""Optimizer offload (``ZeroConfig.offload_optimizer``, ZeRO-Offload) on CPU, gloo ranks.
+
+Without an accelerator the offloaded optimizer's master shards and state are host memory
+either way, so an offload run must give bitwise the losses and params of the same run
+without offload: stages 1 and 2, bf16 and fp16 (loss scaling, an overflow skipped),
+gradient accumulation, clipping, a model whose sizes divide by nothing, several buckets;
+world sizes 1 and 2, one launch each. Checkpoints saved with offload load without it and
+the reverse, at another world size. The device path (copies, streams, events) runs in
+``tests/device/test_device_offload.py`` on the emulated accelerator (and CUDA).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import flatzero
+from flatzero import FlattenConfig, OffloadConfig, ZeroConfig, ZeroOptimizer
+from flatzero.launch import run_ranks
+from flatzero.optim.offload import offload_host_bytes, state_floats
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+STEPS = 3
+BUCKET = 320  # elements: several buckets, uneven slices
+
+
+@dataclass(frozen=True)
+class Case:
+    """One training run, with and without optimizer offload."""
+
+    stage: int
+    dtype: str
+    accumulation: int = 2
+    clip: float | None = 0.5
+    overflow_step: int | None = None  # fp16: this step's first micro-batch is inf, last rank
+    optimizer: str = "AdamW"
+
+
+WS1_CASES = (
+    Case(stage=1, dtype="bf16"),
+    Case(stage=2, dtype="fp16", overflow_step=1),
+)
+WS2_CASES = (
+    Case(stage=1, dtype="fp16", overflow_step=1),
+    Case(stage=2, dtype="bf16", accumulation=3),
+    Case(stage=2, dtype="fp32", clip=None, optimizer="SGD"),
+)
+
+
+def make_model(dtype: torch.dtype, device: str | torch.device = "cpu") -> nn.Module:
+    """An MLP whose sizes share no factor with the world size or the alignment."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(13, 29), nn.Tanh(), nn.Linear(29, 31), nn.Tanh())
+    model.append(nn.Linear(31, 7))
+    return model.to(device=device, dtype=dtype)
+
+
+def batch(step: int, micro: int, rank: int, dtype: torch.dtype, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randn(5, 13, generator=g).to(device=device, dtype=dtype)
+
+
+def build(case: Case, model: nn.Module, offload: bool | OffloadConfig, device) -> ZeroOptimizer:
+    optimizer = getattr(torch.optim, case.optimizer)
+    kwargs = {"lr": 1e-2, "weight_decay": 0.01}
+    if case.optimizer == "SGD":
+        kwargs["momentum"] = 0.9
+    return ZeroOptimizer(
+        model,
+        optimizer,
+        stage=case.stage,
+        config=ZeroConfig(max_grad_norm=case.clip, reduce_staging_bytes=2**12),
+        flatten_config=FlattenConfig(device=str(device), bucket_numel=BUCKET, progress=False),
+        offload_optimizer=offload,
+        **kwargs,
+    )
+
+
+def train(
+    case: Case, rank: int, offload: bool | OffloadConfig, device="cpu"
+) -> tuple[list[float], dict[str, torch.Tensor], ZeroOptimizer]:
+    """Losses (summed over micro-batches), the fp32 masters and the optimizer."""
+    dtype = DTYPES[case.dtype]
+    model = make_model(dtype, device)
+    opt = build(case, model, offload, device)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for micro in range(case.accumulation):
+            loss = model(batch(step, micro, rank, dtype, device)).float().pow(2).mean()
+            loss = loss / case.accumulation
+            if step == case.overflow_step and micro == 0 and rank == dist_last():
+                loss = loss * float("inf")
+            opt.backward(loss)
+            total += float(loss.detach())
+        opt.step()
+        losses.append(float("nan") if opt.last_step_skipped else total)
+    masters = {k: v.cpu() for k, v in opt.full_params().items()}
+    return losses, masters, opt
+
+
+def dist_last() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() - 1 if dist.is_initialized() else 0
+
+
+def compare_worker(rank: int, world_size: int, cases: tuple[Case, ...]) -> list[str]:
+    """Every case with and without offload; returns what differed (empty: nothing)."""
+    problems = []
+    for case in cases:
+        plain = train(case, rank, False)
+        off = train(case, rank, OffloadConfig(pin_memory=True, threads=1))
+        opt = off[2]
+        if str(plain[0]) != str(off[0]):  # nan for a skipped step
+            problems.append(f"{case}: losses {plain[0]} != {off[0]}")
+        for name, value in plain[1].items():
+            if not torch.equal(value, off[1][name]):
+                problems.append(f"{case}: master {name} differs")
+        skipped = [step for step, loss in enumerate(off[0]) if loss != loss]
+        if skipped != ([] if case.overflow_step is None else [case.overflow_step]):
+            problems.append(f"{case}: skipped steps {skipped}")
+        if opt.master_shards[0].device.type != "cpu" or opt.offload_optimizer is None:
+            problems.append(f"{case}: master not in host memory")
+        if opt.inner.param_groups[0].get("fused") is not True:
+            problems.append(f"{case}: the host step is not torch's fused CPU kernel")
+        measured = opt.offload_host_bytes()
+        options = {"momentum": 0.9} if case.optimizer == "SGD" else {}
+        predicted = offload_host_bytes(
+            [g.layout.shard_numel for g in opt.flat.groups],
+            state_floats(case.optimizer, options),
+            pinned=False,
+        )
+        if measured != predicted:
+            problems.append(f"{case}: host bytes {measured} != formula {predicted}")
+        opt.close()
+        plain[2].close()
+    return problems
+
+
+def test_offload_same_as_without_world_size_1():
+    """In this process (no process group): bitwise."""
+    assert compare_worker(0, 1, WS1_CASES) == []
+
+
+def ws2_worker(rank: int, world_size: int, root: str) -> tuple[list[str], bytes]:
+    """World size 2, one launch: the parity cases, then the checkpoints (the final masters
+    as ``torch.save`` bytes: tensors cannot outlive their process in a queue)."""
+    problems = compare_worker(rank, world_size, WS2_CASES)
+    buffer = io.BytesIO()
+    torch.save(save_worker(rank, world_size, root), buffer)
+    return problems, buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def ws2(tmp_path_factory) -> tuple[Path, list]:
+    root = tmp_path_factory.mktemp("offload")
+    return root, run_ranks(ws2_worker, 2, str(root), timeout_s=90)
+
+
+def test_offload_same_as_without_world_size_2(ws2):
+    """Two gloo ranks: bitwise."""
+    _, results = ws2
+    assert [problems for problems, _ in results] == [[], []]
+
+
+# --------------------------------------------------------------------- checkpoints
+CKPT = Case(stage=2, dtype="fp32", accumulation=1, clip=1.0)
+
+
+def save_worker(rank: int, world_size: int, root: str) -> dict[str, dict[str, torch.Tensor]]:
+    """At world size 2: train 2 steps with and without offload, save each, train 2 more;
+    returns the final masters of both."""
+    out = {}
+    for name, offload in (("offload", True), ("plain", False)):
+        model = make_model(torch.float32)
+        opt = build(CKPT, model, offload, "cpu")
+        for step in range(4):
+            if step == 2:
+                flatzero.save_checkpoint(Path(root) / name, opt, tag="t")
+            model(batch(step, 0, rank, torch.float32, "cpu")).pow(2).mean().backward()
+            opt.step()
+        out[name] = opt.full_params()
+        opt.close()
+    return out
+
+
+def load_and_continue(root: Path, saved: str, offload: bool) -> dict[str, torch.Tensor]:
+    """At world size 1: load ``saved``, train the last 2 steps on both ranks' data at once
+    (the mean over 2 ranks' equal micro-batches is the mean over their concatenation)."""
+    model = make_model(torch.float32)
+    opt = build(CKPT, model, offload, "cpu")
+    flatzero.load_checkpoint(root / saved, opt, tag="t")
+    for step in (2, 3):
+        data = torch.cat([batch(step, 0, r, torch.float32, "cpu") for r in (0, 1)])
+        model(data).pow(2).mean().backward()
+        opt.step()
+    params = opt.full_params()
+    opt.close()
+    return params
+
+
+def test_checkpoint_loads_across_offload_and_world_size(ws2):
+    """Saved at world size 2 with offload, loaded at 1 without, and the reverse: the run
+    continues as the world-size-2 run did (fp32 reduction-order tolerance)."""
+    root, results = ws2
+    finals = torch.load(io.BytesIO(results[0][1]))
+    for saved, offload in (("offload", False), ("plain", True)):
+        got = load_and_continue(root, saved, offload)
+        for name, value in finals[saved].items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# --------------------------------------------------------------------- bad input
+class _DeviceOnly(torch.optim.SGD):
+    """An optimizer whose kernel refuses host tensors (as a CUDA-only fused one does)."""
+
+    def step(self, closure=None):
+        if any(p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
+            raise RuntimeError("this kernel runs on CUDA tensors only")
+        return super().step(closure)
+
+
+def test_optimizer_without_a_host_kernel_is_refused_before_flattening():
+    model = make_model(torch.float32)
+    before = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(TypeError, match="_DeviceOnly cannot step tensors in host memory"):
+        ZeroOptimizer(
+            model, _DeviceOnly, lr=0.1, offload_optimizer=True, elementwise_optimizer=True
+        )
+    assert [p.data_ptr() for p in model.parameters()] == before  # nothing flattened
+    ZeroOptimizer(model, _DeviceOnly, lr=0.1, elementwise_optimizer=True).close()  # no offload
+
+
+def _offload_config(device: str = "cpu", stage: int = 2) -> dict:
+    return {
+        "train_batch_size": 2,
+        "zero_optimization": {"stage": stage, "offload_optimizer": {"device": device}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+
+
+def test_client_optimizer_without_a_host_kernel_is_refused_by_initialize():
+    model = make_model(torch.float32)
+    client = _DeviceOnly(model.parameters(), lr=0.1)
+    config = {**_offload_config(), "flatzero": {"elementwise_optimizer": True}}
+    del config["optimizer"]
+    with pytest.raises(TypeError, match="cannot step tensors in host memory"):
+        flatzero.initialize(model=model, optimizer=client, config=config)
+
+
+def test_nvme_is_deepspeeds_and_says_so_when_it_is_missing(monkeypatch):
+    with pytest.raises(flatzero.UnsupportedFeatureError, match="patch_deepspeed") as found:
+        flatzero.initialize(model=make_model(torch.float32), config=_offload_config("nvme"))
+    assert found.value.key == "zero_optimization.offload_optimizer.device"
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # not installed
+    with pytest.raises(flatzero.UnsupportedFeatureError, match="pip install deepspeed"):
+        flatzero.initialize(model=make_model(torch.float32), config=_offload_config("nvme"))
+
+
+def test_deepspeed_door_offload_config_and_getters(caplog):
+    """The DeepSpeed door takes offload_optimizer (and the older cpu_offload) at stages 1
+    and 2; the getters say so; param offload stays refused."""
+    model = make_model(torch.float32)
+    config = _offload_config()
+    config["zero_optimization"]["offload_optimizer"].update(pin_memory=True, buffer_count=4)
+    engine, opt, *_ = flatzero.initialize(model=model, config=config)
+    assert engine.zero_offload_optimizer() == OffloadConfig(pin_memory=True)
+    assert engine.zero_cpu_offload() is True and engine.zero_offload_param() is False
+    assert opt.master_shards[0].device.type == "cpu" and opt.offload_optimizer is not None
+    assert any("buffer_count" in k for k, _ in engine.parsed_config.ignored)
+    engine.destroy()
+    legacy = {**config, "zero_optimization": {"stage": 1, "cpu_offload": True}}
+    engine, opt, *_ = flatzero.initialize(model=make_model(torch.float32), config=legacy)
+    assert engine.zero_offload_optimizer() == OffloadConfig(pin_memory=False)
+    engine.destroy()
+    plain = {**config, "zero_optimization": {"stage": 2}}
+    engine, *_ = flatzero.initialize(model=make_model(torch.float32), config=plain)
+    assert engine.zero_offload_optimizer() is None and engine.zero_cpu_offload() is False
+    engine.destroy()
+    param = {**config, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
+    with pytest.raises(flatzero.UnsupportedFeatureError, match="offload the params"):
+        flatzero.initialize(model=make_model(torch.float32), config=param)
+    with pytest.raises(flatzero.UnsupportedFeatureError, match="stage 1 or 2"):
+        flatzero.initialize(model=make_model(torch.float32), config=_offload_config(stage=0))
+
+
+def test_offload_argument_is_checked():
+    with pytest.raises(TypeError, match="offload_optimizer must be"):
+        ZeroOptimizer(make_model(torch.float32), offload_optimizer="cpu")
+    with pytest.raises(ValueError, match=r"OffloadConfig\.threads"):
+        OffloadConfig(threads=0)
+    with pytest.raises(TypeError, match=r"ZeroConfig\.offload_optimizer"):
+        ZeroConfig(offload_optimizer=True)
+
+
+def test_router_sends_cpu_offload_to_flatzero_and_nvme_to_deepspeed(caplog):
+    pytest.importorskip("deepspeed")
+    import deepspeed
+
+    calls = []
+
+    def original(**kwargs):
+        calls.append(kwargs)
+        return ("deepspeed",)
+
+    from flatzero.patch import _make_router
+
+    router = _make_router(original)
+    with caplog.at_level(logging.INFO, logger="flatzero.patch"):
+        engine, *_ = router(model=make_model(torch.float32), config=_offload_config())
+        assert type(engine).__module__.startswith("flatzero") and calls == []
+        engine.destroy()
+        assert router(model=make_model(torch.float32), config=_offload_config("nvme")) == (
+            "deepspeed",
+        )
+    assert len(calls) == 1
+    routed = [r.getMessage() for r in caplog.records if "-> DeepSpeed" in r.getMessage()]
+    assert len(routed) == 1 and "offload_optimizer.device" in routed[0], routed
+    assert deepspeed.initialize is not router
