@@ -22,9 +22,10 @@ What Hugging Face Accelerate and Trainer use of a DeepSpeed engine behaves as De
 ``step()`` only there), ``get_global_grad_norm()`` after every optimizer step,
 ``optimizer.overflow``, ``engine.config`` as the raw config dict, attribute pass-through to
 the module, DeepSpeed's checkpoint tags and return values. When ``deepspeed`` is imported
-in the process, ``Engine(...)`` builds an instance of a subclass that also derives from
-``deepspeed.DeepSpeedEngine`` (without running its ``__init__``; see
-``deepspeed_compat.py``), so ``isinstance(engine, deepspeed.DeepSpeedEngine)`` holds.
+in the process, ``initialize`` (the door, not this class) builds an instance of a subclass
+that also derives from ``deepspeed.DeepSpeedEngine`` (without running its ``__init__``; see
+``deepspeed_compat.py``), so ``isinstance(engine, deepspeed.DeepSpeedEngine)`` holds. This
+module does not know DeepSpeed's engine exists.
 
 The getters DeepSpeed's engine has come from ``DeepSpeedGetters`` (``getters.py``), the
 checkpoint methods from ``EngineCheckpoints`` (``checkpointing.py``).
@@ -74,13 +75,6 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
         micro_steps: ``step()`` calls (micro-batches).
         skipped_steps: optimizer steps skipped for inf/nan gradients.
     """
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Engine:
-        if cls is Engine:
-            from .deepspeed_compat import deepspeed_engine_class
-
-            cls = deepspeed_engine_class() or Engine
-        return super().__new__(cls)
 
     def __init__(
         self,

@@ -42,6 +42,7 @@ from ..optim import ZeroOptimizer
 from ..params import collect_param_groups
 from .client import link_client_optimizer
 from .config import EngineConfig, parse_config
+from .deepspeed_compat import deepspeed_engine_class
 from .engine import Engine
 from .errors import UnsupportedFeatureError
 from .lr_scheduler import build_scheduler, check_client_scheduler, probe_scheduler
@@ -360,7 +361,8 @@ def initialize(
         zero_opt.close()  # release the params' hooks: the model stays usable
         raise
     report = _report(cfg, weights, choice, scheduler, sync, phases)
-    engine = Engine(
+    engine_class = deepspeed_engine_class() or Engine  # isinstance DeepSpeedEngine if imported
+    engine = engine_class(
         model,
         zero_opt,
         scheduler,
