@@ -169,3 +169,223 @@ def test_empty_param_group_is_refused_with_its_index() -> None:
     with pytest.raises(ValueError, match=r"param group\(s\) \[1\] have no trainable params"):
         flatzero.ZeroOptimizer(groups, optimizer=torch.optim.SGD, lr=0.1)
     flatzero.ZeroOptimizer([groups[0], groups[2]], optimizer=torch.optim.SGD, lr=0.1).close()
+
+
+# --------------------------------------------------------------------- checkpoint loads
+# Every field a load reads from a checkpoint is checked before anything changes
+# (checkpoint/validate.py). One checkpoint is saved (fp16 loss scaler, StepLR, RNG states,
+# a buffer, the engine's counters); each case edits a copy of it and loads it.
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(7, 33).half()
+        self.b = nn.Linear(33, 5).half()
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x.half()))).float().pow(2).mean()
+
+
+def _zero(seed: int) -> tuple[nn.Module, Any, Any]:
+    torch.manual_seed(seed)
+    net = _Net()
+    opt = flatzero.ZeroOptimizer(
+        net.named_parameters(),
+        torch.optim.AdamW,
+        flatten_config=flatzero.FlattenConfig(bucket_numel=200, progress=False),
+        lr=1e-3,
+    )
+    return net, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    from flatzero.checkpoint import SaveConfig, save_checkpoint
+
+    root = tmp_path_factory.mktemp("saved")
+    net, opt, sched = _zero(0)
+    for _ in range(2):
+        opt.backward(net(torch.ones(4, 7)))
+        opt.step()
+        sched.step()
+    counters = {"global_steps": 2, "global_samples": 8, "micro_steps": 2, "skipped_steps": 0}
+    save_checkpoint(
+        root,
+        opt,
+        "t",
+        scheduler=sched,
+        model=net,
+        extra={"flatzero_engine": counters},
+        config=SaveConfig(save_rng=True),
+    )
+    opt.close()
+    return root
+
+
+def _meta_edit(edit: Any) -> Any:
+    """A case that edits ``meta.json``'s dict (the layout digest follows the layout, as a
+    careful hand edit would make it)."""
+
+    def apply(ckpt: Path) -> None:
+        from flatzero.layout import Layout
+
+        path = ckpt / "t" / "meta.json"
+        data = json.loads(path.read_text())
+        edit(data)
+        try:
+            data["layout_digest"] = Layout.from_dict(data["layout"]).digest()
+        except Exception:
+            data.pop("layout_digest", None)
+        path.write_text(json.dumps(data))
+
+    return apply
+
+
+def _rank_file_edit(edit: Any) -> Any:
+    """A case that rewrites rank 0's file (``edit(tensors, metadata)``), its size recorded."""
+
+    def apply(ckpt: Path) -> None:
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        path = ckpt / "t" / "rank_00000-of-00001.safetensors"
+        with safe_open(str(path), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+            metadata = dict(f.metadata())
+        edit(tensors, metadata)
+        save_file(tensors, str(path), metadata)
+        meta = ckpt / "t" / "meta.json"
+        data = json.loads(meta.read_text())
+        data["files"][0]["bytes"] = path.stat().st_size
+        meta.write_text(json.dumps(data))
+
+    return apply
+
+
+def _set(*keys: Any, value: Any) -> Any:
+    def edit(data: Any) -> None:
+        for key in keys[:-1]:
+            data = data[key]
+        data[keys[-1]] = value
+
+    return edit
+
+
+def _group0(data: Any) -> Any:
+    return data["groups"][0]
+
+
+def _layout_group0(data: Any) -> Any:
+    return data["layout"]["groups"][0]
+
+
+def _tensor(value: Any, dtype: str = "float32") -> dict[str, Any]:
+    return {"__tensor__": value, "dtype": dtype, "shape": []}
+
+
+# (name, edit of the saved checkpoint, what the error must name)
+_BAD_CHECKPOINTS: list[tuple[str, Any, str]] = [
+    ("step < 0", _meta_edit(lambda d: _group0(d)["scalars"].update(step=_tensor(-5.0))),
+     r"groups\[0\]\.scalars\['step'\]"),
+    ("step is text", _meta_edit(lambda d: _group0(d)["scalars"].update(step="abc")),
+     r"groups\[0\]\.scalars\['step'\]"),
+    ("scalar of no dtype", _meta_edit(lambda d: _group0(d)["scalars"].update(
+        step=_tensor(1, "nonsense"))), r"scalars\['step'\] cannot be decoded"),
+    ("lr < 0", _meta_edit(lambda d: _group0(d)["hyperparams"].update(lr=-1.0)),
+     r"groups\[0\]\.hyperparams are refused by AdamW.*learning rate"),
+    ("one beta", _meta_edit(lambda d: _group0(d)["hyperparams"].update(
+        betas={"__tuple__": [0.9]})), r"groups\[0\]\.hyperparams are refused by AdamW"),
+    ("SGD's momentum", _meta_edit(lambda d: _group0(d)["hyperparams"].update(momentum=0.9)),
+     r"groups\[0\]\.hyperparams has \['momentum'\], which AdamW does not have"),
+    ("a state dropped", _meta_edit(lambda d: _group0(d).update(states=["master", "exp_avg"])),
+     r"groups\[0\] holds states \['exp_avg'\].*AdamW.*keeps \['exp_avg', 'exp_avg_sq'\]"),
+    ("state not listed first", _meta_edit(lambda d: _group0(d).update(states=["exp_avg"])),
+     r"groups\[0\]\.states is \['exp_avg'\]; it must start with 'master'"),
+    ("loss scale < 0", _meta_edit(_set("loss_scaler", "scale", value=-1.0)),
+     r"loss_scaler\.scale is -1\.0"),
+    ("loss scale inf", _meta_edit(_set("loss_scaler", "scale", value={"__float__": "inf"})),
+     r"loss_scaler\.scale"),
+    ("good_steps text", _meta_edit(_set("loss_scaler", "good_steps", value="x")),
+     r"loss_scaler\.good_steps is 'x'"),
+    ("scheduler epoch text", _meta_edit(_set("scheduler", "last_epoch", value="x")),
+     r"scheduler\['last_epoch'\]"),
+    ("scheduler lrs short", _meta_edit(_set("scheduler", "base_lrs", value=[])),
+     r"scheduler\['base_lrs'\] has another type or length"),
+    ("scheduler a list", _meta_edit(_set("scheduler", value=[1, 2])),
+     r"scheduler is a list, not a state dict"),
+    ("scheduler of another kind", _meta_edit(lambda d: d["scheduler"].pop("step_size")),
+     r"missing \['step_size'\].*load_lr_scheduler_states=False"),
+    ("stage text", _meta_edit(_set("stage", value="2")), r"stage is '2', not 0, 1, 2"),
+    ("bucket order text", _meta_edit(_set("bucket_order", value=["a"])), r"bucket_order is"),
+    ("model_rest outside", _meta_edit(_set("model_rest", value="../../etc/passwd")),
+     r"model_rest is '\.\./\.\./etc/passwd', not a file name"),
+    ("rank file outside", _meta_edit(_set("files", 0, "file", value="../x.safetensors")),
+     r"files\[0\]\.file is '\.\./x\.safetensors'"),
+    ("tensor shape", _meta_edit(_set("files", 0, "tensors", "g0.master", "shape", value=[5])),
+     r"files\[0\]\.tensors\['g0\.master'\]\.shape is \[5\].*shard of"),
+    ("tensor dtype", _meta_edit(_set("files", 0, "tensors", "g0.exp_avg", "dtype", value="x")),
+     r"files\[0\]\.tensors\['g0\.exp_avg'\]\.dtype"),
+    ("saved_at text", _meta_edit(_set("saved_at", value="yesterday")), r"saved_at is 'yesterday'"),
+    ("world size 0", _meta_edit(_set("layout", "world_size", value=0)),
+     r"files for ranks \[0\] but the checkpoint was written by 0 ranks"),
+    ("alignment 0", _meta_edit(_set("layout", "alignment", value=0)), r"layout\.alignment is 0"),
+    ("shard offset", _meta_edit(lambda d: _layout_group0(d)["buckets"][-1].update(
+        shard_offset=7)), r"buckets\[\d+\]\.shard_offset is 7, expected"),
+    ("param past its bucket", _meta_edit(lambda d: _layout_group0(d)["params"][0].update(
+        offset=10**6)), r"params\[0\]\.offset is 1000000"),
+    ("name twice", _meta_edit(lambda d: _layout_group0(d)["params"][1].update(
+        name=_layout_group0(d)["params"][0]["name"])), r"params\[1\]\.name is .*used twice"),
+    ("layout dtype", _meta_edit(lambda d: _layout_group0(d).update(dtype="float3")),
+     r"layout\.groups\[0\]\.dtype is 'float3'"),
+    ("engine step < 0", _meta_edit(_set("extra", "flatzero_engine", "global_steps", value=-1)),
+     r"flatzero_engine\.global_steps is -1"),
+    ("engine step text", _meta_edit(_set("extra", "flatzero_engine", "micro_steps", value="2")),
+     r"flatzero_engine\.micro_steps is '2'"),
+    ("python RNG", _rank_file_edit(lambda t, m: m.update({"rng.python": "[3, [1], null]"})),
+     r"RNG state 'rng\.python' cannot be restored"),
+    ("torch RNG", _rank_file_edit(lambda t, m: t.update({"rng.torch": t["rng.torch"][:9]})),
+     r"tensor 'rng\.torch' is torch\.uint8 of shape \[9\], but .*meta\.json records"),
+    ("master in float64", _rank_file_edit(lambda t, m: t.update(
+        {"g0.master": t["g0.master"].double()})), r"tensor 'g0\.master' is torch\.float64"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "edit", "match"), _BAD_CHECKPOINTS, ids=lambda c: c)
+def test_load_refuses_a_malformed_checkpoint(tmp_path: Path, saved: Path, name, edit, match):
+    import shutil
+
+    from flatzero.checkpoint import load_checkpoint
+    from flatzero.engine.checkpointing import _check_engine_state
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    edit(ckpt)
+    files = _files(ckpt)
+    net, opt, sched = _zero(1)
+    before = (
+        [p.detach().clone() for p in net.parameters()],
+        opt.state_dict()["loss_scaler"],
+        sched.state_dict(),
+        torch.get_rng_state(),
+    )
+    with pytest.raises(ValueError, match=match) as caught:
+        load_checkpoint(ckpt, opt, scheduler=sched, model=net, check_extra=_check_engine_state)
+    assert str(ckpt) in str(caught.value)  # names the file
+    assert all(torch.equal(a, b) for a, b in zip(before[0], net.parameters(), strict=True))
+    assert before[1:3] == (opt.state_dict()["loss_scaler"], sched.state_dict())
+    assert torch.equal(before[3], torch.get_rng_state())
+    assert _files(ckpt) == files  # nothing written
+    opt.close()
+
+
+def test_the_saved_checkpoint_loads(tmp_path: Path, saved: Path) -> None:
+    """The table's checkpoint itself loads (each case fails by its edit alone)."""
+    from flatzero.checkpoint import load_checkpoint
+    from flatzero.engine.checkpointing import _check_engine_state
+
+    net, opt, sched = _zero(1)
+    load_checkpoint(saved, opt, scheduler=sched, model=net, check_extra=_check_engine_state)
+    assert sched.state_dict()["last_epoch"] == 2
+    opt.close()

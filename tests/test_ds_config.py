@@ -107,12 +107,12 @@ ERRORS = [  # (config, world size, exception, exact message)
             "train_micro_batch_size_per_gpu": 2,
             "zero_optimization": {
                 "stage": 2,
-                "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": 0.3},
             },
         },
         1,
         ValueError,
-        "config key 'zero_optimization.offload_optimizer' is {'device': 'cpu', 'pin_memory': True}: it asks to offload the optimizer, which flatzero does not implement; remove it (or set its device to 'none'); flatzero keeps everything on device",
+        "config key 'zero_optimization.offload_optimizer.ratio' is 0.3: flatzero offloads the whole optimizer (ratio 1.0), not part of it; remove ratio (or set it to 1.0), or run DeepSpeed itself",
         id="offload_opt",
     ),
     pytest.param(
@@ -128,11 +128,11 @@ ERRORS = [  # (config, world size, exception, exact message)
     pytest.param(
         {
             "train_micro_batch_size_per_gpu": 2,
-            "zero_optimization": {"stage": 2, "cpu_offload": True},
+            "zero_optimization": {"stage": 0, "cpu_offload": True},
         },
         1,
         ValueError,
-        "config key 'zero_optimization.cpu_offload' is True: it asks to offload the optimizer, which flatzero does not implement; remove it (or set its device to 'none'); flatzero keeps everything on device",
+        "config key 'zero_optimization.cpu_offload.device' is 'cpu': optimizer offload needs ZeRO stage 1 or 2 (zero_optimization.stage is 0); set zero_optimization.stage to 1 or 2, or turn optimizer offload off",
         id="cpu_offload",
     ),
     pytest.param(

@@ -8,7 +8,7 @@ real Trainer and Accelerate).
   ``fp16.auto_cast`` are accepted.
 - Routing (2 gloo ranks, ``deepspeed.initialize`` replaced by a recorder so that DeepSpeed's
   engine is not built): stage 1/2 with a supported optimizer go to flatzero; stage 0/3,
-  offload, ``mpu``, no optimizer, a non-elementwise optimizer, Lamb go to DeepSpeed with one
+  NVMe offload, ``mpu``, no optimizer, a non-elementwise optimizer, Lamb go to DeepSpeed with one
   log line on rank 0 naming the reason and the model untouched; user errors raise.
 - Engine (2 gloo ranks, DeepSpeed imported): ``isinstance(engine, DeepSpeedEngine)``,
   ``engine.config`` as the raw dict, pass-through to the module, DeepSpeed methods flatzero
@@ -208,9 +208,9 @@ def _routing(rank: int, ws: int, tmp: str) -> dict[str, Any]:
                 "stage0": {"config": zero2(zero_optimization={"stage": 0})},
                 "stage0_from_args": {"args": args},
                 "stage3": {"config": zero2(zero_optimization={"stage": 3})},
-                "offload": {
+                "nvme_offload": {
                     "config": zero2(
-                        zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}
+                        zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme"}}
                     )
                 },
                 "mpu": {"config": zero2(), "mpu": object()},
@@ -279,7 +279,7 @@ def test_routing(ranks):
             "stage0",
             "stage0_from_args",
             "stage3",
-            "offload",
+            "nvme_offload",
             "mpu",
             "no_optimizer",
             "lamb",
@@ -316,8 +316,8 @@ def test_routing(ranks):
         "ZeRO stage 0",
         "ZeRO stage 0",
         "config key 'zero_optimization.stage' is 3: flatzero implements ZeRO stages 0, 1 and 2",
-        "config key 'zero_optimization.offload_optimizer' is {'device': 'cpu'}: it asks to "
-        "offload the optimizer, which flatzero does not implement",
+        "config key 'zero_optimization.offload_optimizer.device' is 'nvme': flatzero offloads "
+        "the optimizer to host memory ('cpu'), not to NVMe",
         "mpu/mesh_param ask for model parallelism",
         "flatzero.initialize needs an optimizer",
         "config key 'optimizer.type' is 'Lamb'",

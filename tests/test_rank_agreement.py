@@ -63,9 +63,65 @@ def _case_load(rank: int, root: Path, engine: Any) -> dict[str, Any]:
     return {}
 
 
+def _case_load_another(rank: int, root: Path, engine: Any) -> dict[str, Any]:
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    try:
+        engine.load_checkpoint(root / ("ckpt" if rank == 0 else "other"))
+    finally:
+        after = list(engine.module.parameters())
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    return {}
+
+
 def _case_save(rank: int, root: Path, engine: Any) -> dict[str, Any]:
     engine.save_checkpoint(root / f"local{rank}", tag="t")
     return {}
+
+
+def _case_init(rank: int, make_kwargs: Callable[[nn.Module], dict[str, Any]]) -> dict[str, Any]:
+    """``initialize`` where rank 1 passes what ``make_kwargs`` gives and rank 0 a good
+    engine's arguments."""
+    import flatzero
+
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    kwargs = make_kwargs(model) if rank == 1 else {"model": model, "config": _config()}
+    if rank == 0 and "optimizer" in make_kwargs(model):  # a client optimizer on both ranks
+        kwargs = {"model": model, "config": _no_optimizer(), "optimizer": torch.optim.AdamW}
+    try:
+        flatzero.initialize(**kwargs)
+    finally:
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    return {}
+
+
+def _no_optimizer() -> dict[str, Any]:
+    return {k: v for k, v in _config().items() if k != "optimizer"}
+
+
+def _failing_scheduler(optimizer: Any) -> Any:
+    raise ValueError("the script's scheduler function failed")
+
+
+INIT_CASES: list[tuple[str, Callable[[nn.Module], dict[str, Any]], str, str]] = [
+    ("client optimizer not elementwise",
+     lambda m: {"model": m, "config": _no_optimizer(), "optimizer": torch.optim.LBFGS},
+     "UnsupportedFeatureError", "LBFGS cannot be used"),
+    ("empty param group",
+     lambda m: {"model": m, "config": _config(), "model_parameters": [{"params": []}]},
+     "ValueError", "no trainable parameters"),
+    ("lr_scheduler of a wrong type",
+     lambda m: {"model": m, "config": _config(), "lr_scheduler": 5},
+     "TypeError", "lr_scheduler must be a scheduler"),
+    ("scheduler parameter",
+     lambda m: {"model": m, "config": _config(scheduler={"type": "StepLR", "params": {}})},
+     "ValueError", "does not fit StepLR"),
+    ("scheduler function raises",
+     lambda m: {"model": m, "config": _config(), "lr_scheduler": _failing_scheduler},
+     "ValueError", "the script's scheduler function failed"),
+    ("model is None", lambda m: {"model": None, "config": _config()},
+     "ValueError", "needs model="),
+]  # fmt: skip
 
 
 def _case_nothing_anywhere(rank: int, root: Path, engine: Any) -> dict[str, Any]:
@@ -86,14 +142,22 @@ def _run_case(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 def _rank_main(rank: int, ws: int, root_text: str) -> dict[str, dict[str, Any]]:
     root = Path(root_text)
     results = {
-        f"config {key}": _run_case(lambda k=key, v=value: _case_config(rank, root, {k: v}))
+        f"config {key}={value}": _run_case(lambda k=key, v=value: _case_config(rank, root, {k: v}))
         for key, value in CONFIG_CASES
     }
     results["config fails on one rank"] = _run_case(
         lambda: _case_config(rank, root, {"zero_optimization": {"stage": 3}})
     )
+    for name, make, _kind, _text in INIT_CASES:
+        results[f"init: {name}"] = _run_case(lambda m=make: _case_init(rank, m))
     engine = _init(_config())
     engine.save_checkpoint(root / "ckpt", tag="t")
+    engine.backward(engine(torch.ones(2, 8)).sum())
+    engine.step()
+    engine.save_checkpoint(root / "other", tag="t")  # another checkpoint, the same tag
+    results["load: a directory per rank, each with latest"] = _run_case(
+        lambda: _case_load_another(rank, root, engine)
+    )
     results["load: latest on one rank only"] = _run_case(lambda: _case_load(rank, root, engine))
     results["save: a directory per rank"] = _run_case(lambda: _case_save(rank, root, engine))
     results["load: no latest anywhere"] = _run_case(
@@ -109,6 +173,11 @@ CONFIG_CASES: list[tuple[str, Any]] = [
     ("zero_optimization", {"stage": 2, "reduce_bucket_size": 1000}),
     ("bf16", {"enabled": True}),
     ("communication_data_type", "bf16"),
+    ("fp16", {"enabled": True}),
+    ("train_batch_size", 4),
+    ("zero_optimization", {"stage": 2, "allgather_bucket_size": 1000}),
+    ("flatzero", {"progress": False, "bucket_numel": 4096}),
+    ("flatzero", {"progress": False, "param_sync": "none"}),
 ]
 
 
@@ -120,19 +189,42 @@ def table(tmp_path_factory) -> tuple[Path, list[dict[str, dict[str, Any]]]]:
 
 def test_config_mismatch_is_the_same_error_on_every_rank(table) -> None:
     _, out = table
-    for key, _value in CONFIG_CASES:
-        errors = [r[f"config {key}"]["error"] for r in out]
+    for key, value in CONFIG_CASES:
+        errors = [r[f"config {key}={value}"]["error"] for r in out]
         assert errors[0] == errors[1], errors
         assert errors[0].startswith("ValueError: the DeepSpeed config"), errors[0]
         assert "differs between ranks" in errors[0], errors[0]
-        assert all(r[f"config {key}"]["seconds"] < _BOUND_S for r in out)
+        assert all(r[f"config {key}={value}"]["seconds"] < _BOUND_S for r in out)
 
 
 def test_config_that_fails_on_one_rank_fails_on_every_rank(table) -> None:
     _, out = table
     rank0, rank1 = (r["config fails on one rank"]["error"] for r in out)
-    assert "another rank" in rank0, rank0
-    assert "zero_optimization.stage" in rank1, rank1
+    assert "failed on rank 1: UnsupportedFeatureError: " in rank0, rank0
+    assert "zero_optimization.stage" in rank0 and "zero_optimization.stage" in rank1, rank1
+
+
+@pytest.mark.parametrize(("name", "kind", "text"), [(c[0], c[2], c[3]) for c in INIT_CASES])
+def test_a_user_error_on_one_rank_is_an_error_on_every_rank(table, name, kind, text) -> None:
+    """Rank 1's bad optimizer, params, scheduler or arguments reach rank 0 as the same kind
+    of error naming it, before the flatten's collectives (no hang, no gloo abort)."""
+    _, out = table
+    rank0, rank1 = (r[f"init: {name}"]["error"] for r in out)
+    assert rank1.startswith(f"{kind}: ") and text in rank1, rank1
+    assert rank0.startswith(f"{kind}: ") and "failed on rank 1" in rank0, rank0
+    assert text in rank0, rank0
+    assert all(r[f"init: {name}"]["seconds"] < _BOUND_S for r in out)
+
+
+def test_load_from_a_directory_per_rank_each_with_latest(table) -> None:
+    """Both ranks find a ``latest`` but in different checkpoints: refused on both, nothing
+    loaded (their rank files would be mixed)."""
+    root, out = table
+    errors = [r["load: a directory per rank, each with latest"]["error"] for r in out]
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith("ValueError: ranks opened different checkpoints"), errors[0]
+    assert str(root / "other" / "t") in errors[0], errors[0]
+    assert all(r["load: a directory per rank, each with latest"]["seconds"] < _BOUND_S for r in out)
 
 
 def test_load_with_latest_on_one_rank_only(table) -> None:

@@ -30,6 +30,7 @@ from .config import LoadConfig
 from .fallback import newest_valid, refused
 from .format import (
     MASTER,
+    META,
     CheckpointDamaged,
     CheckpointMeta,
     GroupRecord,
@@ -40,6 +41,13 @@ from .optimizer_state import merge_group_records, restored_state, saved_step
 from .reader import CheckpointReader
 from .reshard import GroupReadPlan, _resolve
 from .rng import RNG_PREFIX, restore_rng
+from .validate import (
+    agree_on_checkpoint,
+    check_for_optimizer,
+    check_rank_files,
+    check_rng,
+    check_scheduler_state,
+)
 
 __all__ = ["LoadResult", "load_checkpoint", "load_flat_params"]
 
@@ -199,7 +207,9 @@ def _scheduler_state(reader: CheckpointReader, scheduler: Any, config: LoadConfi
             f"{reader.path} has no scheduler state (saved without scheduler=); "
             "load without scheduler= or with LoadConfig(load_scheduler=False)"
         )
-    return decode_value(reader.meta.scheduler)
+    state = decode_value(reader.meta.scheduler)
+    check_scheduler_state(state, scheduler, reader.path)
+    return state
 
 
 def _read_everything(
@@ -210,25 +220,43 @@ def _read_everything(
     model: torch.nn.Module | None,
     rename: Callable[[str], str] | Mapping[str, str] | None,
     config: LoadConfig,
+    check_extra: Callable[[Any], None] | None = None,
 ) -> _Read:
-    """Read and check everything on this rank; every rank learns whether all could."""
+    """Read and check everything on this rank (``validate``: every field of ``meta.json``
+    when the reader opens it, the rank files read, the state against the optimizer and
+    the scheduler); every rank learns whether all could, and that all read the same
+    checkpoint."""
     error: BaseException | None = None
     read: _Read | None = None
     try:
         reader = CheckpointReader(directory, tag)
         flat = optimizer.flat
         plans = reader.plan(flat.layout, flat.rank, rename=rename, strict=config.strict)
+        check_rank_files(reader, {c.source[0] for p in plans for c in p.copies})
+        if config.load_optimizer_states:
+            check_for_optimizer(reader.meta, reader.path, optimizer)
         state, elements = _read(reader, plans, optimizer, rename, config)
         rng = _read_rng(reader, flat.rank, flat.world_size, config)
         read = _Read(reader, state, _scheduler_state(reader, scheduler, config), elements, rng)
         if model is not None:
             _check_model_rest(reader, model)
+        if check_extra is not None:
+            _check_extra(reader, check_extra)
     except (ValueError, TypeError, OSError) as e:
         error = e
     elements = read.elements if read is not None else 0
     _all_ok(error, optimizer.flat.process_group, elements * 4)
     assert read is not None
+    agree_on_checkpoint(read.reader, optimizer.flat.process_group)
     return read
+
+
+def _check_extra(reader: CheckpointReader, check: Callable[[Any], None]) -> None:
+    """``check`` the saved client state; its error names ``meta.json``."""
+    try:
+        check(decode_value(reader.meta.extra))
+    except (ValueError, TypeError) as error:
+        raise type(error)(f"{reader.path / META}: {error}") from error
 
 
 def _read_rng(
@@ -251,7 +279,9 @@ def _read_rng(
         return None
     keys = [k for k in reader.meta.files[rank].tensors if k.startswith(RNG_PREFIX)]
     tensors = {k: reader.read_tensor(rank, k, verify=config.verify) for k in keys}
-    return tensors, dict(reader.tensor_file(rank).metadata)
+    metadata = dict(reader.tensor_file(rank).metadata)
+    check_rng(tensors, metadata, reader.file_path(rank))
+    return tensors, metadata
 
 
 def _read_or_fall_back(
@@ -262,13 +292,16 @@ def _read_or_fall_back(
     model: torch.nn.Module | None,
     rename: Callable[[str], str] | Mapping[str, str] | None,
     config: LoadConfig,
+    check_extra: Callable[[Any], None] | None = None,
 ) -> _Read:
     """``_read_everything``; when the checkpoint is refused as damaged, the newest tag that
     is complete and verifies is named in the error on every rank, or loaded instead with
     ``config.fallback == "newest_valid"`` (with a warning)."""
     group = optimizer.flat.process_group
     try:
-        return _read_everything(directory, tag, optimizer, scheduler, model, rename, config)
+        return _read_everything(
+            directory, tag, optimizer, scheduler, model, rename, config, check_extra
+        )
     except CheckpointDamaged as error:
         refused_tag = tag if tag is not None else _latest_or_none(directory)
         good = newest_valid(directory, group, skip=refused_tag)
@@ -283,7 +316,9 @@ def _read_or_fall_back(
                 error,
                 good,
             )
-        return _read_everything(directory, good, optimizer, scheduler, model, rename, config)
+        return _read_everything(
+            directory, good, optimizer, scheduler, model, rename, config, check_extra
+        )
 
 
 def _latest_or_none(directory: str | Path) -> str | None:
@@ -302,6 +337,7 @@ def load_checkpoint(
     model: torch.nn.Module | None = None,
     rename: Callable[[str], str] | Mapping[str, str] | None = None,
     config: LoadConfig | None = None,
+    check_extra: Callable[[Any], None] | None = None,
 ) -> LoadResult:
     """Load a checkpoint saved at any world size into ``optimizer`` (and its params).
 
@@ -318,6 +354,9 @@ def load_checkpoint(
             ``save_checkpoint(model=...)``.
         rename: new param name -> name in the checkpoint (a function or a dict).
         config: ``LoadConfig`` (strictness, what to restore, verification, fallback).
+        check_extra: called with the saved client state before anything is changed; what
+            it raises (``ValueError``) is raised on every rank (the engine checks its step
+            counters with it).
 
     Returns:
         ``LoadResult`` with the tag (the fallback's when it loaded another), whether shards
@@ -334,7 +373,9 @@ def load_checkpoint(
     flat = optimizer.flat
     control_group(flat.process_group)  # created (collective) now, not while some rank reads
     wait_for_save(optimizer)  # an asynchronous save of this optimizer finishes first
-    read = _read_or_fall_back(directory, tag, optimizer, scheduler, model, rename, config)
+    read = _read_or_fall_back(
+        directory, tag, optimizer, scheduler, model, rename, config, check_extra
+    )
     reader, meta = read.reader, read.reader.meta
 
     optimizer.load_sharded_state(read.state)

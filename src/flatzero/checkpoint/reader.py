@@ -36,6 +36,7 @@ from .recovery import lost_copy
 from .reshard import GroupReadPlan, ParamIndex, index_layout, plan_reads
 from .stfile import open_safetensors
 from .tensorfile import TensorFile
+from .validate import check_meta
 
 __all__ = ["CheckpointReader", "locate"]
 
@@ -87,6 +88,7 @@ class CheckpointReader:
         with damage():
             self.tag, self.path = locate(directory, tag)
             self.meta = CheckpointMeta.read(self.path / META)
+            check_meta(self.meta, self.path)  # every field, not only what the digest covers
             self.index: ParamIndex = index_layout(self.meta.layout)
         self._handles: dict[int, Any] = {}
         self._files: dict[int, TensorFile] = {}

@@ -221,6 +221,7 @@ class EngineCheckpoints:
             scheduler=self.lr_scheduler if config.load_scheduler else None,
             model=self.module,
             config=config,
+            check_extra=_check_engine_state,
         )
         extra = result.extra if isinstance(result.extra, dict) else {}
         self._after_load(extra, restore_counters=not load_module_only)
@@ -252,6 +253,26 @@ class EngineCheckpoints:
         if self.client_optimizer is not None:
             # Loading replaced the optimizer's param groups: show the new ones.
             link_client_optimizer(self.client_optimizer, self.optimizer)
+
+
+def _check_engine_state(extra: Any) -> None:
+    """The engine's counters in a checkpoint's client state are counts (checked before the
+    load changes anything; ``ValueError`` naming the counter)."""
+    state = extra.get(_ENGINE_STATE) if isinstance(extra, dict) else None
+    if state is None:
+        return
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"the checkpoint's {_ENGINE_STATE!r} state is a {type(state).__name__}, not the "
+            "engine's counters; meta.json was edited or damaged: load another tag"
+        )
+    for name in _COUNTERS:
+        value = state.get(name, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(
+                f"the checkpoint's {_ENGINE_STATE}.{name} is {value!r}, not a count >= 0; "
+                "meta.json was edited or damaged: load another tag (or load_module_only=True)"
+            )
 
 
 def _refuse_deepspeed_checkpoint(load_dir: Path, tag: str | None) -> None:

@@ -30,16 +30,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..comm import rank_of, world_size_of
 from ..config import FlattenConfig
-from ..control import raise_if_any_failed
 from ..devices import activate, resolve_device
 from ..flatten.registry import gathering_tier
 from ..gcpause import paused_gc
 from ..optim import ZeroOptimizer
-from ..params import collect_param_groups
+from ..params import ParamGroup, collect_param_groups
 from .client import link_client_optimizer
 from .config import EngineConfig, parse_config
 from .deepspeed_compat import deepspeed_engine_class
@@ -49,9 +49,9 @@ from .lr_scheduler import build_scheduler, check_client_scheduler, probe_schedul
 from .optimizer_choice import OptimizerChoice, choose_optimizer
 from .param_sync import place_rest, sync_params
 from .process_group import ensure_process_group
-from .rank_agreement import agree_on_config
+from .rank_agreement import agree_on_config, agree_on_errors
 from .report import EngineInitReport
-from .weights import Weights, get_weights
+from .weights import Weights, check_checkpoint_argument, get_weights
 
 __all__ = ["initialize"]
 
@@ -133,21 +133,18 @@ def _refuse_wrapped(model: nn.Module) -> None:
         raise TypeError(f"model is a {type(model).__name__}, already wrapped: {fix}")
 
 
-def _parsed(config: Any, world_size: int, rank: int) -> EngineConfig:
-    """The parsed config, the same on every rank: a rank whose config fails to parse
-    raises its error and the others a ``ValueError`` naming it; configs that parse to
-    different settings are a ``ValueError`` on every rank (``agree_on_config``)."""
-    error: BaseException | None = None
-    try:
-        cfg = parse_config(config, world_size=world_size)
-    except Exception as e:
-        error = e
-    raise_if_any_failed(
-        error,
-        None,
-        "the DeepSpeed config failed to parse on another rank (see its error)",
-        error_type=ValueError,
-    )
+def _parsed(config: Any, world_size: int, rank: int, earlier: BaseException | None) -> EngineConfig:
+    """The parsed config, the same on every rank: a rank whose config fails to parse (or
+    whose arguments were refused: ``earlier``) raises its error and the others a
+    ``ValueError`` naming it; configs that parse to different settings are a
+    ``ValueError`` on every rank (``agree_on_config``)."""
+    error = earlier
+    if error is None:
+        try:
+            cfg = parse_config(config, world_size=world_size)
+        except Exception as e:
+            error = e
+    agree_on_errors(error, "the DeepSpeed config (or initialize's arguments)", None)
     agree_on_config(cfg, None)
     if cfg.ignored and rank == 0:
         logger.warning(
@@ -155,6 +152,32 @@ def _parsed(config: Any, world_size: int, rank: int) -> EngineConfig:
             cfg.ignored_summary(),
         )
     return cfg
+
+
+def _optimizer_and_groups(
+    optimizer: Any,
+    cfg: EngineConfig,
+    model: nn.Module,
+    model_parameters: Any,
+    lr_scheduler: Any,
+    checkpoint: Any,
+) -> tuple[OptimizerChoice, list[ParamGroup]]:
+    """The optimizer, the param groups, a probe of the scheduler and the checkpoint
+    argument, checked on every rank before the first collective that needs them: a user
+    error on one rank (its client optimizer, an empty param group, a scheduler parameter)
+    is an error on every rank (``agree_on_errors``), never a hang in the flatten's
+    collectives."""
+    error: BaseException | None = None
+    try:
+        choice = choose_optimizer(optimizer, cfg, model, model_parameters)
+        groups = collect_param_groups(choice.params, names_from=model, where=choice.where)
+        probe_scheduler(cfg.scheduler, [choice.lr_of(g) for g in groups])
+        check_client_scheduler(lr_scheduler, choice.client)
+        check_checkpoint_argument(groups, checkpoint)
+    except Exception as e:
+        error = e
+    agree_on_errors(error, "flatzero.initialize's optimizer, params or scheduler", None)
+    return choice, groups
 
 
 def _gathering_tier(
@@ -319,16 +342,21 @@ def initialize(
         Nothing has been flattened when any of these is raised.
     """
     phases = _Phases()
-    config = _config_argument(model, mpu, mesh_param, config, config_params, args)
+    refused: BaseException | None = None
+    try:
+        config = _config_argument(model, mpu, mesh_param, config, config_params, args)
+    except Exception as e:
+        if not dist.is_initialized():
+            raise  # no process group: no rank can be waiting for this one
+        refused = e  # the other ranks get it before their first collective
     ensure_process_group(dist_init_required)
     if args is not None and hasattr(args, "local_rank"):
         args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     with phases("config"):
-        cfg = _parsed(config, world_size_of(None), rank_of(None))
-        choice = choose_optimizer(optimizer, cfg, model, model_parameters)
-        groups = collect_param_groups(choice.params, names_from=model, where=choice.where)
-        probe_scheduler(cfg.scheduler, [choice.lr_of(g) for g in groups])
-        check_client_scheduler(lr_scheduler, choice.client)
+        cfg = _parsed(config, world_size_of(None), rank_of(None), refused)
+        choice, groups = _optimizer_and_groups(
+            optimizer, cfg, model, model_parameters, lr_scheduler, checkpoint
+        )
     with phases("flatten"):
         weights = get_weights(
             model,
@@ -351,12 +379,17 @@ def initialize(
         )
     if choice.client is not None:
         link_client_optimizer(choice.client, zero_opt)  # its schedulers drive flatzero's
+    error: BaseException | None = None
     try:
-        with phases("scheduler"):
-            scheduler = build_scheduler(
-                lr_scheduler, cfg.scheduler, zero_opt, choice.client, len(groups)
-            )
-        dataloader = _dataloader(training_data, collate_fn, cfg)
+        try:
+            with phases("scheduler"):
+                scheduler = build_scheduler(
+                    lr_scheduler, cfg.scheduler, zero_opt, choice.client, len(groups)
+                )
+            dataloader = _dataloader(training_data, collate_fn, cfg)
+        except Exception as e:
+            error = e
+        agree_on_errors(error, "flatzero.initialize's scheduler or data loader", None)
     except BaseException:
         zero_opt.close()  # release the params' hooks: the model stays usable
         raise

@@ -10,7 +10,9 @@ same error.
   stage, bucket sizes, clipping, precision, reduce dtype, optimizer, scheduler, ...);
 - ``agree_on_checkpoint_to_load``: whether ``load_dir/latest`` exists, on every rank;
 - ``check_shared_directory``: that a checkpoint directory is one shared path (rank 0
-  writes a marker, every other rank must see it).
+  writes a marker, every other rank must see it);
+- ``agree_on_errors``: a user error found on one rank (its optimizer, param groups,
+  scheduler, arguments) raised on every rank before the collective that would wait for it.
 """
 
 from __future__ import annotations
@@ -25,11 +27,17 @@ import torch.distributed as dist
 
 from ..comm import all_reduce_max_each, check_same_everywhere, rank_of, world_size_of
 from ..control import control_group
+from .errors import UnsupportedFeatureError
 
 if TYPE_CHECKING:
     from .config import EngineConfig
 
-__all__ = ["agree_on_checkpoint_to_load", "agree_on_config", "check_shared_directory"]
+__all__ = [
+    "agree_on_checkpoint_to_load",
+    "agree_on_config",
+    "agree_on_errors",
+    "check_shared_directory",
+]
 
 _MARKER_PREFIX = ".flatzero-shared-check-"
 _MARKER_WAIT_S = 5.0
@@ -66,6 +74,44 @@ def agree_on_config(cfg: EngineConfig, group: dist.ProcessGroup | None) -> None:
         config_fields(cfg),
         control_group(group),
     )
+
+
+def agree_on_errors(
+    error: BaseException | None, what: str, group: dist.ProcessGroup | None
+) -> None:
+    """Raise on every rank when any rank found a user error (``error``), before a
+    collective the failing rank would not join. The failing rank raises its own error;
+    every other rank an error of the same kind (``UnsupportedFeatureError``, so that
+    ``patch_deepspeed`` hands every rank to DeepSpeed alike; ``TypeError``; else
+    ``ValueError``) whose message is ``what`` and the first failing rank's message.
+    Collective: one small all-reduce when no rank failed.
+    """
+    if world_size_of(group) == 1:
+        if error is not None:
+            raise error
+        return
+    control = control_group(group)
+    if not all_reduce_max_each([int(error is not None)], control)[0]:
+        return
+    mine = None
+    if error is not None:
+        mine = (
+            type(error).__name__,
+            str(error),
+            getattr(error, "key", None),
+            getattr(error, "feature", None),
+        )
+    found: list[tuple[str, str, str | None, str | None] | None] = [None] * world_size_of(group)
+    dist.all_gather_object(found, mine, group=control)
+    if error is not None:
+        raise error
+    rank, (kind, message, key, feature) = next((r, f) for r, f in enumerate(found) if f is not None)
+    others = sum(f is not None for f in found) - 1
+    text = f"{what} failed on rank {rank}" + (f" (and {others} more)" if others else "")
+    text += f": {kind}: {message}"
+    if key is not None and feature is not None and kind == UnsupportedFeatureError.__name__:
+        raise UnsupportedFeatureError(text, key=key, feature=feature)
+    raise (TypeError if kind == "TypeError" else ValueError)(text)
 
 
 def agree_on_checkpoint_to_load(

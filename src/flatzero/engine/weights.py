@@ -27,7 +27,7 @@ from ..flatten import FlatParams, flatten_parameters
 from ..loading import allocate_rest, load_flat
 from ..params import ParamGroup
 
-__all__ = ["Weights", "get_weights"]
+__all__ = ["Weights", "check_checkpoint_argument", "get_weights"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,20 @@ def _describe(groups: list[ParamGroup]) -> str:
     params = [p for g in groups for p in (*g.params, *g.frozen)]
     devices = ",".join(sorted({str(p.device) for p in params}))
     return f"{devices} {'/'.join(sorted({dtype_name(p.dtype) for p in params}))}"
+
+
+def check_checkpoint_argument(groups: list[ParamGroup], checkpoint: object) -> None:
+    """``checkpoint=`` given exactly when the params are on the meta device (checked by
+    ``initialize`` on every rank before anything is flattened).
+
+    Raises:
+        ValueError: ``checkpoint`` given for a model with weights, or missing for a meta one.
+    """
+    _check_checkpoint_argument(_on_meta(groups), checkpoint)
+
+
+def _on_meta(groups: list[ParamGroup]) -> bool:
+    return any(p.device.type == "meta" for g in groups for p in (*g.params, *g.frozen))
 
 
 def _check_checkpoint_argument(on_meta: bool, checkpoint: object) -> None:
@@ -114,7 +128,7 @@ def get_weights(
         ValueError: ``checkpoint`` given for a model with weights, or missing for a meta
             one; meta buffers without ``init_buffers``; whatever flattening raises.
     """
-    on_meta = any(p.device.type == "meta" for g in groups for p in (*g.params, *g.frozen))
+    on_meta = _on_meta(groups)
     _check_checkpoint_argument(on_meta, checkpoint)
     shard_group = dist.new_subgroups(group_size=1)[0] if replicated else None
     flatten = functools.partial(

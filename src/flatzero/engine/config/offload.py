@@ -68,7 +68,7 @@ def _read_section(offload: Section, stage: int) -> OffloadConfig | None:
             "device",
             device,
             "optimizer offload needs ZeRO stage 1 or 2 (zero_optimization.stage is 0)",
-            "set zero_optimization.stage to 1 or 2, or remove offload_optimizer",
+            "set zero_optimization.stage to 1 or 2, or turn optimizer offload off",
             "optimizer offload at ZeRO stage 0",
         )
     pin = offload.bool("pin_memory", False)
