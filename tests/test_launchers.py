@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from flatzero.flatten.threads import cgroup_cpu_quota
+from flatzero.cores import cgroup_cpu_quota
 from flatzero.ports import free_port
 
 SCRIPT = Path(__file__).resolve().parent / "launcher_scripts" / "init_share.py"

@@ -28,7 +28,7 @@ import torch
 
 from flatzero import FlattenConfig, flatten_parameters
 from flatzero.bench.baselines import flatten_legacy_cpu, flatten_torch_cat
-from flatzero.flatten.threads import usable_cores
+from flatzero.cores import usable_cores
 from flatzero.launch import run_ranks
 from flatzero.layout import plan_layout
 from flatzero.models import LlamaConfig, Qwen3MoeConfig, build_model, save_model_safetensors

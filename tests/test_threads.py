@@ -1,4 +1,4 @@
-"""Issue 23, items 1-2: a rank's share of its host's cores (``flatten.threads``).
+"""Issue 23, items 1-2: a rank's share of its host's cores (``flatzero.cores``).
 
 Item 1: the share is the usable cores (affinity, cgroup CPU quota) over the ranks on the
 host, counted through the process group, never taken from a launcher's variable. Item 2:
@@ -20,8 +20,8 @@ from torch import nn
 
 from flatzero import FlattenConfig, flatten_parameters
 from flatzero import control as control_module
-from flatzero.flatten import api, threads
-from flatzero.flatten.threads import (
+from flatzero import cores as threads
+from flatzero.cores import (
     LAUNCHER_LOCAL_SIZES,
     CoreShare,
     cgroup_cpu_quota,
@@ -29,6 +29,7 @@ from flatzero.flatten.threads import (
     init_threads,
     usable_cores,
 )
+from flatzero.flatten import api
 from flatzero.launch import run_ranks
 
 needs_affinity = pytest.mark.skipif(

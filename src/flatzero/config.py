@@ -49,7 +49,7 @@ class FlattenConfig:
         staging_buffers: number of pinned host staging buffers the ``host`` and
             ``offload`` tiers cycle through (>= 2 overlaps the host fill with the copy).
         host_threads: intra-op CPU threads per rank while flattening; ``None`` means the
-            rank's share of its host's cores (``flatten.threads.core_share``: usable
+            rank's share of its host's cores (``cores.core_share``: usable
             cores over the ranks on the host, counted through the process group).
         build_master: also build this rank's fp32 master shard of every group.
         master_on_host: build the master shards in host memory whatever the tier, straight

@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import accel
+from .cores import usable_cores
 from .devices import device_backends, local_device_index
-from .flatten.threads import usable_cores
 from .ports import free_port
 
 __all__ = ["free_port", "run_ranks"]

@@ -15,7 +15,7 @@ import torch
 from . import accel
 
 if TYPE_CHECKING:
-    from .flatten.threads import CoreShare
+    from .cores import CoreShare
 
 __all__ = ["GroupReport", "InitReport", "ReportBuilder"]
 

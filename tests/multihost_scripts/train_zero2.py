@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 import flatzero
 from flatzero.control import control_group, raise_if_any_failed, wait_for_host_work
-from flatzero.flatten.threads import usable_cores
+from flatzero.cores import usable_cores
 from flatzero.models import LlamaConfig, LlamaForCausalLM, materialize
 
 STEPS = 5

@@ -174,7 +174,7 @@ def _limit(args: argparse.Namespace) -> dict[str, Any]:
     """The first touch of the bytes an init must write on this rank, all ranks at once."""
     import torch.distributed as dist
 
-    from ..flatten.threads import core_share
+    from ..cores import core_share
     from ..models import build_model, count_bytes, count_params
     from . import limits
     from .init_bench import MODELS

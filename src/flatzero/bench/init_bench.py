@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import FlattenConfig
+from ..cores import core_share
 from ..flatten import flatten_parameters
-from ..flatten.threads import core_share
 from ..launch import run_ranks
 from ..models import build_model, count_bytes, count_params, count_tensors, scaled
 from . import limits

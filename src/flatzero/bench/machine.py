@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..flatten.threads import usable_cores
+from ..cores import usable_cores
 
 __all__ = ["cpu_name", "describe_host", "device_name", "usable_cores", "versions"]
 

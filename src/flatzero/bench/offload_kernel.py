@@ -88,7 +88,7 @@ def _state_of(step: Callable[[], None]) -> Any:
 def _kernels(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from ..flatten.threads import usable_cores
+    from ..cores import usable_cores
     from .trials import rotated
 
     torch.set_num_threads(args.threads)

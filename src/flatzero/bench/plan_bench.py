@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from ..config import DEFAULT_BUCKET_NUMEL, FlattenConfig
+from ..cores import usable_cores
 from ..dtypes import SHORT_DTYPES, dtype_name
 from ..flatten import flatten_parameters
-from ..flatten.threads import usable_cores
 from ..launch import run_ranks
 from ..models import build_model
 from ..plan.calibration import Calibration, measure

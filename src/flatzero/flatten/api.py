@@ -23,6 +23,7 @@ from .. import accel
 from ..comm import check_same_everywhere, rank_of, world_size_of
 from ..config import FlattenConfig
 from ..control import control_group
+from ..cores import core_share, init_threads
 from ..devices import resolve_device
 from ..gcpause import paused_gc
 from ..layout import GroupLayout, Layout, plan_layout
@@ -35,7 +36,6 @@ from .buffers import FlatGroup, FlatParams
 from .driver import GroupFlattener
 from .registry import chain, spec, tiers_reading
 from .source import CheckpointSource, NoValues, ParamSource, TensorSource
-from .threads import core_share, init_threads
 from .tiers import TierContext
 
 __all__ = ["flatten_parameters"]

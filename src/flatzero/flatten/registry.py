@@ -25,7 +25,7 @@ import torch
 
 from .. import accel
 from ..config import FlattenConfig, register_check
-from .threads import host_threads
+from ..cores import host_threads
 from .tiers import DirectTier, OffloadTier, Tier, TierContext, UploadTier
 
 __all__ = [

@@ -42,7 +42,7 @@ from torch import nn
 
 from .. import accel
 from ..config import DEFAULT_BUCKET_NUMEL
-from ..flatten.threads import usable_cores
+from ..cores import usable_cores
 from ..hostmem import empty_host
 from ..memory import meminfo_bytes
 from .hardware import HostSpec
