@@ -140,15 +140,17 @@ def _refuse_empty_groups(groups: list[ParamGroup]) -> None:
         )
 
 
-def check_buckets_usable(flat: FlatParams) -> None:
+def check_buckets_usable(flat: FlatParams, *, offload: bool = False) -> None:
     """Refuse buckets the optimizer's collectives cannot run on: every bucket and master
-    shard on one device, which the process group's backend can reduce-scatter on.
+    shard on one device (with optimizer ``offload`` the master shards go to host memory
+    anyway), which the process group's backend can reduce-scatter on.
 
     Raises:
         ValueError: naming the devices and the backend, and what to change.
     """
     devices = {str(b.device) for g in flat.groups for b in g.buckets}
-    devices |= {str(g.master.device) for g in flat.groups if g.master is not None}
+    if not offload:
+        devices |= {str(g.master.device) for g in flat.groups if g.master is not None}
     if len(devices) > 1:
         raise ValueError(
             f"the flat buckets and master shards are on several devices ({sorted(devices)}); "

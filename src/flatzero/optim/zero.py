@@ -164,7 +164,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             flatten_config=flatten_config,
             offload=offload is not None,
         )
-        check_buckets_usable(flat)
+        check_buckets_usable(flat, offload=offload is not None)
         if offload is not None:
             _masters_to_host(flat)
         self.flat = flat
