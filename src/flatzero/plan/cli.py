@@ -98,6 +98,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--calibration", help="use rates measured by flatzero info --measure --json FILE"
     )
     parser.add_argument(
+        "--offload-optimizer",
+        default="none",
+        choices=["none", "cpu"],
+        help="optimizer offload (offload_optimizer.device): cpu puts the master shard, the "
+        "optimizer state and a gradient shard in host memory, and the plan states its bytes",
+    )
+    parser.add_argument(
+        "--async-save",
+        action="store_true",
+        help="checkpoints saved asynchronously (flatzero.async_save): the plan shows the host "
+        "copy each rank keeps",
+    )
+    parser.add_argument(
+        "--no-pin-memory",
+        dest="pin_memory",
+        action="store_false",
+        help="with --offload-optimizer cpu: offload_optimizer.pin_memory false",
+    )
+    parser.add_argument(
         "--json",
         nargs="?",
         const="-",
@@ -159,6 +178,9 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         reserved_bytes=int(args.reserved_gib * 2**30),
         grad_accum=args.grad_accum,
         host_huge_pages=args.host_huge_pages,
+        offload_optimizer=args.offload_optimizer == "cpu",
+        pin_memory=args.pin_memory,
+        async_save=args.async_save,
     )
     return dataclasses.replace(spec, calibration=_calibration(args, spec))
 

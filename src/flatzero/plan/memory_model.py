@@ -13,7 +13,9 @@ so padding, alignment, buckets and shards are exact. What each figure mirrors:
 - reduction staging: chunk-sized slots in ``reduce_dtype``, as many as
   ``optim.buckets.StagingPool`` allocates (``staging_bytes``), within
   ``ZeroConfig.reduce_staging_bytes``;
-- optimizer state: what ``torch.optim`` creates at the first step, per group.
+- optimizer state: what ``torch.optim`` creates at the first step, per group;
+- optimizer offload (``offload_optimizer: {device: cpu}``): the host bytes of
+  ``optim.offload.offload_host_bytes`` (``offload_host_memory``).
 """
 
 from __future__ import annotations
@@ -28,15 +30,18 @@ from ..flatten.tiers import staging_slot_bytes
 from ..layout import GroupLayout, Layout
 from ..optim.buckets import staging_geometry
 from ..optim.config import DEFAULT_REDUCE_STAGING_BYTES
+from ..optim.offload import OffloadHostBytes, offload_host_bytes, state_floats
 
 __all__ = [
     "OPTIMIZER_STATES",
     "InitMemory",
     "ModelStates",
+    "async_snapshot_bytes",
     "deepspeed_init_memory",
     "flatzero_init_memory",
     "itemsize",
     "model_states",
+    "offload_host_memory",
     "staging_bytes",
 ]
 
@@ -105,6 +110,27 @@ class ModelStates:
     def total(self) -> int:
         """Everything above, bytes."""
         return self.params + self.master + self.gradients + self.optimizer
+
+
+def async_snapshot_bytes(
+    layout: Layout, *, optimizer: str = "adamw", rank_file_extra: int = 0, rest_bytes: int = 0
+) -> int:
+    """Host bytes an asynchronous save keeps per rank (``checkpoint.async_save.snapshot``,
+    page-locked where a GPU is), from the first asynchronous save on.
+
+    The buffer holds what the rank writes, laid out as its files' data: the rank file's fp32
+    master shard and per-element optimizer-state shards of every group (after the first step),
+    plus ``rank_file_extra`` bytes (RNG states with ``SaveConfig(save_rng=True)``), rounded up
+    to the page (``checkpoint.image.padded``); on rank 0 also the model's frozen params and
+    buffers (``rest_bytes``, with ``model=``), rounded up likewise.
+    """
+    from ..checkpoint.image import PAGE, padded
+
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer {optimizer!r} must be one of {', '.join(OPTIMIZER_STATES)}")
+    tensors, _ = OPTIMIZER_STATES[optimizer]
+    shards = sum(g.shard_numel for g in layout.groups) * 4 * (1 + tensors)
+    return max(PAGE, padded(shards + rank_file_extra) + padded(rest_bytes))
 
 
 def staging_bytes(
@@ -185,6 +211,31 @@ def model_states(
         grad_flat=flat,
         grad_staging=staging,
         optimizer=tensors * shard + scalars * _SCALAR_BYTES * len(layout.groups),
+    )
+
+
+_TORCH_OPTIMIZERS: dict[str, tuple[str, dict[str, float]]] = {
+    "adamw": ("AdamW", {}),
+    "adam": ("Adam", {}),
+    "sgd": ("SGD", {"momentum": 0.9}),
+    "adagrad": ("Adagrad", {}),
+}
+"""``OPTIMIZER_STATES``' names as ``torch.optim`` classes and the options their state
+counts assume."""
+
+
+def offload_host_memory(layout: Layout, *, optimizer: str, pinned: bool) -> OffloadHostBytes:
+    """Host bytes one rank holds with optimizer offload (every rank holds the same): the
+    fp32 master shards (4 bytes per shard element), the inner optimizer's state (4 bytes per
+    element per state tensor: 8 for AdamW) and the fp32 host gradient shards (4 bytes per
+    element; page-locked with ``pinned``). That is the peak: the downloads of every bucket
+    in flight land in the gradient shard itself and the upload is staged in its memory, so
+    no other host staging exists. ``optimizer``: a key of ``OPTIMIZER_STATES``."""
+    if optimizer not in _TORCH_OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r} must be one of {', '.join(_TORCH_OPTIMIZERS)}")
+    name, options = _TORCH_OPTIMIZERS[optimizer]
+    return offload_host_bytes(
+        [g.shard_numel for g in layout.groups], state_floats(name, options), pinned=pinned
     )
 
 

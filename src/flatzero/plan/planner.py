@@ -7,22 +7,26 @@ layout. Nothing is allocated and no process group is needed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..bench.baselines import deepspeed_padded_numel
 from ..config import DEFAULT_BUCKET_NUMEL
+from ..flatten.choice import TierDecision, decide_tier
 from ..layout import DEFAULT_ALIGNMENT, Layout, plan_layout
-from ..memory import TierDecision, decide_tier
+from ..optim.offload import OffloadHostBytes
 from .calibration import Calibration
 from .decision import deepspeed_path, free_at_init
 from .hardware import GpuSpec, HostSpec, get_host
 from .memory_model import (
     InitMemory,
     ModelStates,
+    async_snapshot_bytes,
     deepspeed_init_memory,
     flatzero_init_memory,
     itemsize,
     model_states,
+    offload_host_memory,
 )
 from .model_source import GROUPINGS, ModelSource, param_groups
 from .rates import Rates, node_rates
@@ -84,6 +88,13 @@ class PlanSpec:
         calibration: measured rates of a machine, replacing the host's figures.
         host_huge_pages: ``FlattenConfig.host_huge_pages``: flatzero's host buffers on
             2 MiB pages (their own new-memory rates) or from torch's allocator.
+        offload_optimizer: optimizer offload (DeepSpeed's ``offload_optimizer: {device:
+            cpu}``): master shards, optimizer state and a gradient shard in host memory.
+        pin_memory: with ``offload_optimizer``, the host gradient shards page-locked
+            (``offload_optimizer.pin_memory``; nothing is pinned without a GPU).
+        async_save: checkpoints are saved asynchronously (``save_checkpoint(...,
+            asynchronous=True)``, the door's ``"flatzero": {"async_save": true}``): every rank
+            keeps a host copy of what it writes (``Plan.async_snapshot``).
     """
 
     model: ModelSource
@@ -106,6 +117,9 @@ class PlanSpec:
     grad_accum: int = 1
     calibration: Calibration | None = None
     host_huge_pages: bool = True
+    offload_optimizer: bool = False
+    pin_memory: bool = True
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -179,6 +193,11 @@ class Plan:
         step: per-step communication.
         rates: the rates the times were computed with.
         host_ram_bytes: host RAM per node the plan checks against.
+        offload_host: with ``spec.offload_optimizer``, the host bytes of optimizer offload
+            per rank (``memory_model.offload_host_memory``); else None. ``states`` then
+            holds no master shard nor optimizer state where a GPU holds the rest.
+        async_snapshot: host bytes per rank an asynchronous save keeps
+            (``memory_model.async_snapshot_bytes``), whether ``spec.async_save`` or not.
     """
 
     spec: PlanSpec
@@ -192,6 +211,8 @@ class Plan:
     step: StepComm
     rates: Rates
     host_ram_bytes: int
+    offload_host: OffloadHostBytes | None = None
+    async_snapshot: int = 0
 
 
 def tiers_for(spec: PlanSpec) -> tuple[str, ...]:
@@ -302,7 +323,7 @@ def _free(spec: PlanSpec, on_device: int) -> int:
 
 
 def _decide(spec: PlanSpec, layout: Layout, states: ModelStates, free: int) -> TierDecision:
-    """The tier ``auto`` takes (``memory.choose_tier``'s rules), or the requested one."""
+    """The tier ``auto`` takes (``flatten.choice.choose_tier``'s rules), or the requested one."""
     if spec.tier != "auto" and spec.tier not in tiers_for(spec):
         raise ValueError(
             f"tier {spec.tier!r} cannot run this job (params on {spec.params_on}, "
@@ -412,6 +433,13 @@ def make_plan(spec: PlanSpec) -> Plan:
     )
     on_device = _work(layout).param_bytes if spec.params_on == "device" else 0
     free = 0 if spec.gpu is None else _free(spec, on_device)
+    offload_host = None
+    if spec.offload_optimizer:
+        offload_host = offload_host_memory(
+            layout, optimizer=spec.optimizer, pinned=spec.pin_memory and spec.gpu is not None
+        )
+        if spec.gpu is not None:  # the master and the optimizer state live on the host
+            states = dataclasses.replace(states, master=0, optimizer=0)
     decision = _decide(spec, layout, states, free)
     methods = _flatzero_methods(spec, layout, rates, states)
     deepspeed, ds019, placement = _deepspeed_methods(spec, layout, rates)
@@ -427,4 +455,6 @@ def make_plan(spec: PlanSpec) -> Plan:
         step=_step(spec, layout, rates),
         rates=rates,
         host_ram_bytes=spec.host_ram_bytes or spec.host.memory_bytes,
+        offload_host=offload_host,
+        async_snapshot=async_snapshot_bytes(layout, optimizer=spec.optimizer),
     )

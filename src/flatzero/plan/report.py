@@ -71,6 +71,47 @@ def _memory_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _async_save_lines(plan: Plan) -> list[str]:
+    """The host copy an asynchronous save keeps per rank: its bytes when configured, else
+    what it would cost."""
+    spec = plan.spec
+    nbytes, ranks = plan.async_snapshot, spec.gpus_per_node
+    pinned = ", page-locked" if spec.gpu is not None else ""
+    node = f"{ranks} x {_gib(nbytes)} = {_gib(ranks * nbytes)} GiB host RAM per node"
+    if spec.async_save:
+        return [
+            f"  async save snapshot (host) {_gib(nbytes):>10}   (fp32 master + "
+            f"{spec.optimizer} state shards, page-aligned{pinned}, kept from the first save; "
+            f"{node})"
+        ]
+    return [
+        f"  (async save, not configured, would keep {_gib(nbytes)} GiB of host memory per "
+        f"rank{pinned}: {node}; --async-save)"
+    ]
+
+
+def _offload_lines(plan: Plan) -> list[str]:
+    """With optimizer offload: its host bytes per rank (the formula) and per node."""
+    h = plan.offload_host
+    if h is None:
+        return []
+    spec = plan.spec
+    ranks = spec.gpus_per_node
+    node = ranks * h.total
+    fits = "fits" if node <= plan.host_ram_bytes else "DOES NOT FIT"
+    pinned = f"; {_gib(h.pinned)} page-locked" if h.pinned else ""
+    return [
+        "optimizer offload (offload_optimizer: cpu), host memory per rank (GiB):",
+        f"  fp32 master shard          {_gib(h.master):>10}",
+        f"  optimizer ({spec.optimizer:<8})       {_gib(h.state):>10}",
+        f"  fp32 gradient shard        {_gib(h.grads):>10}   (the downloads land in it and "
+        f"the upload is staged in it: no other staging{pinned})",
+        f"  peak per rank              {_gib(h.total):>10}   = 4 B x shard elements x (2 + "
+        f"optimizer state tensors); {ranks} x {_gib(h.total)} = {_gib(node)} GiB per node "
+        f"({fits} in {_gib(plan.host_ram_bytes)})",
+    ]
+
+
 def _method_row(m: MethodPlan, chosen: bool, usable: int | None) -> str:
     label = _LABELS.get(m.method, f"flatzero {m.method}") + (" *" if chosen else "")
     cells = " ".join(f"{_gib(m.links[k]):>9}" for k in _LINKS)
@@ -154,6 +195,8 @@ def format_plan(plan: Plan) -> str:
             title,
             _model_line(plan),
             *_memory_lines(plan),
+            *_async_save_lines(plan),
+            *_offload_lines(plan),
             *_init_lines(plan),
             *_host_lines(plan),
             *_step_and_rates(plan),
@@ -201,6 +244,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "gradients": plan.states.gradients,
             "total": plan.states.total,
         },
+        "async_save_snapshot_bytes": plan.async_snapshot,
         "free_bytes": plan.free_bytes,
         "auto": dataclasses.asdict(plan.decision),
         "deepspeed_019": {"path": plan.deepspeed_019[0], "reason": plan.deepspeed_019[1]},
@@ -217,6 +261,9 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             for name, m in plan.methods.items()
         },
         "host_ram_bytes": plan.host_ram_bytes,
+        "offload_host": None
+        if plan.offload_host is None
+        else dataclasses.asdict(plan.offload_host) | {"total": plan.offload_host.total},
         "step": dataclasses.asdict(plan.step),
         "rates": dataclasses.asdict(plan.rates),
         "calibration": None if spec.calibration is None else spec.calibration.to_dict(),
