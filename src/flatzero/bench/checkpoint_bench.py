@@ -216,8 +216,8 @@ def _save_rank(rank: int, world_size: int, spec: CheckpointSpec) -> dict[str, An
             for method in rotated(methods, round_index):
                 window = _window(method, path, model, opt, spec, index, dcp_group)
                 index += 1
-                if round_index >= spec.warmup:
-                    trials.setdefault(f"{method}@{block}", []).append(window)
+                kind = "" if round_index >= spec.warmup else "warmup:"
+                trials.setdefault(f"{kind}{method}@{block}", []).append(window)
         release_snapshot(opt)
         dist.barrier()
         if rank == 0:
@@ -233,25 +233,34 @@ def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, A
     def slowest(key: str, field: str) -> list[float]:
         return slowest_per_trial([[t[field] for t in r["trials"][key]] for r in ranks])
 
+    def lost(key: str, block: str, kind: str = "") -> tuple[list[float], list[float]]:
+        walls, base = slowest(kind + key, "wall_s"), slowest(f"{kind}none@{block}", "wall_s")
+        return [w - b for w, b in zip(walls, base, strict=True)], base
+
     rows = []
     steps = []
     for key in ranks[0]["trials"]:
+        if key.startswith("warmup:"):
+            continue
         method, block = key.split("@")
         if method == "none":
             continue
-        walls, base = slowest(key, "wall_s"), slowest(f"none@{block}", "wall_s")
-        lost = [w - b for w, b in zip(walls, base, strict=True)]
+        lost_s, base = lost(key, block)
         steps += [b / spec.steps for b in base]
-        rows.append(
-            {
-                "method": method,
-                "call_s_median": statistics.median(slowest(key, "call_s")),
-                "lost_s_median": statistics.median(lost),
-                "lost_s_all": lost,
-                "wall_s_all": walls,
-                "no_save_wall_s_all": base,
-            }
-        )
+        row = {
+            "method": method,
+            "call_s_median": statistics.median(slowest(key, "call_s")),
+            "lost_s_median": statistics.median(lost_s),
+            "lost_s_min": min(lost_s),
+            "lost_s_all": lost_s,
+            "call_s_all": slowest(key, "call_s"),
+            "wall_s_all": slowest(key, "wall_s"),
+            "no_save_wall_s_all": base,
+        }
+        if "warmup:" + key in ranks[0]["trials"]:  # the first save: buffers not yet touched
+            row["warmup_lost_s"] = lost("warmup:" + key, block)[0]
+            row["warmup_call_s"] = slowest("warmup:" + key, "call_s")
+        rows.append(row)
     rows.sort(key=lambda r: spec.methods.index(r["method"]))
     by = {r["method"]: r["lost_s_median"] for r in rows}
     for row in rows:
@@ -289,6 +298,8 @@ def _head(args: argparse.Namespace, spec: CheckpointSpec, ranks: list[dict]) -> 
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "checksum": DEFAULT_ALGORITHM,
+        "loadavg_at_start": getattr(args, "loadavg_at_start", None),
+        "loadavg_at_end": os.getloadavg(),
         "spec": {k: v for k, v in asdict(spec).items() if k != "workdir"},
         "world_size": args.world_size,
         "params": params,
@@ -328,12 +339,13 @@ def _report_save(args: argparse.Namespace, spec: CheckpointSpec, ranks: list[dic
         f"model {args.model} ({result['params'] / 1e6:.0f}M params), world size "
         f"{args.world_size}, {args.trials} trials; step {summary['step_s_median']:.3f} s"
     )
-    print(f"{'method':<12}{'call s':>10}{'lost s':>10}{'vs sync':>10}")
+    print(f"{'method':<12}{'call s':>10}{'lost s':>10}{'vs sync':>10}{'first save lost s':>20}")
     for row in summary["rows"]:
         versus = row["lost_vs_sync"]
+        first = ", ".join(f"{x:.2f}" for x in row.get("warmup_lost_s", []))
         print(
             f"{row['method']:<12}{row['call_s_median']:>10.3f}{row['lost_s_median']:>10.3f}"
-            f"{'' if versus is None else f'{versus:.3f}':>10}"
+            f"{'' if versus is None else f'{versus:.3f}':>10}{first:>20}"
         )
     return result
 
@@ -343,6 +355,7 @@ def run(args: argparse.Namespace) -> int:
     known = LOAD_METHODS if args.what == "load" else SAVE_METHODS
     methods = parse_methods(args.methods or ",".join(known), known)
     main = _load_rank if args.what == "load" else _save_rank
+    args.loadavg_at_start = os.getloadavg()  # other jobs on the machine, for the record
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
         spec = spec_from_args(CheckpointSpec, args, methods=methods, workdir=workdir)
         ranks = run_ranks(main, args.world_size, spec, timeout_s=3600)

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import mmap
 import os
 import threading
 import time
@@ -37,22 +38,26 @@ import torch
 
 from .. import accel
 from ..control import raise_if_any_failed
-from ..hostmem import StagingBuffer, staging_buffer
+from ..hostmem import StagingBuffer
 from .format import FileRecord
+from .image import PAGE, FileImage, fill, padded
 
 __all__ = [
     "collect_marks",
     "mark",
     "release_snapshot",
     "snapshot",
+    "snapshot_nbytes",
     "start",
     "wait_for_save",
 ]
 
 logger = logging.getLogger(__name__)
 
-_ALIGN = 64
-"""Bytes each tensor of a snapshot is aligned to in the buffer."""
+WRITER_NICE = 19
+"""The nice value of the background thread (the lowest priority): on a machine whose cores
+all run the training step, the writer takes only time the step leaves idle; where a core is
+free (the step runs on accelerators), it runs at full speed."""
 
 _POLL_S = 0.02
 """Seconds between rank 0's looks for the other ranks' marks."""
@@ -72,38 +77,56 @@ _snapshots: weakref.WeakKeyDictionary[Any, StagingBuffer] = weakref.WeakKeyDicti
 _pending: weakref.WeakKeyDictionary[Any, _Pending] = weakref.WeakKeyDictionary()
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
+def snapshot_nbytes(data_nbytes: Sequence[int]) -> int:
+    """Bytes of the snapshot buffer for files of ``data_nbytes`` data bytes each: each
+    file's data rounded up to the page (``image.padded``). ``flatzero plan`` shows it."""
+    return sum(padded(n) for n in data_nbytes)
+
+
+def _allocate(nbytes: int, pin: bool) -> StagingBuffer:
+    """``nbytes`` (a multiple of ``PAGE``) of page-aligned host memory, page-locked if
+    ``pin`` and possible. Anonymous memory of its own (not torch's allocator), so that its
+    pages stay with it, faulted in once, from the first save to the last."""
+    host = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    if pin and accel.pin_host(host):
+        return StagingBuffer(host, pinned=True, registered=True)
+    if pin:
+        cached = accel.pinned_empty(nbytes)
+        if cached is not None:
+            return StagingBuffer(cached[:nbytes], pinned=True)
+    return StagingBuffer(host, pinned=False)
 
 
 def snapshot(
-    optimizer: Any, tensors: Sequence[tuple[str, torch.Tensor]]
-) -> list[tuple[str, torch.Tensor]]:
-    """Copies of ``tensors`` in ``optimizer``'s reusable host buffer (same names, dtypes
-    and shapes; contiguous). Device tensors are copied without blocking into a page-locked
-    buffer, then each device is synchronized once.
+    optimizer: Any,
+    files: Sequence[tuple[str, Sequence[tuple[str, torch.Tensor]], dict[str, str] | None]],
+) -> list[FileImage]:
+    """Copies of ``files`` (per file: its name, its tensors in order and its metadata) in
+    ``optimizer``'s reusable host buffer, each laid out as the file's data
+    (``image.fill``). Device tensors are copied without blocking into a page-locked
+    buffer, then each device is synchronized once. The buffer is allocated at the first
+    call and kept; a larger state (or device tensors after host ones) allocates anew.
 
     Raises:
-        RuntimeError: the buffer cannot be allocated (out of host memory).
+        RuntimeError / OSError: the buffer cannot be allocated (out of host memory).
     """
-    nbytes = [t.numel() * t.element_size() for _, t in tensors]
-    total = sum(_aligned(n) for n in nbytes)
-    on_device = {t.device for _, t in tensors if accel.is_accelerator(t.device)}
+    sizes = [padded(sum(t.numel() * t.element_size() for _, t in ts)) for _, ts, _ in files]
+    total = max(PAGE, sum(sizes))
+    on_device = {t.device for _, ts, _ in files for _, t in ts if accel.is_accelerator(t.device)}
     buffer = _snapshots.get(optimizer)
     if buffer is None or buffer.data.numel() < total or (on_device and not buffer.pinned):
         release_snapshot(optimizer)
-        buffer = staging_buffer(max(1, total), pin=bool(on_device))
+        buffer = _allocate(total, pin=bool(on_device))
         _snapshots[optimizer] = buffer
-    out = []
+    images = []
     offset = 0
-    for (name, tensor), n in zip(tensors, nbytes, strict=True):
-        view = buffer.data[offset : offset + n].view(tensor.dtype).view(tensor.shape)
-        view.copy_(tensor.detach(), non_blocking=buffer.pinned)
-        out.append((name, view))
-        offset += _aligned(n)
+    for (name, tensors, metadata), size in zip(files, sizes, strict=True):
+        data = buffer.data[offset : offset + size]
+        images.append(fill(name, tensors, metadata, data, non_blocking=buffer.pinned))
+        offset += size
     for device in on_device:
         accel.synchronize(device)
-    return out
+    return images
 
 
 def release_snapshot(optimizer: Any) -> None:
@@ -114,11 +137,21 @@ def release_snapshot(optimizer: Any) -> None:
         buffer.release()
 
 
+def _lower_priority() -> None:
+    """Make the calling thread yield the cores to the training threads: on Linux a
+    thread's nice value is its own (``setpriority`` of its thread id)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (AttributeError, OSError) as error:  # not Linux, or not allowed
+        logger.debug("the asynchronous save's thread keeps its priority: %s", error)
+
+
 def start(optimizer: Any, job: Callable[[], None], path: Path, group: Any) -> None:
     """Run ``job`` (the write and publish of the checkpoint at ``path``) in a background
     thread; ``wait_for_save(optimizer)`` joins it."""
 
     def run() -> None:
+        _lower_priority()
         try:
             job()
         except BaseException as error:

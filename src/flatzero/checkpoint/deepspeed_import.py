@@ -223,11 +223,11 @@ def _write_checkpoint(
     records = _group_records(ds, layout)
     files = _write_rank_files(ds, layout, records, tmp, tag, checksums)
     rest, aliases = _rest(ds)
-    rest_file = None
+    rest_record = None
     if rest:
-        rest_file = write_tensors(
+        rest_record = write_tensors(
             tmp / MODEL_REST, list(rest.items()), {"format": "pt"}, checksums=checksums
-        ).file
+        )
     version = ds.model_states.get("ds_version", "?")
     scheduler = ds.model_states.get("lr_scheduler")
     return CheckpointMeta(
@@ -242,7 +242,8 @@ def _write_checkpoint(
         if scheduler
         else None,
         extra=_json_or_none(_extra(ds), "extra") or {},
-        model_rest=rest_file,
+        model_rest=rest_record.file if rest_record is not None else None,
+        rest_record=rest_record,
         aliases=aliases,
         source=f"deepspeed {version}",
         versions={"deepspeed": str(version), "torch": torch.__version__},

@@ -228,6 +228,14 @@ class GroupRecord:
     hyperparams: dict[str, Any]
 
 
+def _rest_record(data: dict[str, Any]) -> FileRecord | None:
+    """The model rest's record of ``meta.json`` data (None when not recorded)."""
+    record, name = data.get("model_rest_record"), data.get("model_rest")
+    if record is None or name is None:
+        return None
+    return FileRecord(-1, str(name), int(record["bytes"]), dict(record["tensors"]))
+
+
 @dataclass(frozen=True)
 class CheckpointMeta:
     """Everything in ``meta.json``.
@@ -244,6 +252,8 @@ class CheckpointMeta:
         extra: the user's JSON-able client state, encoded (``{}`` when none).
         rng: whether the rank files hold the ranks' RNG states.
         model_rest: file name of the frozen params and buffers, or None.
+        rest_record: that file's record (size, and per tensor dtype, shape and checksums),
+            or None (none, or written before flatzero recorded it: then not verified).
         model_names: layout param name -> the model's name for it, where they differ.
         aliases: second names of tied params -> the name they are stored under.
         source: where the checkpoint came from (``"flatzero"``, ``"deepspeed 0.19.8"``).
@@ -271,6 +281,7 @@ class CheckpointMeta:
     versions: dict[str, str] = field(default_factory=dict)
     bucket_order: list[int] | None = None
     saved_at: float | None = None
+    rest_record: FileRecord | None = None
 
     @property
     def world_size(self) -> int:
@@ -297,6 +308,11 @@ class CheckpointMeta:
             "extra": self.extra,
             "rng": self.rng,
             "model_rest": self.model_rest,
+            "model_rest_record": (
+                None
+                if self.rest_record is None
+                else {"bytes": self.rest_record.bytes, "tensors": self.rest_record.tensors}
+            ),
             "model_names": self.model_names,
             "aliases": self.aliases,
             "bucket_order": self.bucket_order,
@@ -347,6 +363,7 @@ class CheckpointMeta:
                 versions=dict(data.get("versions", {})),
                 bucket_order=data.get("bucket_order"),
                 saved_at=data.get("saved_at"),
+                rest_record=_rest_record(data),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(

@@ -239,6 +239,8 @@ def _read_everything(
         rng = _read_rng(reader, flat.rank, flat.world_size, config)
         read = _Read(reader, state, _scheduler_state(reader, scheduler, config), elements, rng)
         if model is not None:
+            if config.verify:
+                reader.verify_rest()  # frozen params and buffers, checked before any change
             _check_model_rest(reader, model)
         if check_extra is not None:
             _check_extra(reader, check_extra)

@@ -122,14 +122,18 @@ class CheckpointReader:
         Raises:
             CheckpointDamaged: one is missing or has another size.
         """
-        for record in self.meta.files:
+        rest = self.meta.rest_record
+        for record in (*self.meta.files, *([rest] if rest is not None else [])):
             path = self.path / record.file
             try:
                 size = path.stat().st_size
             except FileNotFoundError:
+                whose = (
+                    f"rank {record.rank}'s file" if record.rank >= 0 else "the model's rest"
+                )
                 raise CheckpointDamaged(
                     f"{path} is missing: the checkpoint was written by "
-                    f"{self.meta.world_size} ranks and rank {record.rank}'s file is gone"
+                    f"{self.meta.world_size} ranks and {whose} is gone"
                 ) from None
             if size != record.bytes:
                 raise CheckpointDamaged(
@@ -277,10 +281,30 @@ class CheckpointReader:
         Raises:
             CheckpointDamaged: a checksum differs (naming file, tensor and bytes).
         """
-        for rank in range(self.meta.world_size) if ranks is None else ranks:
+        ranks = range(self.meta.world_size) if ranks is None else list(ranks)
+        if 0 in ranks:  # whoever checks rank 0's file checks the model's rest
+            self.verify_rest()
+        for rank in ranks:
             file = self.tensor_file(rank)
             for key in self.meta.files[rank].tensors:
                 sums = self.sums(rank, key)
                 if sums is not None:
                     with damage():
                         file.verify(key, sums)
+
+    def verify_rest(self) -> None:
+        """Check the checksums of every tensor of ``model_rest.safetensors`` (the model's
+        frozen params and buffers) that ``meta.json`` records, one chunk at a time (nothing
+        for a checkpoint without it, or written before its checksums were recorded).
+
+        Raises:
+            CheckpointDamaged: a checksum differs, or the file is damaged (naming it).
+        """
+        record = self.meta.rest_record
+        if record is None:
+            return
+        with damage(), TensorFile(self.path / record.file) as file:
+            for key, info in record.tensors.items():
+                sums = ChunkSums.of_record(info, file.info(key).nbytes)
+                if sums is not None:
+                    file.verify(key, sums)

@@ -59,12 +59,20 @@ from .format import (
     available_tags,
     check_tag,
     encode_value,
+    rank_file_name,
     read_latest,
 )
+from .image import FileImage
 from .optimizer_state import CapturedState, capture
 from .recovery import copy_of_lost, restore_lost
 from .rng import capture_rng
-from .writer import model_extras, write_rank_file, write_tensors
+from .writer import (
+    model_extras,
+    rank_file_metadata,
+    write_image_file,
+    write_rank_file,
+    write_tensors,
+)
 
 __all__ = ["save_checkpoint", "save_nbytes"]
 
@@ -287,6 +295,7 @@ def _meta(
         extra=collected.extra,
         rng=config.save_rng,
         model_rest=rest_record.file if rest_record is not None else None,
+        rest_record=rest_record,
         model_names=collected.model_names,
         aliases=collected.aliases,
         versions=_versions(),
@@ -332,12 +341,25 @@ def _publish(root: Path, tmp: Path, meta: CheckpointMeta, flat: Any, config: Sav
     _all_ok(error, flat.process_group, f"publishing {root / meta.tag}")
 
 
+def _write_images(
+    tmp: Path, images: list[FileImage], flat: Any, config: SaveConfig
+) -> tuple[FileRecord, FileRecord | None]:
+    """Write this rank's snapshot (its rank file, on rank 0 also the model's rest) into
+    ``tmp``; their records."""
+    record = write_image_file(tmp, images[0], checksums=config.checksums, rank=flat.rank)
+    fault_point("rank_file_written", flat.rank)
+    rest_record = None
+    if len(images) > 1:
+        rest_record = write_image_file(tmp, images[1], checksums=config.checksums)
+    return record, rest_record
+
+
 def _write_in_background(
     root: Path,
     tmp: Path,
     tag: str,
     collected: _Collected,
-    files: _Files,
+    images: list[FileImage],
     flat: Any,
     config: SaveConfig,
 ) -> None:
@@ -347,7 +369,7 @@ def _write_in_background(
     error: BaseException | None = None
     record = rest_record = None
     try:
-        record, rest_record = _write_files(tmp, tag, files, flat, config)
+        record, rest_record = _write_images(tmp, images, flat, config)
     except (OSError, ValueError, TypeError) as e:
         error = e
     mark(tmp, flat.rank, record, error)
@@ -379,11 +401,13 @@ def _start_in_background(
     ``tmp`` if not), then write and publish them in a background thread."""
     flat = optimizer.flat
     error: BaseException | None = None
-    copied = files
+    images: list[FileImage] = []
+    meta = rank_file_metadata(flat.rank, flat.world_size, flat.layout.digest(), tag, files.metadata)
+    wanted = [(rank_file_name(flat.rank, flat.world_size), files.tensors, meta)]
+    if files.rest:
+        wanted.append((MODEL_REST, files.rest, {"format": "pt", "tag": tag}))
     try:
-        copies = snapshot(optimizer, [*files.tensors, *files.rest])
-        n = len(files.tensors)
-        copied = _Files(copies[:n], files.metadata, copies[n:])
+        images = snapshot(optimizer, wanted)
     except (RuntimeError, OSError) as e:  # out of host memory
         error = e
     try:
@@ -395,7 +419,7 @@ def _start_in_background(
     fault_point("snapshot_taken", flat.rank)
     start(
         optimizer,
-        lambda: _write_in_background(root, tmp, tag, collected, copied, flat, config),
+        lambda: _write_in_background(root, tmp, tag, collected, images, flat, config),
         root / tag,
         flat.process_group,
     )

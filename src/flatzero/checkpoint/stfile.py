@@ -32,6 +32,7 @@ __all__ = [
     "ChunkOp",
     "SafetensorsWriter",
     "TensorEntry",
+    "header_bytes",
     "open_safetensors",
     "staging_plan",
 ]
@@ -129,6 +130,44 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
+def header_bytes(
+    path: str | os.PathLike[str],
+    entries: Sequence[TensorEntry],
+    metadata: dict[str, str] | None = None,
+    *,
+    align: int = 8,
+) -> bytes:
+    """What a safetensors file of ``entries`` (data in their order, no gaps) starts with:
+    the header's length (8 bytes, little endian) and the JSON header, padded with spaces so
+    that the data starts at a multiple of ``align`` bytes (safetensors itself pads to 8; a
+    file written without the page cache pads to the page size, ``image``).
+
+    Raises:
+        TypeError: a dtype safetensors lacks. ValueError: a name appears twice (``path``
+            names the file).
+    """
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    names: set[str] = set()
+    for e in entries:
+        if e.dtype not in SAFETENSORS_NAMES:
+            raise TypeError(f"tensor {e.name!r} has dtype {e.dtype}, which safetensors lacks")
+        if e.name in names:
+            raise ValueError(f"tensor name {e.name!r} appears twice in {os.fspath(path)}")
+        names.add(e.name)
+        header[e.name] = {
+            "dtype": SAFETENSORS_NAMES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
+        offset += e.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(len(text) + 8) % align)
+    return struct.pack("<Q", len(text)) + text
+
+
 class SafetensorsWriter:
     """Write one safetensors file, tensor by tensor, in the order of ``entries``.
 
@@ -155,27 +194,8 @@ class SafetensorsWriter:
         self.entries = list(entries)
         self.checksums = checksums
         self.checksum: dict[str, ChunkSums | None] = {}
-        header: dict[str, Any] = {}
-        if metadata:
-            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-        offset = 0
-        names = set()
-        for e in self.entries:
-            if e.dtype not in SAFETENSORS_NAMES:
-                raise TypeError(f"tensor {e.name!r} has dtype {e.dtype}, which safetensors lacks")
-            if e.name in names:
-                raise ValueError(f"tensor name {e.name!r} appears twice in {self.path}")
-            names.add(e.name)
-            header[e.name] = {
-                "dtype": SAFETENSORS_NAMES[e.dtype],
-                "shape": list(e.shape),
-                "data_offsets": [offset, offset + e.nbytes],
-            }
-            offset += e.nbytes
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)
-        self._prefix = struct.pack("<Q", len(text)) + text
-        self.nbytes = len(self._prefix) + offset
+        self._prefix = header_bytes(self.path, self.entries, metadata)
+        self.nbytes = len(self._prefix) + sum(e.nbytes for e in self.entries)
         self._next = 0
         self._file = None
         self._staging: list[StagingBuffer] = []

@@ -18,9 +18,16 @@ from ..dtypes import dtype_name
 from .atomic import fault_point
 from .checksum import ChunkSums
 from .format import FileRecord, rank_file_name
+from .image import FileImage, write_image
 from .stfile import SafetensorsWriter, TensorEntry
 
-__all__ = ["model_extras", "write_rank_file", "write_tensors"]
+__all__ = [
+    "model_extras",
+    "rank_file_metadata",
+    "write_image_file",
+    "write_rank_file",
+    "write_tensors",
+]
 
 
 def _tensor_record(entry: TensorEntry, sums: ChunkSums | None) -> dict[str, Any]:
@@ -69,7 +76,19 @@ def write_rank_file(
     The file's metadata records the rank, world size, tag and layout digest, so a file
     that strayed from another checkpoint is recognized on load.
     """
-    meta = {
+    meta = rank_file_metadata(rank, world_size, layout_digest, tag, metadata)
+    path = directory / rank_file_name(rank, world_size)
+    record = write_tensors(path, tensors, meta, checksums=checksums, rank=rank)
+    fault_point("rank_file_written", rank)
+    return record
+
+
+def rank_file_metadata(
+    rank: int, world_size: int, layout_digest: str, tag: str, metadata: dict[str, str] | None
+) -> dict[str, str]:
+    """The header metadata of rank ``rank``'s file: its rank, world size, tag and layout
+    digest (and ``metadata``: RNG states)."""
+    return {
         "format": "flatzero.rank/1",
         "rank": str(rank),
         "world_size": str(world_size),
@@ -77,10 +96,26 @@ def write_rank_file(
         "layout_digest": layout_digest,
         **(metadata or {}),
     }
-    path = directory / rank_file_name(rank, world_size)
-    record = write_tensors(path, tensors, meta, checksums=checksums, rank=rank)
-    fault_point("rank_file_written", rank)
-    return record
+
+
+def write_image_file(
+    directory: Path, image: FileImage, *, checksums: bool, rank: int = -1
+) -> FileRecord:
+    """Write a snapshot's file (``image.write_image``: without the page cache where the
+    system allows) into ``directory``; its record, as ``write_tensors`` returns it (with
+    the same fault point after each tensor)."""
+    size, sums = write_image(
+        directory,
+        image,
+        checksums_on=checksums,
+        tensor_written=lambda: fault_point("tensor_written", rank),
+    )
+    return FileRecord(
+        rank=rank,
+        file=image.name,
+        bytes=size,
+        tensors={e.name: _tensor_record(e, sums[e.name]) for e in image.entries},
+    )
 
 
 def model_extras(
