@@ -92,6 +92,12 @@ _BAD_MODEL_CONFIGS: list[tuple[dict, str]] = [
     ({"hidden_size": "abc"}, "the config's 'hidden_size' is 'abc'; it must be a whole number"),
     ({"vocab_size": 1.5}, "the config's 'vocab_size' is 1.5"),
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+    ({"hidden_size": 10**15}, "hidden_size=1000000000000000 is more than 10,000,000"),
+    ({"vocab_size": 10**15}, "vocab_size=1000000000000000 is more than 10,000,000"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive int, got 0"),
+    ({"head_dim": -2}, "head_dim must be a positive int, got -2"),
+    ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' is 'yes'; it must be true or false"),
+    ({"rms_norm_eps": "abc"}, "'rms_norm_eps' is 'abc'; it must be a number"),
     (
         {"model_type": "qwen3_moe", "moe_intermediate_size": 8, "num_experts": 10**6,
          "num_experts_per_tok": 2},
@@ -116,3 +122,61 @@ def test_plan_refuses_a_nonsensical_model_config(change, expected, tmp_path, cap
 def test_debug_shows_the_traceback(tmp_path, capsys):
     with pytest.raises((ValueError, OSError)):
         main(["--debug", "export", str(tmp_path / "nope"), str(tmp_path / "out")])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A small flatzero checkpoint and a DeepSpeed one exported from it."""
+    import torch
+    from torch import nn
+
+    from flatzero.checkpoint import save_checkpoint
+    from flatzero.optim import ZeroOptimizer
+
+    root = tmp_path_factory.mktemp("cli")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    opt = ZeroOptimizer(net.named_parameters(), torch.optim.AdamW, lr=1e-3)
+    net(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    save_checkpoint(root / "ckpt", opt, "t", model=net)
+    opt.close()
+    assert (
+        main(["export-deepspeed", str(root / "ckpt"), str(root / "ds"), "--world-size", "1"]) == 0
+    )
+    return root
+
+
+# (argv with {ckpt} and {ds} for the checkpoints and {file} for an existing file, a text
+# the one error line must hold): output paths that exist or cannot be made
+_BAD_OUTPUTS: list[tuple[list[str], str]] = [
+    (["export", "{ckpt}", "{file}"], "'{file}': File exists: it exists and is not a directory"),
+    (["export", "{ckpt}", "{file}/out"], "'{file}/out': Not a directory"),
+    (["import-deepspeed", "{ds}", "{file}"], "'{file}': File exists"),
+    (["import-deepspeed", "{ds}", "{ckpt}"], "{ckpt}/t already exists; choose another out_tag"),
+    (["export-deepspeed", "{ckpt}", "{ds}", "--world-size", "1"], "already holds ['t']"),
+    (["plan", "--model", "llama-3-8b", "--json", "{file}/plan.json"],
+     "'{file}/plan.json': Not a directory: a part of the path is a file"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"), _BAD_OUTPUTS, ids=[" ".join(a)[:60] for a, _ in _BAD_OUTPUTS]
+)
+def test_an_output_path_that_exists_or_cannot_be_made(argv, expected, checkpoint, capsys):
+    file = checkpoint / "a_file"
+    file.write_text("keep")
+
+    def fill(text: str) -> str:
+        for key, value in (("ckpt", "ckpt"), ("ds", "ds"), ("file", "a_file")):
+            text = text.replace("{" + key + "}", str(checkpoint / value))
+        return text
+
+    before = {p: p.read_bytes() for p in sorted(checkpoint.rglob("*")) if p.is_file()}
+    code, err = _exit([fill(a) for a in argv], capsys)
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert fill(expected) in lines[0], err
+    after = {p: p.read_bytes() for p in sorted(checkpoint.rglob("*")) if p.is_file()}
+    assert after == before  # nothing written or changed

@@ -125,9 +125,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+_OS_FIXES: tuple[tuple[type[OSError], str], ...] = (
+    (FileExistsError, "it exists and is not a directory; choose another output path"),
+    (IsADirectoryError, "it is a directory; give the path of a file"),
+    (NotADirectoryError, "a part of the path is a file, not a directory; fix the path"),
+    (PermissionError, "choose a path this user may read (input) or write (output)"),
+    (FileNotFoundError, "check the path"),
+)
+"""What to do about an ``OSError`` of each kind (the OS's words say what happened)."""
+
+
 def one_line(error: BaseException) -> str:
     """``error`` as one line: its message's lines joined, an ``OSError`` in the OS's words
-    with the file it names."""
+    with the file it names and what to do."""
+    if isinstance(error, OSError) and error.strerror and error.filename is not None:
+        fix = next((fix for kind, fix in _OS_FIXES if isinstance(error, kind)), "")
+        return f"{error.filename!r}: {error.strerror}" + (f": {fix}" if fix else "")
     text = str(error) or type(error).__name__
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 

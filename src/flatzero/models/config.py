@@ -24,6 +24,11 @@ MAX_EXPERT_MODULES = 1_000_000
 about 15,000): each is a module, or three, to build and lay out."""
 
 
+MAX_WIDTH = 10_000_000
+"""The largest size of one dimension (vocabulary, width, heads, head width, MLP width; real
+models stay below a few hundred thousand): their products size the tensors built."""
+
+
 def _check_positive_int(owner: str, name: str, value: object, high: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}; pass e.g. 1 or 64")
@@ -65,7 +70,7 @@ class _DecoderConfig:
             "num_key_value_heads",
             "head_dim",
         ):
-            _check_positive_int(owner, name, getattr(self, name))
+            _check_positive_int(owner, name, getattr(self, name), MAX_WIDTH)
         _check_positive_int(owner, "num_hidden_layers", self.num_hidden_layers, MAX_LAYERS)
         _check_positive_float(owner, "rms_norm_eps", self.rms_norm_eps)
         _check_positive_float(owner, "rope_theta", self.rope_theta)
@@ -105,7 +110,7 @@ class LlamaConfig(_DecoderConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_positive_int("LlamaConfig", "intermediate_size", self.intermediate_size)
+        _check_positive_int("LlamaConfig", "intermediate_size", self.intermediate_size, MAX_WIDTH)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,7 +146,7 @@ class Qwen3MoeConfig(_DecoderConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("moe_intermediate_size", "num_experts", "num_experts_per_tok"):
-            _check_positive_int("Qwen3MoeConfig", name, getattr(self, name))
+            _check_positive_int("Qwen3MoeConfig", name, getattr(self, name), MAX_WIDTH)
         experts = self.num_experts * self.num_hidden_layers
         if experts > MAX_EXPERT_MODULES:
             raise ValueError(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
+import os
 from pathlib import Path
 
 from ..bench.settings import add_settle_argument
@@ -178,8 +180,26 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
     return dataclasses.replace(spec, calibration=_calibration(args, spec))
 
 
+def _check_output(path_text: str | None) -> None:
+    """Refuse a ``--json`` path that cannot be written before the plan is computed (an
+    ``OSError`` naming it: flatzero.cli.main makes it one line)."""
+    if not path_text or path_text == "-":
+        return
+    path = Path(path_text)
+    parent = path.parent
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path_text)
+    if not parent.exists():
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(parent))
+    if not parent.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path_text)
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path_text)
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the plan (a table, or JSON with ``--json``)."""
+    _check_output(args.json)
     plan = make_plan(spec_from_args(args))  # an error: one line from flatzero.cli.main
     data = plan_to_dict(plan)
     if args.json == "-":

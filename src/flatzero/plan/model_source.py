@@ -83,21 +83,47 @@ def _int(data: dict[str, Any], key: str, default: Any = None) -> int:
     return int(value)
 
 
+def _float(data: dict[str, Any], key: str, default: float) -> float:
+    """``data[key]`` (``default`` when absent or null) as a number, or a ``ValueError``
+    naming the key."""
+    value = data.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"the config's {key!r} is {value!r}; it must be a number")
+    return float(value)
+
+
+def _bool(data: dict[str, Any], key: str, default: bool) -> bool:
+    """``data[key]`` (``default`` when absent) as a JSON true/false, or a ``ValueError``."""
+    value = data.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"the config's {key!r} is {value!r}; it must be true or false")
+    return value
+
+
+def _or_default(data: dict[str, Any], key: str, default: int) -> dict[str, Any]:
+    """``{key: data[key]}``, or ``default`` when it is absent or null."""
+    value = data.get(key)
+    return {key: default if value is None else value}
+
+
 def _common_fields(data: dict[str, Any]) -> dict[str, Any]:
     heads = _int(data, "num_attention_heads")
     hidden = _int(data, "hidden_size")
-    head_dim = data.get("head_dim") or (hidden // heads if heads > 0 else 0)
+    # Absent or null: derived (as transformers does); 0 or a negative number is refused.
+    head_dim = hidden // heads if heads > 0 else 0
     return {
         "vocab_size": _int(data, "vocab_size"),
         "hidden_size": hidden,
         "num_hidden_layers": _int(data, "num_hidden_layers"),
         "num_attention_heads": heads,
         "num_key_value_heads": _int(
-            {"num_key_value_heads": data.get("num_key_value_heads") or heads}, "num_key_value_heads"
+            _or_default(data, "num_key_value_heads", heads), "num_key_value_heads"
         ),
-        "head_dim": _int({"head_dim": head_dim}, "head_dim"),
-        "rms_norm_eps": float(data.get("rms_norm_eps", 1e-6)),
-        "rope_theta": float(data.get("rope_theta") or 10000.0),
+        "head_dim": _int(_or_default(data, "head_dim", head_dim), "head_dim"),
+        "rms_norm_eps": _float(data, "rms_norm_eps", 1e-6),
+        "rope_theta": _float(data, "rope_theta", 10000.0),
     }
 
 
@@ -115,7 +141,7 @@ def config_from_hf(
         ValueError: an unsupported model type or field (named), or a missing field.
     """
     model_type = data.get("model_type")
-    tie = bool(data.get("tie_word_embeddings", False))
+    tie = _bool(data, "tie_word_embeddings", False)
     fields = _common_fields(data)
     if model_type in _LLAMA_TYPES:
         for flag in ("attention_bias", "mlp_bias"):
@@ -132,7 +158,7 @@ def config_from_hf(
             moe_intermediate_size=_int(data, "moe_intermediate_size"),
             num_experts=_int(data, "num_experts"),
             num_experts_per_tok=_int(data, "num_experts_per_tok"),
-            norm_topk_prob=bool(data.get("norm_topk_prob", True)),
+            norm_topk_prob=_bool(data, "norm_topk_prob", True),
             expert_layout=expert_layout,
             **fields,
         )
