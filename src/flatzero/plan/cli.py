@@ -107,6 +107,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "optimizer state and a gradient shard in host memory, and the plan states its bytes",
     )
     parser.add_argument(
+        "--async-save",
+        action="store_true",
+        help="checkpoints saved asynchronously (flatzero.async_save): the plan shows the host "
+        "copy each rank keeps",
+    )
+    parser.add_argument(
         "--no-pin-memory",
         dest="pin_memory",
         action="store_false",
@@ -176,6 +182,7 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         host_huge_pages=args.host_huge_pages,
         offload_optimizer=args.offload_optimizer == "cpu",
         pin_memory=args.pin_memory,
+        async_save=args.async_save,
     )
     return dataclasses.replace(spec, calibration=_calibration(args, spec))
 

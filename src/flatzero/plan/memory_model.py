@@ -36,6 +36,7 @@ __all__ = [
     "OPTIMIZER_STATES",
     "InitMemory",
     "ModelStates",
+    "async_snapshot_bytes",
     "deepspeed_init_memory",
     "flatzero_init_memory",
     "itemsize",
@@ -109,6 +110,27 @@ class ModelStates:
     def total(self) -> int:
         """Everything above, bytes."""
         return self.params + self.master + self.gradients + self.optimizer
+
+
+def async_snapshot_bytes(
+    layout: Layout, *, optimizer: str = "adamw", rank_file_extra: int = 0, rest_bytes: int = 0
+) -> int:
+    """Host bytes an asynchronous save keeps per rank (``checkpoint.async_save.snapshot``,
+    page-locked where a GPU is), from the first asynchronous save on.
+
+    The buffer holds what the rank writes, laid out as its files' data: the rank file's fp32
+    master shard and per-element optimizer-state shards of every group (after the first step),
+    plus ``rank_file_extra`` bytes (RNG states with ``SaveConfig(save_rng=True)``), rounded up
+    to the page (``checkpoint.image.padded``); on rank 0 also the model's frozen params and
+    buffers (``rest_bytes``, with ``model=``), rounded up likewise.
+    """
+    from ..checkpoint.image import PAGE, padded
+
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer {optimizer!r} must be one of {', '.join(OPTIMIZER_STATES)}")
+    tensors, _ = OPTIMIZER_STATES[optimizer]
+    shards = sum(g.shard_numel for g in layout.groups) * 4 * (1 + tensors)
+    return max(PAGE, padded(shards + rank_file_extra) + padded(rest_bytes))
 
 
 def staging_bytes(

@@ -21,6 +21,7 @@ from .hardware import GpuSpec, HostSpec, get_host
 from .memory_model import (
     InitMemory,
     ModelStates,
+    async_snapshot_bytes,
     deepspeed_init_memory,
     flatzero_init_memory,
     itemsize,
@@ -91,6 +92,9 @@ class PlanSpec:
             cpu}``): master shards, optimizer state and a gradient shard in host memory.
         pin_memory: with ``offload_optimizer``, the host gradient shards page-locked
             (``offload_optimizer.pin_memory``; nothing is pinned without a GPU).
+        async_save: checkpoints are saved asynchronously (``save_checkpoint(...,
+            asynchronous=True)``, the door's ``"flatzero": {"async_save": true}``): every rank
+            keeps a host copy of what it writes (``Plan.async_snapshot``).
     """
 
     model: ModelSource
@@ -115,6 +119,7 @@ class PlanSpec:
     host_huge_pages: bool = True
     offload_optimizer: bool = False
     pin_memory: bool = True
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -191,6 +196,8 @@ class Plan:
         offload_host: with ``spec.offload_optimizer``, the host bytes of optimizer offload
             per rank (``memory_model.offload_host_memory``); else None. ``states`` then
             holds no master shard nor optimizer state where a GPU holds the rest.
+        async_snapshot: host bytes per rank an asynchronous save keeps
+            (``memory_model.async_snapshot_bytes``), whether ``spec.async_save`` or not.
     """
 
     spec: PlanSpec
@@ -205,6 +212,7 @@ class Plan:
     rates: Rates
     host_ram_bytes: int
     offload_host: OffloadHostBytes | None = None
+    async_snapshot: int = 0
 
 
 def tiers_for(spec: PlanSpec) -> tuple[str, ...]:
@@ -448,4 +456,5 @@ def make_plan(spec: PlanSpec) -> Plan:
         rates=rates,
         host_ram_bytes=spec.host_ram_bytes or spec.host.memory_bytes,
         offload_host=offload_host,
+        async_snapshot=async_snapshot_bytes(layout, optimizer=spec.optimizer),
     )

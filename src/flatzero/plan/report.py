@@ -71,6 +71,25 @@ def _memory_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _async_save_lines(plan: Plan) -> list[str]:
+    """The host copy an asynchronous save keeps per rank: its bytes when configured, else
+    what it would cost."""
+    spec = plan.spec
+    nbytes, ranks = plan.async_snapshot, spec.gpus_per_node
+    pinned = ", page-locked" if spec.gpu is not None else ""
+    node = f"{ranks} x {_gib(nbytes)} = {_gib(ranks * nbytes)} GiB host RAM per node"
+    if spec.async_save:
+        return [
+            f"  async save snapshot (host) {_gib(nbytes):>10}   (fp32 master + "
+            f"{spec.optimizer} state shards, page-aligned{pinned}, kept from the first save; "
+            f"{node})"
+        ]
+    return [
+        f"  (async save, not configured, would keep {_gib(nbytes)} GiB of host memory per "
+        f"rank{pinned}: {node}; --async-save)"
+    ]
+
+
 def _offload_lines(plan: Plan) -> list[str]:
     """With optimizer offload: its host bytes per rank (the formula) and per node."""
     h = plan.offload_host
@@ -176,6 +195,7 @@ def format_plan(plan: Plan) -> str:
             title,
             _model_line(plan),
             *_memory_lines(plan),
+            *_async_save_lines(plan),
             *_offload_lines(plan),
             *_init_lines(plan),
             *_host_lines(plan),
@@ -224,6 +244,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "gradients": plan.states.gradients,
             "total": plan.states.total,
         },
+        "async_save_snapshot_bytes": plan.async_snapshot,
         "free_bytes": plan.free_bytes,
         "auto": dataclasses.asdict(plan.decision),
         "deepspeed_019": {"path": plan.deepspeed_019[0], "reason": plan.deepspeed_019[1]},
