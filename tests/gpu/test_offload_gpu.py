@@ -1,0 +1,52 @@
+"""Optimizer offload on CUDA (skipped without CUDA; run with ``FLATZERO_TEST_GPU=1``).
+
+One rank, the model and buckets on the GPU: the offload path copies the reduced gradients
+to pinned host memory on its own CUDA stream (an event per bucket), steps torch's fused
+CPU AdamW there and uploads the cast shard; it trains as the same run without offload does
+(the GPU's fused kernel against the CPU's: fp32 rounding), never calls
+``torch.cuda.synchronize`` inside a step, and holds no fp32 master or optimizer state on the
+GPU. ``tests/device/test_device_offload.py`` runs the two-rank case on CUDA (NCCL) too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flatzero import OffloadConfig
+from test_optimizer_offload import Case, train
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize(
+    "case",
+    [Case(stage=2, dtype="bf16"), Case(stage=1, dtype="fp16", overflow_step=1)],
+    ids=["stage2-bf16", "stage1-fp16"],
+)
+def test_offload_on_cuda_streams(case, monkeypatch):
+    device = torch.device("cuda", torch.cuda.current_device())
+    base = torch.cuda.memory_allocated(device)
+    plain_losses, plain_masters, plain = train(case, 0, False, device)
+    plain_bytes = torch.cuda.memory_allocated(device) - base
+    plain.close()
+    del plain
+    syncs = []
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: (syncs.append(a), real(*a))[1])
+    start = torch.cuda.memory_allocated(device)
+    losses, masters, opt = train(case, 0, OffloadConfig(pin_memory=True), device)
+    assert syncs == []
+    offload = opt._offload
+    assert offload.pinned and all(g.is_pinned() for g in offload.host_grads)
+    assert isinstance(offload._stream, torch.cuda.Stream)
+    assert offload._stream != torch.cuda.current_stream(device)
+    assert {m.device.type for m in opt.master_shards} == {"cpu"}
+    shard = sum(g.layout.shard_numel for g in opt.flat.groups)
+    offload_bytes = torch.cuda.memory_allocated(device) - start
+    assert offload_bytes <= plain_bytes - 12 * shard  # no fp32 master, no AdamW state
+    for got, want in zip(losses, plain_losses, strict=True):
+        assert got == pytest.approx(want, rel=1e-3, nan_ok=True)
+    for name, value in plain_masters.items():
+        torch.testing.assert_close(masters[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    opt.close()
