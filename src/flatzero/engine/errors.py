@@ -1,11 +1,12 @@
 """The error that tells "DeepSpeed can do this, flatzero cannot" apart from a user error.
 
 ``flatzero.initialize`` raises ``UnsupportedFeatureError`` when the config or the arguments
-ask for a DeepSpeed feature flatzero does not implement (ZeRO stage 3, offload, model
-parallelism, no optimizer, an optimizer that is not elementwise, ...). It raises plain
-``ValueError``/``TypeError`` for a config or argument that is wrong whoever runs it (bad
-types, inconsistent batch sizes, misspelled keys). ``flatzero.patch_deepspeed()`` hands the
-first kind to the real ``deepspeed.initialize`` and lets the second fail loudly.
+ask for a DeepSpeed feature flatzero does not implement (ZeRO stage 3, NVMe or param
+offload, model parallelism, no optimizer, an optimizer that is not elementwise, ...). It
+raises plain ``ValueError``/``TypeError`` for a config or argument that is wrong whoever
+runs it (bad types, inconsistent batch sizes, misspelled keys).
+``flatzero.patch_deepspeed()`` hands the first kind to the real ``deepspeed.initialize`` and
+lets the second fail loudly.
 
 Both kinds are raised before anything is flattened: the model is untouched.
 """

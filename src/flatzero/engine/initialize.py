@@ -334,9 +334,9 @@ def initialize(
 
     Raises:
         UnsupportedFeatureError: the config or the arguments ask for a DeepSpeed feature
-            flatzero does not implement (stage 3, offload, ``mpu``, no optimizer, an optimizer
-            that is not elementwise, ...); a ``ValueError``. ``flatzero.patch_deepspeed()``
-            hands these to DeepSpeed.
+            flatzero does not implement (stage 3, NVMe or param offload, ``mpu``, no
+            optimizer, an optimizer that is not elementwise, ...); a ``ValueError``.
+            ``flatzero.patch_deepspeed()`` hands these to DeepSpeed.
         ValueError / TypeError: a bad config key, argument or model (the message names it
             and the fix).
         Nothing has been flattened when any of these is raised.

@@ -24,11 +24,11 @@ Every key falls in one of three kinds:
 - without effect here: accepted and listed in ``EngineConfig.ignored`` (monitors,
   profilers, stage-3 tuning keys under stage 1/2, switches flatzero always has on, ...);
   ``initialize`` logs them once in one warning;
-- asking for something DeepSpeed has and flatzero does not implement (stage 3, offload,
-  quantized or hierarchical ZeRO, torch autocast, pipeline or tensor parallelism, optimizer
-  types other than Adam/AdamW/SGD, ...): an ``UnsupportedFeatureError`` (a ``ValueError``)
-  naming the key, its value and the fix; ``flatzero.patch_deepspeed()`` hands such configs
-  to the real DeepSpeed.
+- asking for something DeepSpeed has and flatzero does not implement (stage 3, NVMe or param
+  offload, quantized or hierarchical ZeRO, torch autocast, pipeline or tensor parallelism,
+  optimizer types other than Adam/AdamW/SGD, ...): an ``UnsupportedFeatureError`` (a
+  ``ValueError``) naming the key, its value and the fix; ``flatzero.patch_deepspeed()`` hands
+  such configs to the real DeepSpeed.
 
 Everything else that is wrong is a user error (``ValueError``/``TypeError``): an unknown key
 inside a section flatzero parses (as DeepSpeed's own validation does), a bad type or value,
