@@ -11,8 +11,19 @@
   ``cpu_adam`` op is JIT-built into an empty ``TORCH_EXTENSIONS_DIR`` in a process of its
   own, timed, as on a fresh machine (``--no-build``: skipped, the default extensions
   directory is used); flatzero builds nothing.
-- ``step``, ``init``, ``memory``: whole steps, init and host memory with offload (the
-  offload path in flatzero's engine).
+- ``step``: whole training steps with offload on the host (gloo, DeepSpeed's CPU
+  accelerator): ``flatzero.initialize`` against ``deepspeed.initialize`` with the same
+  config, alternating step by step in one launch per world size; see ``offload_step``.
+- ``init``: ``flatzero.initialize`` against ``deepspeed.initialize`` with the same offload
+  config (``offload_trial.offload_config``), each launch its own ``torchrun`` job (a fresh
+  process per rank), the doors alternating, ``--settle-s`` seconds before every launch;
+  each launch also takes ``--init-steps`` steps and records host memory; see
+  ``offload_trial``.
+- ``memory``: the host bytes of offload per rank as ``flatzero plan`` states them
+  (``plan.memory_model.offload_host_memory``: fp32 master + optimizer state + fp32
+  gradient shard) beside what flatzero's optimizer allocated (``offload_host_bytes()``)
+  and the RSS a flatzero launch gained from before ``initialize`` to after its steps
+  (the ``init`` part's flatzero launches, or one launch per world size of its own).
 
 Every part ends in the result; the last line on stdout is the whole result as JSON.
 """
@@ -20,6 +31,7 @@ Every part ends in the result; the last line on stdout is the whole result as JS
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -30,10 +42,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import offload_step
 from .deepspeed_runner import without_unavailable_deepspeed
 from .machine import describe_host
 from .offload_kernel import HYPERPARAMETERS, KERNEL_METHODS
 from .offload_kernel import MARKER as KERNEL_MARKER
+from .offload_step import STEP_METHODS
+from .offload_trial import DOORS, offload_config
+from .offload_trial import MARKER as TRIAL_MARKER
 from .ranks import threads_per_rank
 from .results import emit, print_skipped, result_head
 from .settings import parse_list
@@ -86,6 +102,8 @@ def _child(
 def _build(args: argparse.Namespace) -> tuple[dict[str, Any] | None, str | None]:
     """DeepSpeed's ``cpu_adam`` JIT build into an empty directory, timed; the directory
     the kernel launches then use (None: the default)."""
+    if args.extensions_dir:
+        return None, args.extensions_dir
     if args.no_build:
         return None, None
     target = tempfile.mkdtemp(prefix="flatzero-ds-ext-", dir=args.workdir)
@@ -190,9 +208,280 @@ def _kernel(args: argparse.Namespace, has_deepspeed: bool) -> dict[str, Any]:
         "hyperparameters": HYPERPARAMETERS | {"bias_correction": True, "adamw_mode": True},
         "threads": threads,
         "jit_build": build,
+        "extensions_dir": ext_dir,
         "rows": rows,
         "launches": launches,
     }
+
+
+# --- step ---------------------------------------------------------------------------
+
+
+def _step(args: argparse.Namespace, has_deepspeed: bool, ext_dir: str | None) -> dict[str, Any]:
+    """The ``step`` part: one launch of ranks per world size (and run)."""
+    from ..launch import run_ranks
+    from . import offload_step
+
+    methods = tuple(m for m in args.step_methods if has_deepspeed or "deepspeed" not in m)
+    spec = offload_step.OffloadStepSpec(
+        model=args.step_model,
+        dtype=args.step_dtype,
+        methods=methods,
+        stage=args.stage,
+        batch=args.step_batch,
+        seq=args.step_seq,
+        warmup=args.step_warmup,
+        steps=args.step_steps,
+        bucket_numel=args.bucket_numel,
+    )
+    env = {"DS_ACCELERATOR": "cpu"}
+    if ext_dir:
+        env["TORCH_EXTENSIONS_DIR"] = ext_dir
+    rows: list[dict[str, Any]] = []
+    for run in range(args.runs):
+        for ws in args.world_sizes:
+            env["OMP_NUM_THREADS"] = str(threads_per_rank(ws))
+            ranks = run_ranks(offload_step.rank_main, ws, spec, env=env, timeout_s=args.timeout_s)
+            done = [r | {"run": run} for r in offload_step.summarize(ws, ranks, spec)]
+            rows.extend(done)
+            _progress(f"step run {run + 1}/{args.runs}, {ws} rank(s):\n" + offload_step.table(done))
+    return {
+        "spec": dataclasses.asdict(spec),
+        "config": offload_config(stage=args.stage, bucket_numel=args.bucket_numel),
+        "rows": rows,
+        "summary": _step_summary(rows),
+    }
+
+
+def _step_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per world size and method, over runs: the median of each run's median total and
+    step, and of their ratios to the baseline (min / median / max over runs)."""
+    out = []
+    for ws in dict.fromkeys(r["world_size"] for r in rows):
+        for method in dict.fromkeys(r["method"] for r in rows if r["world_size"] == ws):
+            mine = [r for r in rows if r["world_size"] == ws and r["method"] == method]
+            entry: dict[str, Any] = {"world_size": ws, "method": method}
+            for key in ("fwd_s", "bwd_s", "step_s", "total_s"):
+                entry[key] = statistics.median(r[key] for r in mine)
+            if mine[0]["x_baseline"]:
+                for key in ("step", "total", "bwd_plus_step"):
+                    xs = [r["x_baseline"][key] for r in mine]
+                    entry[f"x_baseline_{key}"] = {
+                        "min": min(xs), "median": statistics.median(xs), "max": max(xs)
+                    }  # fmt: skip
+            out.append(entry)
+    return out
+
+
+# --- init and memory ------------------------------------------------------------------
+
+
+def _launch_trial(
+    door: str, ws: int, args: argparse.Namespace, ext_dir: str | None
+) -> dict[str, Any]:
+    """One ``torchrun`` job of ``offload_trial``; its result line."""
+    argv = [
+        "torch.distributed.run", "--standalone", "--nproc-per-node", str(ws),
+        "-m", "flatzero.bench.offload_trial", "--door", door, "--model", args.init_model,
+        "--stage", str(args.stage), "--bucket-numel", str(args.bucket_numel),
+        "--seq", str(args.init_seq), "--steps", str(args.init_steps),
+    ]  # fmt: skip
+    env = _child_env(threads=threads_per_rank(ws), extensions_dir=ext_dir)
+    return _child(argv[0], argv[1:], env, TRIAL_MARKER, args.timeout_s)
+
+
+def _slowest(rec: dict[str, Any]) -> dict[str, Any]:
+    """A launch's init and step seconds on its slowest rank, and each rank's memory."""
+    ranks = rec["ranks"]
+    return {
+        "init_s": max(r["init_s"] for r in ranks),
+        "init_cpu_s": max(r["init_cpu_s"] for r in ranks),
+        "first_step_s": max(r["step_s"][0] for r in ranks),
+        "later_step_s": max(statistics.median(r["step_s"][1:]) for r in ranks)
+        if len(ranks[0]["step_s"]) > 1
+        else None,
+        "rss_gain_bytes": max(r["rss_step_bytes"][-1] - r["rss_before_bytes"] for r in ranks),
+        "peak_gain_bytes": max(r["peak_rss_bytes"] - r["rss_before_bytes"] for r in ranks),
+        "optimizer": ranks[0]["optimizer"],
+        "inner_optimizer": ranks[0]["inner_optimizer"],
+        "loss": ranks[0]["loss"],
+    }
+
+
+def _init(args: argparse.Namespace, doors: tuple[str, ...], ext_dir: str | None) -> dict:
+    """The ``init`` part: ``--init-warmup`` untimed launches of each door per world size,
+    then ``--runs`` x ``--init-trials`` launches of each, alternating (order rotating),
+    ``--settle-s`` seconds before each."""
+    from .trials import rotated
+
+    for ws in args.world_sizes:
+        for _ in range(args.init_warmup):
+            for door in doors:
+                time.sleep(args.settle_s)
+                rec = _launch_trial(door, ws, args, ext_dir)
+                _progress(f"init warm-up, {ws} rank(s), {door}: "
+                          f"{_slowest(rec)['init_s']:.2f} s (untimed)")  # fmt: skip
+    launches = []
+    for run in range(args.runs):
+        for ws in args.world_sizes:
+            for trial in range(args.init_trials):
+                for door in rotated(doors, run + trial):
+                    time.sleep(args.settle_s)
+                    rec = _launch_trial(door, ws, args, ext_dir)
+                    rec |= {"run": run, "trial": trial, "slowest": _slowest(rec)}
+                    launches.append(rec)
+                    fig = rec["slowest"]
+                    _progress(
+                        f"init run {run + 1}/{args.runs}, {ws} rank(s), {door}: init "
+                        f"{fig['init_s']:.2f} s, first step {fig['first_step_s']:.2f} s, "
+                        f"RSS +{fig['rss_gain_bytes'] / 2**30:.2f} GiB per rank"
+                    )
+    return {
+        "model": args.init_model,
+        "settle_s": args.settle_s,
+        "config": offload_config(stage=args.stage, bucket_numel=args.bucket_numel),
+        "launches": launches,
+        "rows": _init_rows(launches, doors),
+    }
+
+
+def _init_rows(launches: list[dict[str, Any]], doors: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Per world size and door: medians over launches; flatzero / DeepSpeed per pair of
+    neighbouring launches (the same run and trial) and its spread."""
+    rows = []
+    for ws in dict.fromkeys(rec["world_size"] for rec in launches):
+        here = [rec for rec in launches if rec["world_size"] == ws]
+        for door in doors:
+            mine = [rec["slowest"] for rec in here if rec["door"] == door]
+            rows.append(
+                {
+                    "world_size": ws,
+                    "door": door,
+                    "launches": len(mine),
+                    "init_s": statistics.median(m["init_s"] for m in mine),
+                    "init_s_all": [m["init_s"] for m in mine],
+                    "init_cpu_s": statistics.median(m["init_cpu_s"] for m in mine),
+                    "first_step_s": statistics.median(m["first_step_s"] for m in mine),
+                    "rss_gain_bytes": statistics.median(m["rss_gain_bytes"] for m in mine),
+                    "peak_gain_bytes": statistics.median(m["peak_gain_bytes"] for m in mine),
+                    "optimizer": mine[0]["optimizer"],
+                    "inner_optimizer": mine[0]["inner_optimizer"],
+                }
+            )
+        if set(doors) == set(DOORS):
+            pairs = {}
+            for rec in here:
+                pairs.setdefault((rec["run"], rec["trial"]), {})[rec["door"]] = rec["slowest"]
+            ratios = [p["flatzero"]["init_s"] / p["deepspeed"]["init_s"] for p in pairs.values()]
+            row = rows[-len(doors)]
+            row["x_deepspeed_init"] = {
+                "min": min(ratios), "median": statistics.median(ratios), "max": max(ratios),
+                "pairs": ratios,
+            }  # fmt: skip
+    return rows
+
+
+def _init_table(part: dict[str, Any]) -> str:
+    head = (
+        f"{'ranks':>5} {'door':<10} {'optimizer (inner)':<30} {'init s':>7} {'CPU s':>6} "
+        f"{'1st step s':>10} {'RSS +GiB':>8} {'flatzero / deepspeed init':>28}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in part["rows"]:
+        x = r.get("x_deepspeed_init")
+        ratio = f"{x['min']:.2f} / {x['median']:.2f} / {x['max']:.2f}" if x else ""
+        opt = f"{r['optimizer']} ({r['inner_optimizer']})"
+        lines.append(
+            f"{r['world_size']:>5} {r['door']:<10} {opt:<30} {r['init_s']:>7.2f} "
+            f"{r['init_cpu_s']:>6.2f} {r['first_step_s']:>10.2f} "
+            f"{r['rss_gain_bytes'] / 2**30:>8.2f} {ratio:>28}"
+        )
+    lines.append(
+        "per launch the slowest rank; medians over launches; the ratio: min / median / max "
+        f"over pairs of neighbouring launches; {part['settle_s']:g} s pause before each launch"
+    )
+    return "\n".join(lines)
+
+
+def _memory(
+    args: argparse.Namespace, init: dict[str, Any] | None, ext_dir: str | None
+) -> dict[str, Any]:
+    """The ``memory`` part: per world size, the plan's formula against the bytes flatzero's
+    optimizer allocated and the RSS its launches gained (median over launches)."""
+    from ..plan.memory_model import offload_host_memory
+    from ..plan.model_source import resolve_model
+    from ..plan.planner import PlanSpec, make_plan
+
+    launches = [rec for rec in (init or {}).get("launches", []) if rec["door"] == "flatzero"]
+    rows = []
+    for ws in args.world_sizes:
+        mine = [rec for rec in launches if rec["world_size"] == ws]
+        if not mine:
+            time.sleep(args.settle_s)
+            mine = [_launch_trial("flatzero", ws, args, ext_dir)]
+        plan = make_plan(
+            PlanSpec(
+                model=resolve_model(args.init_model),
+                gpus_per_node=ws,
+                gpu=None,
+                stage=args.stage,
+                bucket_numel=args.bucket_numel,
+                offload_optimizer=True,
+            )
+        )
+        formula = offload_host_memory(plan.layout, optimizer="adamw", pinned=False)
+        # Besides offload's bytes a rank gains its reduction staging slots and the
+        # buckets' padding (the buckets replace the params' own storage).
+        other = plan.states.grad_staging + plan.states.params - mine[0]["ranks"][0]["model_bytes"]
+        ranks = [r for rec in mine for r in rec["ranks"]]
+        gains = [r["rss_step_bytes"][-1] - r["rss_before_bytes"] for r in ranks]
+        peaks = [r["peak_rss_bytes"] - r["rss_before_bytes"] for r in ranks]
+        allocated = [r["offload_host_bytes"] for r in ranks]
+        gain = statistics.median(gains)
+        rows.append(
+            {
+                "world_size": ws,
+                "formula": dataclasses.asdict(formula) | {"total": formula.total},
+                "allocated": allocated[0]
+                | {"total": sum(v for k, v in allocated[0].items() if k != "pinned")},
+                "allocated_equal_on_every_rank": all(a == allocated[0] for a in allocated),
+                "other_bytes": other,
+                "rss_gain_bytes": gain,
+                "rss_gain_bytes_all": gains,
+                "peak_gain_bytes": statistics.median(peaks),
+                "rss_over_formula": gain / formula.total,
+                "rss_over_formula_plus_other": gain / (formula.total + other),
+                "peak_over_formula": statistics.median(peaks) / formula.total,
+                "launches": len(mine),
+            }
+        )
+    return {"model": args.init_model, "rows": rows}
+
+
+def _memory_table(part: dict[str, Any]) -> str:
+    gib = 2**30
+    head = (
+        f"{'ranks':>5} {'plan: master + state + grads = total GiB':>42} {'allocated GiB':>13} "
+        f"{'RSS +GiB':>8} {'RSS / plan':>10} {'peak +GiB':>9} {'peak / plan':>11}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in part["rows"]:
+        f = r["formula"]
+        plan = (
+            f"{f['master'] / gib:.2f} + {f['state'] / gib:.2f} + {f['grads'] / gib:.2f} = "
+            f"{f['total'] / gib:.2f}"
+        )
+        lines.append(
+            f"{r['world_size']:>5} {plan:>42} {r['allocated']['total'] / gib:>13.2f} "
+            f"{r['rss_gain_bytes'] / gib:>8.2f} {r['rss_over_formula']:>10.3f} "
+            f"{r['peak_gain_bytes'] / gib:>9.2f} {r['peak_over_formula']:>11.3f}"
+        )
+    lines.append(
+        "RSS +: a rank's resident set after its steps (gc + malloc_trim) minus before "
+        "flatzero.initialize (the model built); peak +: its high-water mark over the same "
+        "span minus the same; median over launches and ranks"
+    )
+    return "\n".join(lines)
 
 
 # --- the command ----------------------------------------------------------------------
@@ -224,6 +513,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="kernel: skip timing DeepSpeed's cpu_adam JIT build (use the default "
         "TORCH_EXTENSIONS_DIR)",
     )
+    parser.add_argument(
+        "--extensions-dir",
+        help="a TORCH_EXTENSIONS_DIR where DeepSpeed's cpu_adam is built already (no build "
+        "timed); default: the kernel part's fresh one, else the default directory",
+    )
+    parser.add_argument("--stage", type=int, default=2, choices=[1, 2], help="ZeRO stage")
+    parser.add_argument(
+        "--bucket-numel", type=int, default=2**26, help="reduce/all-gather bucket elements"
+    )
+    parser.add_argument("--step-model", default="llama-22m", help="step: a bench step model")
+    parser.add_argument("--step-dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--step-batch", type=int, default=1, help="step: sequences per rank")
+    parser.add_argument("--step-seq", type=int, default=16, help="step: tokens per sequence")
+    parser.add_argument("--step-warmup", type=int, default=2, help="step: untimed steps")
+    parser.add_argument("--step-steps", type=int, default=10, help="step: timed steps")
+    parser.add_argument(
+        "--step-methods",
+        default=",".join(STEP_METHODS),
+        help=f"step: comma-separated of {', '.join(STEP_METHODS)}",
+    )
+    parser.add_argument("--init-model", default="llama-0.4b", help="init, memory: the model")
+    parser.add_argument("--init-trials", type=int, default=1, help="init: launches per door")
+    parser.add_argument("--init-warmup", type=int, default=1, help="init: untimed launches")
+    parser.add_argument("--init-seq", type=int, default=2, help="init: tokens per step")
+    parser.add_argument("--init-steps", type=int, default=2, help="init: steps after init")
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=6.0,
+        help="init, memory: seconds to pause before every launch (the machine takes freed "
+        "memory back: every init writes cold memory); 0: back to back",
+    )
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed")
     parser.add_argument("--workdir", help="where temporary directories go (default: the system's)")
     parser.add_argument("--timeout-s", type=float, default=1800, help="per child process")
@@ -246,7 +567,18 @@ def _checked(args: argparse.Namespace) -> tuple[str, ...]:
         )
     if args.kernel_methods[0] != "flatzero":  # the reference the others are compared with
         args.kernel_methods = ("flatzero", *(m for m in args.kernel_methods if m != "flatzero"))
-    for name in ("runs", "numel", "kernel_steps"):
+    args.step_methods = tuple(m for m in args.step_methods.split(",") if m)
+    if not args.step_methods or set(args.step_methods) - set(STEP_METHODS):
+        raise SystemExit(f"--step-methods: choose from {', '.join(STEP_METHODS)}")
+    from .init_bench import MODELS as INIT_MODELS
+    from .step import MODELS as STEP_MODELS
+
+    if args.step_model not in STEP_MODELS or args.init_model not in INIT_MODELS:
+        raise SystemExit(
+            f"--step-model: one of {', '.join(STEP_MODELS)}; --init-model: one of "
+            + ", ".join(INIT_MODELS)
+        )
+    for name in ("runs", "numel", "kernel_steps", "step_steps", "init_trials", "init_steps"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     return parts
@@ -261,9 +593,11 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     result: dict[str, Any] = {**result_head("offload", args), "parts": list(parts)}
     tables = []
+    ext_dir = args.extensions_dir
     if "kernel" in parts:
         kernel = _kernel(args, has_deepspeed)
         result["kernel"] = kernel
+        ext_dir = kernel["extensions_dir"] or ext_dir
         build = kernel["jit_build"]
         built = (
             f"DeepSpeed cpu_adam JIT build on this machine (empty TORCH_EXTENSIONS_DIR): "
@@ -277,6 +611,26 @@ def run(args: argparse.Namespace) -> int:
             f"{args.runs} run(s) x {args.kernel_steps} steps per method\n"
             + _kernel_table(kernel["rows"], args.numel)
             + f"\n{built}"
+        )
+    if "step" in parts:
+        step = result["step"] = _step(args, has_deepspeed, ext_dir)
+        tables.append(
+            f"step: {args.step_model}, {args.step_dtype}, ZeRO-{args.stage}, "
+            f"{args.step_batch} x {args.step_seq} tokens per rank, median of {args.runs} "
+            f"run(s) x {args.step_steps} steps per method\n" + offload_step.table(step["rows"])
+        )
+    doors = DOORS if has_deepspeed else ("flatzero",)
+    init = None
+    if "init" in parts:
+        init = result["init"] = _init(args, doors, ext_dir)
+        tables.append(
+            f"init with offload: {args.init_model}, bf16, ZeRO-{args.stage}\n" + _init_table(init)
+        )
+    if "memory" in parts:
+        memory = result["memory"] = _memory(args, init, ext_dir)
+        tables.append(
+            f"host memory of offload per rank: {args.init_model}, bf16, ZeRO-{args.stage}, "
+            "AdamW\n" + _memory_table(memory)
         )
     machine = describe_host(load_before)
     result["machine"] = machine
