@@ -12,7 +12,8 @@ Three process trees, all 2 ranks:
    ``patch_deepspeed()`` with the config's optimizer/scheduler sections; resumes from
    checkpoint-2 through flatzero; Trainer's own optimizer on DeepSpeed; the config's
    optimizer with Trainer's schedule on both; the Hugging Face
-   docs' ZeRO-2 config with ``offload_optimizer`` through the patch (it goes to DeepSpeed);
+   docs' ZeRO-2 config with ``offload_optimizer`` on DeepSpeed and through the patch (it runs
+   on flatzero's optimizer offload);
    the Accelerate loop on DeepSpeed; then ``from_pretrained`` of every saved model.
 3. ``accelerate launch --use_deepspeed -m flatzero.run hf_scripts/train_accelerate.py``:
    the Accelerate loop (LambdaLR over the client optimizer) through the launcher.
@@ -186,7 +187,8 @@ def runs(tmp_path_factory):
         },
         {"name": "ds_mixed", "flatzero": False, "argv": trainer("ds_mixed", "mixed")},
         {"name": "fz_mixed", "flatzero": True, "argv": trainer("fz_mixed", "mixed")},
-        {"name": "offload", "flatzero": True, "argv": trainer("offload", "offload")},
+        {"name": "ds_offload", "flatzero": False, "argv": trainer("ds_offload", "offload")},
+        {"name": "fz_offload", "flatzero": True, "argv": trainer("fz_offload", "offload")},
         {
             "name": "ds_accelerate",
             "flatzero": False,
@@ -195,7 +197,10 @@ def runs(tmp_path_factory):
         {
             "check_pretrained": [
                 str(root / d)
-                for d in ("ds_z2", "fz_z2", "ds_own", "fz_own", "ds_mixed", "fz_mixed")
+                for d in (
+                    *("ds_z2", "fz_z2", "ds_own", "fz_own", "ds_mixed", "fz_mixed"),
+                    "fz_offload",
+                )
             ]
         },
     ]
@@ -306,18 +311,23 @@ def test_resume_from_checkpoint_continues_exactly(runs, theirs, resumed):
 
 
 @pytest.mark.slow
-def test_offload_config_goes_to_deepspeed(runs):
-    """The HF docs' ZeRO-2 config with offload_optimizer: routed to DeepSpeed with one log
-    line naming the key; it completes with the losses of the same config without offload."""
+def test_offload_config_runs_on_flatzero_and_matches_deepspeed(runs):
+    """The HF docs' ZeRO-2 config with offload_optimizer (cpu, pin_memory) runs on flatzero's
+    engine (no line routes anything to DeepSpeed) with DeepSpeed's losses, grad norms, lrs
+    and weights on the same config, and those of the config without offload."""
     root, logs = runs
-    engine, log = history(root / "offload")
-    assert engine == "DeepSpeedEngine"
+    engine, log = history(root / "fz_offload")
+    assert engine == "DeepSpeedCompatibleEngine"
     routed = [line for line in logs["in_process"].splitlines() if "-> DeepSpeed" in line]
-    assert len(routed) == 1, routed  # one line, rank 0
-    assert "deepspeed.initialize -> DeepSpeed 0.19.8" in routed[0]
-    assert "zero_optimization.offload_optimizer" in routed[0]
-    _, ds_log = history(root / "ds_z2")
+    assert routed == [], routed
+    ds_engine, ds_log = history(root / "ds_offload")
+    assert ds_engine == "DeepSpeedEngine"
     assert_same_training(ds_log, log, range(1, STEPS + 1))
+    assert_same_training(history(root / "ds_z2")[1], log, range(1, STEPS + 1))
+    assert_same_weights(
+        root / "ds_offload" / "model.safetensors", root / "fz_offload" / "model.safetensors"
+    )
+    assert_loadable(root / "fz_offload")
 
 
 @pytest.mark.slow

@@ -234,6 +234,7 @@ class HostOffload:
         self._stream: Any = None
         self._events: list[Any] = []
         self._scalar_event: Any = None
+        self._upload_event: Any = None
         if not self.copies:
             self.host_grads = list(device_grads)
             return
@@ -256,6 +257,7 @@ class HostOffload:
             self._stream = accel.new_stream(self.device)
             self._events = [accel.new_event(self.device) for _ in pairs]
             self._scalar_event = accel.new_event(self.device)
+            self._upload_event = accel.new_event(self.device)
 
     def _host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An empty host tensor, page-locked while ``self.pinned`` (registered in place,
@@ -330,10 +332,14 @@ class HostOffload:
         if not self.copies:
             torch._foreach_copy_(self._own_slices, list(master_slices))
             return
+        if self._upload_event is not None:
+            self._upload_event.synchronize()  # the last upload no longer reads the staging
         for staging, master in zip(self._staging, masters, strict=True):
             staging.copy_(master)
         for own, source in zip(self._own_slices, self._upload_sources, strict=True):
             own.copy_(source, non_blocking=self.pinned)
+        if self._upload_event is not None:
+            self._upload_event.record(accel.current_stream(self.device))
 
     def host_bytes(
         self, inner: torch.optim.Optimizer, masters: Sequence[torch.Tensor]
