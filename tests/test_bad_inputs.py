@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,9 @@ _BAD_CONFIGS: list[tuple[str, Any, type[Exception], str]] = [
     ("missing file", lambda d: str(d / "nope.json"), ValueError, "nope.json' does not exist"),
     ("base64 with duplicate", lambda d: _b64('{"a": 1, "a": 2}'), ValueError, "does not exist"),
     ("an int", lambda d: 3, TypeError, "config must be a dict, the path"),
+    ("empty file", lambda d: _write(d, ""), ValueError, "ds.json' is empty"),
+    ("blank file", lambda d: _write(d, " \n "), ValueError, "ds.json' is empty"),
+    ("empty string", lambda d: "", ValueError, "config file '' does not exist"),
 ]  # fmt: skip
 
 
@@ -83,6 +87,24 @@ def test_unreadable_config_says_what_the_os_said(tmp_path: Path) -> None:
     os.chmod(path, 0)
     with pytest.raises(ValueError, match="Permission denied"):
         load_config_dict(path)
+
+
+# (a config's change, what the error must name): numbers past what a count can mean
+_BAD_VALUES: list[tuple[dict[str, Any], str]] = [
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 1e30}},
+     "'zero_optimization.reduce_bucket_size' is 1e+30: it must be <= 9,007,199,254,740,992"),
+    ({"fp16": {"enabled": True, "initial_scale_power": 10**6}},
+     "'fp16.initial_scale_power' is 1000000: it must be <= 64"),
+    ({"flatzero": {"staging_buffers": 10**9}}, "staging_buffers is 1,000,000,000, more than"),
+    ({"flatzero": {"bucket_numel": 10**15}}, "bucket_numel is 1,000,000,000,000,000, more than"),
+    ({"gradient_accumulation_steps": 2**60}, "'gradient_accumulation_steps' is"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("change", "match"), _BAD_VALUES, ids=lambda c: str(c)[:40])
+def test_config_value_out_of_bounds_is_refused(change: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(match)):
+        parse_config({**_GOOD, **change}, world_size=1)
 
 
 @pytest.mark.parametrize("section", ["zero_optimization", "bf16", "fp16", "optimizer", "scheduler"])

@@ -28,11 +28,18 @@ def register_check(check: Callable[[FlattenConfig], None]) -> None:
         _CHECKS.append(check)
 
 
-def _check_positive_int(name: str, value: object, *, allow_none: bool = False) -> None:
+def _check_positive_int(
+    name: str, value: object, *, allow_none: bool = False, maximum: int | None = None
+) -> None:
     if value is None and allow_none:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"FlattenConfig.{name} must be a positive int, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(
+            f"FlattenConfig.{name} is {value:,}, more than {maximum:,}: it sizes allocations "
+            "or loops; use a smaller value"
+        )
 
 
 @dataclass(frozen=True)
@@ -80,9 +87,9 @@ class FlattenConfig:
     def __post_init__(self) -> None:
         for check in _CHECKS:  # the tier registry's: ``tier`` is one of its tiers
             check(self)
-        _check_positive_int("bucket_numel", self.bucket_numel)
-        _check_positive_int("alignment", self.alignment)
-        _check_positive_int("staging_buffers", self.staging_buffers)
+        _check_positive_int("bucket_numel", self.bucket_numel, maximum=2**40)
+        _check_positive_int("alignment", self.alignment, maximum=2**20)
+        _check_positive_int("staging_buffers", self.staging_buffers, maximum=1024)
         _check_positive_int("host_threads", self.host_threads, allow_none=True)
         for name in ("build_master", "master_on_host"):
             if not isinstance(getattr(self, name), bool):

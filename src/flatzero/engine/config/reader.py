@@ -25,6 +25,10 @@ __all__ = ["MISSING", "Section", "fmt", "load_config_dict"]
 MISSING = object()
 """The default of a read that has none: the key must be given."""
 
+MAX_INT = 2**53
+"""The largest whole number a config key may hold: JSON's (a double's) exact integers; a
+count beyond it is a typo, and it would drive loops or allocations."""
+
 _AUTO_FIX = (
     "'auto' is a placeholder that the Hugging Face Trainer fills in before it calls "
     "deepspeed.initialize; flatzero.initialize needs the value itself: write the number "
@@ -114,6 +118,8 @@ def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _parse_text(text: str, what: str) -> dict[str, Any]:
     """The JSON (or hjson, as DeepSpeed accepts) object in ``text`` (``what`` it is)."""
+    if not text.strip():  # hjson reads nothing as {}; DeepSpeed's json.load refuses it
+        raise ValueError(f"{what} is empty; write the config's JSON object in it")
     try:
         data = _loads(text)
     except _DuplicateKeyError as error:
@@ -205,8 +211,17 @@ class Section:
             f"config key {self.key(name)!r} must be {what}, got {type(value).__name__} {fmt(value)}"
         )
 
-    def int(self, name: str, default: Any, *, minimum: int = 1, unit: str = "") -> Any:
-        """A whole number >= ``minimum`` (``unit`` follows it in errors), or None."""
+    def int(
+        self,
+        name: str,
+        default: Any,
+        *,
+        minimum: int = 1,
+        maximum: int = MAX_INT,
+        unit: str = "",
+    ) -> Any:
+        """A whole number in ``[minimum, maximum]`` (``unit`` follows it in errors), or
+        None."""
         value = self.raw(name, default)
         if value is None or value is default:
             return value
@@ -217,6 +232,10 @@ class Section:
         if value < minimum:
             raise self.fail(
                 name, value, f"it must be >= {minimum}{unit}", f"use a value >= {minimum}"
+            )
+        if value > maximum:
+            raise self.fail(
+                name, value, f"it must be <= {maximum:,}{unit}", f"use a value <= {maximum:,}"
             )
         return int(value)
 

@@ -178,7 +178,7 @@ def _read_fp16(top: Section) -> _Fp16:
         enabled=enabled,
         auto_cast=auto_cast,
         static=fp16.number("loss_scale", 0.0, minimum=0.0),
-        power=fp16.int("initial_scale_power", 16, minimum=0),
+        power=fp16.int("initial_scale_power", 16, minimum=0, maximum=64),
         window=fp16.int("loss_scale_window", 1000),
         hysteresis=fp16.int("hysteresis", 2),
         consecutive=fp16.bool("consecutive_hysteresis", False),
