@@ -3,7 +3,8 @@
 The parity harness of ``tests/test_optimizer_parity.py`` (a tiny Llama with tied
 embeddings, a frozen norm, a param some ranks give no gradient, accumulation, clipping,
 fp16 overflow) trains with its model, buckets and data on the accelerator; the reference
-(plain torch AdamW, or the mixed-precision rule) runs on the host.
+(plain torch AdamW, or the mixed-precision rule) runs on the host. The world-size-2 launch
+then runs the optimizer offload checks of ``test_device_offload.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from test_optimizer_parity import (  # tests/ is on sys.path (rootdir of this pa
 )
 
 from .harness import launch
+from .test_device_offload import offload_problems
 
 FP32_TOLERANCE = 1e-4  # relative, per param: host reference vs device kernels
 MIXED_TOLERANCE = 0.05
@@ -69,7 +71,9 @@ def _short_runs(monkeypatch):
     monkeypatch.setattr(parity, "STEPS", STEPS)
 
 
-def _train_worker(rank: int, world_size: int, kind: str) -> bytes:
+def _train_worker(rank: int, world_size: int, kind: str) -> tuple[bytes, list[str]]:
+    """The parity cases; at world size 2 then optimizer offload (``test_device_offload``),
+    in the same processes."""
     parity.STEPS = STEPS  # a fresh rank process: the harness's module as the test sets it
     results = {}
     for case in _cases(kind, world_size):
@@ -77,15 +81,15 @@ def _train_worker(rank: int, world_size: int, kind: str) -> bytes:
         results[case] = (got, accel.memory_allocated(torch.device(kind, 0)))
     buffer = io.BytesIO()
     torch.save(results, buffer)
-    return buffer.getvalue()
+    offload = offload_problems(rank, world_size, kind) if world_size == 2 else []
+    return buffer.getvalue(), offload
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_zero_1_and_2_on_the_device_match_adamw(kind, world_size):
-    outputs = [
-        torch.load(io.BytesIO(blob), weights_only=False)
-        for blob in launch(kind, _train_worker, world_size, timeout_s=600)
-    ]
+    launched = launch(kind, _train_worker, world_size, timeout_s=600)
+    assert [offload for _, offload in launched] == [[]] * world_size  # test_device_offload
+    outputs = [torch.load(io.BytesIO(blob), weights_only=False) for blob, _ in launched]
     for case, (got, _allocated) in outputs[0].items():
         for other in outputs[1:]:
             for name, value in got.params.items():
