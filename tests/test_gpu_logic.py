@@ -27,10 +27,10 @@ import flatzero.flatten.tiers as tiers
 import flatzero.optim.prepare as prepare
 from flatzero import FlattenConfig, ZeroOptimizer, flatten_parameters, inject_oom
 from flatzero.engine.param_sync import bitwise_sum
+from flatzero.flatten.choice import choose_tier
 from flatzero.flatten.registry import next_tier_down
 from flatzero.hostmem import staging_buffer
 from flatzero.launch import run_ranks
-from flatzero.memory import choose_tier
 
 MiB = 2**20
 

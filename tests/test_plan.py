@@ -5,7 +5,7 @@
   state after one step), read back from the objects, at world sizes 1, 2 and 3 (gloo);
 - bytes: the prediction equals ``InitReport.bytes_moved`` on every rank for every tier
   that runs on the CPU, and ``bench.baselines``' counts for DeepSpeed's two paths;
-- the tier ``auto`` takes for given free memory equals ``memory.choose_tier``'s;
+- the tier ``auto`` takes for given free memory equals ``flatten.choice.choose_tier``'s;
 - inputs: an HF ``config.json`` (and a model directory) gives the params transformers
   builds; the DeepSpeed #7677 shape plans at 8 and 1 GPUs with consistent figures;
 - calibration plumbing: measured rates reach the time model, which scales with them.
@@ -240,13 +240,14 @@ def test_auto_tier_agrees_with_choose_tier(params_on, world_size, monkeypatch):
     """For every free-memory value around the thresholds, the planner's decision is the
     library's ``choose_tier`` (run with its free-memory measurement stubbed)."""
     import flatzero.memory as memory
+    from flatzero.flatten import choice
 
     sizes = {"largest_bucket_bytes": 300, "total_bytes": 1000, "shard_bytes": 120}
     thresholds = {0, 120, 420, 1120}
     for free in sorted({t + d for t in thresholds for d in (-1, 0, 1)} - {-1}):
         monkeypatch.setattr(memory, "free_bytes", lambda device, free=free: free)
         for device_type in ("cuda", "cpu"):
-            mine = memory.decide_tier(
+            mine = choice.decide_tier(
                 "auto",
                 params_on=params_on,
                 device_type=device_type,
@@ -255,7 +256,7 @@ def test_auto_tier_agrees_with_choose_tier(params_on, world_size, monkeypatch):
                 **sizes,
             )
             try:
-                theirs = memory.choose_tier(
+                theirs = choice.choose_tier(
                     "auto",
                     params_on=params_on,
                     device=torch.device(device_type),

@@ -27,12 +27,12 @@ from ..cores import core_share, init_threads
 from ..devices import resolve_device
 from ..gcpause import paused_gc
 from ..layout import GroupLayout, Layout, plan_layout
-from ..memory import TierDecision, choose_tier
 from ..params import ParamGroup, collect_param_groups
 from ..report import GroupReport, ReportBuilder
 from ..safetensors_index import SafetensorsCheckpoint
 from .alloc import allocate_masters
 from .buffers import FlatGroup, FlatParams
+from .choice import TierDecision, choose_tier
 from .driver import GroupFlattener
 from .registry import chain, spec, tiers_reading
 from .source import CheckpointSource, NoValues, ParamSource, TensorSource

@@ -3,7 +3,7 @@
 Each tier is one ``TierSpec``: how it is built, what it can read, where its buffers
 live, how much accelerator memory it needs, whether its fill is a collective, where it
 goes when memory runs out, and how many host threads it may use. Everything that asks a
-question about tiers (``FlattenConfig.tier``'s check, ``memory.choose_tier``, the
+question about tiers (``FlattenConfig.tier``'s check, ``choice.choose_tier``, the
 fallback driver in ``flatten.driver``, the DeepSpeed door, the planner) reads it here.
 Adding a tier is one entry in ``REGISTRY`` plus its class in ``flatten.tiers``.
 

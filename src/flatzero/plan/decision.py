@@ -1,7 +1,7 @@
 """Free memory at init, and which path DeepSpeed takes.
 
 Which tier flatzero's ``auto`` takes is the library's own pure decision,
-``memory.decide_tier``, called by the planner with the predicted free memory.
+``flatten.choice.decide_tier``, called by the planner with the predicted free memory.
 """
 
 from __future__ import annotations

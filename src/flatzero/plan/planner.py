@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from ..bench.baselines import deepspeed_padded_numel
 from ..config import DEFAULT_BUCKET_NUMEL
+from ..flatten.choice import TierDecision, decide_tier
 from ..layout import DEFAULT_ALIGNMENT, Layout, plan_layout
-from ..memory import TierDecision, decide_tier
 from ..optim.offload import OffloadHostBytes
 from .calibration import Calibration
 from .decision import deepspeed_path, free_at_init
@@ -323,7 +323,7 @@ def _free(spec: PlanSpec, on_device: int) -> int:
 
 
 def _decide(spec: PlanSpec, layout: Layout, states: ModelStates, free: int) -> TierDecision:
-    """The tier ``auto`` takes (``memory.choose_tier``'s rules), or the requested one."""
+    """The tier ``auto`` takes (``flatten.choice.choose_tier``'s rules), or the requested one."""
     if spec.tier != "auto" and spec.tier not in tiers_for(spec):
         raise ValueError(
             f"tier {spec.tier!r} cannot run this job (params on {spec.params_on}, "
