@@ -21,6 +21,13 @@ gloo group of its own), rotating with ``none`` windows of its own, after flatzer
 copy is freed (so that no two host copies are held at once).
 
 Per window, the slowest rank's seconds; medians over rounds (after ``--warmup`` rounds).
+
+``--what writer``: where a save's time goes, without training steps: per method (``sync``,
+``async``, ``async_buffered``: the same with the snapshot written through the page cache,
+``image.DIRECT = False``) ``--trials`` saves in a row (the first asynchronous one allocates
+and first touches its host buffer), each timed for the call (wall and CPU seconds of the
+process) and, for the asynchronous ones, for the background write while the main thread
+only waits (its CPU seconds are the writer thread's).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import LoadConfig, SaveConfig, load_checkpoint, save_checkpoint
+from ..checkpoint import LoadConfig, SaveConfig, image, load_checkpoint, save_checkpoint
 from ..checkpoint.async_save import release_snapshot, wait_for_save
 from ..checkpoint.checksum import DEFAULT_ALGORITHM
 from ..config import FlattenConfig
@@ -54,6 +61,7 @@ from .trials import rotated, slowest_per_trial
 __all__ = ["LOAD_METHODS", "SAVE_METHODS", "CheckpointSpec", "add_arguments", "run"]
 
 LOAD_METHODS = ("verified", "unverified")
+WRITER_METHODS = ("sync", "async", "async_buffered")
 SAVE_METHODS = ("sync", "async", "dcp_async")
 
 
@@ -226,6 +234,43 @@ def _save_rank(rank: int, world_size: int, spec: CheckpointSpec) -> dict[str, An
     return {"trials": trials}
 
 
+def _writer_rank(rank: int, world_size: int, spec: CheckpointSpec) -> dict[str, Any]:
+    """Per method and save: the call's and the background write's wall and CPU seconds."""
+    torch.manual_seed(0)
+    model, opt = build(spec)
+    train_step(model, opt, spec, 0)
+    path = Path(spec.workdir) / "ckpt"
+    config = SaveConfig(overwrite=True, keep_last=1)
+    saves: dict[str, list[dict[str, float]]] = {}
+    for index, method in enumerate(m for m in spec.methods for _ in range(spec.trials)):
+        dist.barrier()
+        image.DIRECT = method != "async_buffered"
+        t0, c0 = time.perf_counter(), time.process_time()
+        save_checkpoint(path, opt, f"w{index}", config=config, asynchronous=method != "sync")
+        t1, c1 = time.perf_counter(), time.process_time()
+        wait_for_save(opt)
+        t2, c2 = time.perf_counter(), time.process_time()
+        saves.setdefault(method, []).append(
+            {"call_s": t1 - t0, "call_cpu_s": c1 - c0, "write_s": t2 - t1, "write_cpu_s": c2 - c1}
+        )
+    image.DIRECT = True
+    release_snapshot(opt)
+    return {"saves": saves}
+
+
+def _report_writer(args: argparse.Namespace, spec: CheckpointSpec, ranks: list[dict]) -> dict:
+    result = {**_head(args, spec, ranks), "saves": [r["saves"] for r in ranks]}
+    print(f"model {args.model}, world size {args.world_size}; rank 0, save by save:")
+    print(f"{'method':<16}{'#':>3}{'call s':>9}{'call cpu':>10}{'write s':>9}{'write cpu':>11}")
+    for method, saves in ranks[0]["saves"].items():
+        for i, t in enumerate(saves):
+            print(
+                f"{method:<16}{i:>3}{t['call_s']:>9.2f}{t['call_cpu_s']:>10.2f}"
+                f"{t['write_s']:>9.2f}{t['write_cpu_s']:>11.2f}"
+            )
+    return result
+
+
 def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, Any]:
     """Per method: the median over rounds of (its window - the same round's window without
     a save), the slowest rank's; and the blocking time of the call."""
@@ -275,7 +320,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--what", default="load", choices=("load", "save"))
+    parser.add_argument("--what", default="load", choices=("load", "save", "writer"))
     parser.add_argument(
         "--methods",
         default=None,
@@ -352,14 +397,14 @@ def _report_save(args: argparse.Namespace, spec: CheckpointSpec, ranks: list[dic
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table and write/print one JSON result."""
-    known = LOAD_METHODS if args.what == "load" else SAVE_METHODS
+    known = {"load": LOAD_METHODS, "save": SAVE_METHODS, "writer": WRITER_METHODS}[args.what]
     methods = parse_methods(args.methods or ",".join(known), known)
-    main = _load_rank if args.what == "load" else _save_rank
+    main = {"load": _load_rank, "save": _save_rank, "writer": _writer_rank}[args.what]
     args.loadavg_at_start = os.getloadavg()  # other jobs on the machine, for the record
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
         spec = spec_from_args(CheckpointSpec, args, methods=methods, workdir=workdir)
         ranks = run_ranks(main, args.world_size, spec, timeout_s=3600)
-    report = _report_load if args.what == "load" else _report_save
+    report = {"load": _report_load, "save": _report_save, "writer": _report_writer}[args.what]
     result = report(args, spec, ranks)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

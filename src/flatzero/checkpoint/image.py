@@ -40,6 +40,10 @@ PAGE = 4096
 """Alignment of file offsets, lengths and buffer addresses for ``O_DIRECT`` (the page size;
 at least the logical block size of common disks)."""
 
+DIRECT = True
+"""Write with ``O_DIRECT`` where the system allows (False: through the page cache, as the
+benchmark's ``async_buffered`` compares)."""
+
 _WRITE_BYTES = 64 * 2**20
 """Bytes per ``write`` system call (the GIL is released during each)."""
 
@@ -122,7 +126,7 @@ def checksums(image: FileImage) -> dict[str, ChunkSums]:
 def _open(path: Path) -> tuple[int, bool]:
     """A new file for writing, with ``O_DIRECT`` where this system allows it."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    direct = getattr(os, "O_DIRECT", 0)
+    direct = getattr(os, "O_DIRECT", 0) if DIRECT else 0
     if direct:
         try:
             return os.open(path, flags | direct, 0o666), True
