@@ -23,6 +23,7 @@ def test_offload_kernel_launch_in_process_and_its_table(capsys, monkeypatch):
         assert row["steps"] == 2 and row["step_s_median"] > 0 and row["x_deepspeed"] is None
         # The same AdamW over the same tensor and gradients: the same result, to rounding.
         assert row["param_max_abs_diff"] < 1e-6
+    assert rows["flatzero"]["fused"] is True  # the host step runs torch's fused CPU kernel
     assert "torch_single" in offload_bench._kernel_table(list(rows.values()), 4096)
     args = _parser().parse_args(["bench", "offload", "--what", "kernel,step", "--no-deepspeed"])
     assert args.run is offload_bench.run

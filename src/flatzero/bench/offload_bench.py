@@ -146,6 +146,8 @@ def _kernel_rows(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "run_medians_s": per_run,
                     "steps": len(steps),
                     "cpu_over_wall": statistics.median(r["cpu_over_wall"] for r in of),
+                    "optimizer": of[0].get("optimizer"),
+                    "fused": of[0].get("fused"),
                     "param_max_abs_diff": max(r["param_max_abs_diff"] for r in of),
                     "exp_avg_sq_max_abs_diff": max(r["exp_avg_sq_max_abs_diff"] for r in of),
                 }

@@ -9,8 +9,10 @@ elements, the same initial values, the same gradients step by step), with the sa
 hyperparameters (AdamW: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01, bias
 correction, decoupled weight decay):
 
-- ``flatzero``: flatzero's host step (``host_step``): ``torch.optim.AdamW(fused=True)``
-  on the CPU, the kernel ``ZeroOptimizer`` runs over a host master shard;
+- ``flatzero``: flatzero's host step, as an offloaded ``ZeroOptimizer`` runs it over its
+  host master shard: the inner ``torch.optim.AdamW`` built by ``optim.inner`` for the host
+  (``with_fused_default``: its fused CPU kernel), stepped by ``optim.offload.host_step``
+  with ``--threads`` intra-op threads;
 - ``deepspeed``: ``deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True)`` (its AVX op);
 - ``torch_foreach`` and ``torch_single``: ``torch.optim.AdamW(foreach=True)`` and the
   single-tensor loop (``foreach=False``), for context.
@@ -54,33 +56,43 @@ HYPERPARAMETERS: dict[str, Any] = {
 """AdamW's settings, every method (DeepSpeed's: ``bias_correction=True, adamw_mode=True``)."""
 
 
-def host_step(flat: Any, **hyperparameters: Any) -> Callable[[], None]:
-    """flatzero's host step over ``flat`` (a 1-D fp32 host tensor whose ``.grad`` is set
-    before each call): the inner optimizer ``ZeroOptimizer`` builds over a host master
-    shard, ``torch.optim.AdamW`` with its fused CPU kernel."""
+def host_step(flat: Any, threads: int, **hyperparameters: Any) -> tuple[Any, Callable[[], None]]:
+    """flatzero's host step over ``flat`` (a 1-D fp32 host ``nn.Parameter`` whose ``.grad``
+    is set before each call), as an offloaded ``ZeroOptimizer`` builds and runs it: the
+    inner optimizer and a function taking one step."""
+    import functools
+
     import torch
 
-    opt = torch.optim.AdamW([flat], fused=True, **hyperparameters)
-    return opt.step
+    from ..optim.inner import build_inner_optimizer, with_fused_default
+    from ..optim.offload import HOST
+    from ..optim.offload import host_step as step
+
+    adamw = torch.optim.AdamW
+    inner = build_inner_optimizer(
+        adamw, [flat], [{}], with_fused_default(adamw, dict(hyperparameters), [{}], HOST)
+    )
+    return inner, functools.partial(step, inner, threads=threads)
 
 
-def _optimizer(method: str, flat: Any) -> Callable[[], None]:
+def _optimizer(method: str, flat: Any, threads: int) -> tuple[Any, Callable[[], None]]:
+    """The method's optimizer over ``flat`` and a function taking one step."""
     import torch
 
     if method == "flatzero":
-        return host_step(flat, **HYPERPARAMETERS)
+        return host_step(flat, threads, **HYPERPARAMETERS)
     if method == "deepspeed":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         opt = DeepSpeedCPUAdam([flat], bias_correction=True, adamw_mode=True, **HYPERPARAMETERS)
-        return opt.step
+        return opt, opt.step
     foreach = method == "torch_foreach"
-    return torch.optim.AdamW([flat], foreach=foreach, fused=False, **HYPERPARAMETERS).step
+    opt = torch.optim.AdamW([flat], foreach=foreach, fused=False, **HYPERPARAMETERS)
+    return opt, opt.step
 
 
-def _state_of(step: Callable[[], None]) -> Any:
-    """The second moment the optimizer behind the bound ``step`` holds for its one tensor."""
-    opt = step.__self__  # type: ignore[attr-defined]
+def _state_of(opt: Any) -> Any:
+    """The second moment ``opt`` holds for its one tensor."""
     (state,) = opt.state.values()
     return state["exp_avg_sq"]
 
@@ -96,42 +108,46 @@ def _kernels(args: argparse.Namespace) -> dict[str, Any]:
     init = torch.empty(args.numel).uniform_(-1.0, 1.0, generator=g)
     grads = [torch.randn(args.numel, generator=g).mul_(1e-2) for _ in range(2)]
     flats: dict[str, torch.Tensor] = {}
+    opts: dict[str, Any] = {}
     steps: dict[str, Callable[[], None]] = {}
     for method in args.methods:
-        flat = init.clone()
+        flat = torch.nn.Parameter(init.clone())
         flat.grad = torch.empty_like(flat)
         flats[method] = flat
-        steps[method] = _optimizer(method, flat)
+        opts[method], steps[method] = _optimizer(method, flat, args.threads)
     del init
     times: dict[str, list[float]] = {m: [] for m in args.methods}
     cpus: dict[str, list[float]] = {m: [] for m in args.methods}
     for i in range(args.warmup + args.steps):
         for method in rotated(args.methods, i):
             flat = flats[method]
-            flat.grad.copy_(grads[i % len(grads)])
+            flat.grad.copy_(grads[i % len(grads)])  # type: ignore[union-attr]
             c0, t0 = os.times(), time.perf_counter()
             steps[method]()
             t1, c1 = time.perf_counter(), os.times()
             if i >= args.warmup:
                 times[method].append(t1 - t0)
                 cpus[method].append(c1.user + c1.system - c0.user - c0.system)
-    ref = args.methods[0]
-    ref_sq = _state_of(steps[ref])
-    rows = []
-    for method in args.methods:
-        sq = _state_of(steps[method])
-        rows.append(
-            {
-                "method": method,
-                "step_s_median": statistics.median(times[method]),
-                "step_s_min": min(times[method]),
-                "step_s": times[method],
-                "cpu_over_wall": sum(cpus[method]) / sum(times[method]),
-                "param_max_abs_diff": float((flats[method] - flats[ref]).abs().max()),
-                "exp_avg_sq_max_abs_diff": float((sq - ref_sq).abs().max()),
-                "param_max_abs": float(flats[method].abs().max()),
-            }
-        )
+    with torch.no_grad():  # the comparisons build no graph
+        ref = args.methods[0]
+        ref_sq = _state_of(opts[ref])
+        rows = []
+        for method in args.methods:
+            sq = _state_of(opts[method])
+            rows.append(
+                {
+                    "method": method,
+                    "step_s_median": statistics.median(times[method]),
+                    "step_s_min": min(times[method]),
+                    "step_s": times[method],
+                    "cpu_over_wall": sum(cpus[method]) / sum(times[method]),
+                    "optimizer": type(opts[method]).__name__,
+                    "fused": opts[method].param_groups[0].get("fused"),
+                    "param_max_abs_diff": float((flats[method] - flats[ref]).abs().max()),
+                    "exp_avg_sq_max_abs_diff": float((sq - ref_sq).abs().max()),
+                    "param_max_abs": float(flats[method].abs().max()),
+                }
+            )
     return {
         "threads": args.threads,
         "torch_threads": torch.get_num_threads(),
