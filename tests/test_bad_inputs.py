@@ -319,8 +319,8 @@ _BAD_CHECKPOINTS: list[tuple[str, Any, str]] = [
      r"groups\[0\]\.hyperparams are refused by AdamW.*learning rate"),
     ("one beta", _meta_edit(lambda d: _group0(d)["hyperparams"].update(
         betas={"__tuple__": [0.9]})), r"groups\[0\]\.hyperparams are refused by AdamW"),
-    ("SGD's momentum", _meta_edit(lambda d: _group0(d)["hyperparams"].update(momentum=0.9)),
-     r"groups\[0\]\.hyperparams has \['momentum'\], which AdamW does not have"),
+    ("amsgrad without its state", _meta_edit(lambda d: _group0(d)["hyperparams"].update(
+        amsgrad=True)), r"groups\[0\] holds states .*keeps \['exp_avg', 'exp_avg_sq', 'max_exp"),
     ("a state dropped", _meta_edit(lambda d: _group0(d).update(states=["master", "exp_avg"])),
      r"groups\[0\] holds states \['exp_avg'\].*AdamW.*keeps \['exp_avg', 'exp_avg_sq'\]"),
     ("state not listed first", _meta_edit(lambda d: _group0(d).update(states=["exp_avg"])),

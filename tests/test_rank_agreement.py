@@ -63,6 +63,17 @@ def _case_load(rank: int, root: Path, engine: Any) -> dict[str, Any]:
     return {}
 
 
+def _case_meta_init(rank: int, root: Path) -> dict[str, Any]:
+    """A meta-device model loaded from ``checkpoint=``, a path rank 1 lacks."""
+    import flatzero
+
+    with torch.device("meta"):
+        model = _model()
+    checkpoint = root / ("ckpt" if rank == 0 else "typo")
+    flatzero.initialize(model=model, config=_config(), checkpoint=checkpoint)
+    return {}
+
+
 def _case_load_another(rank: int, root: Path, engine: Any) -> dict[str, Any]:
     before = [p.detach().clone() for p in engine.module.parameters()]
     try:
@@ -158,6 +169,12 @@ def _rank_main(rank: int, ws: int, root_text: str) -> dict[str, dict[str, Any]]:
     results["load: a directory per rank, each with latest"] = _run_case(
         lambda: _case_load_another(rank, root, engine)
     )
+    results["init: checkpoint= missing on one rank"] = _run_case(
+        lambda: _case_meta_init(rank, root)
+    )
+    results["load: optimizer states on one rank only"] = _run_case(
+        lambda: engine.load_checkpoint(root / "ckpt", load_optimizer_states=rank == 0)
+    )
     results["load: latest on one rank only"] = _run_case(lambda: _case_load(rank, root, engine))
     results["save: a directory per rank"] = _run_case(lambda: _case_save(rank, root, engine))
     results["load: no latest anywhere"] = _run_case(
@@ -214,6 +231,26 @@ def test_a_user_error_on_one_rank_is_an_error_on_every_rank(table, name, kind, t
     assert rank0.startswith(f"{kind}: ") and "failed on rank 1" in rank0, rank0
     assert text in rank0, rank0
     assert all(r[f"init: {name}"]["seconds"] < _BOUND_S for r in out)
+
+
+def test_checkpoint_argument_missing_on_one_rank(table) -> None:
+    root, out = table
+    rank0, rank1 = (r["init: checkpoint= missing on one rank"]["error"] for r in out)
+    assert rank1.startswith(f"ValueError: checkpoint={str(root / 'typo')!r} does not exist")
+    assert rank0.startswith(
+        "ValueError: flatzero.initialize's optimizer, params or scheduler "
+        "failed on rank 1: ValueError: checkpoint="
+    ), rank0
+
+
+def test_load_that_restores_other_things_on_one_rank(table) -> None:
+    """Rank 1 alone skips the optimizer state: refused on both (its moments and learning
+    rate would differ from rank 0's, silently)."""
+    _, out = table
+    errors = [r["load: optimizer states on one rank only"]["error"] for r in out]
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith("ValueError: the load settings"), errors[0]
+    assert "load_optimizer_states (rank 0: 'True'; rank 1: 'False')" in errors[0], errors[0]
 
 
 def test_load_from_a_directory_per_rank_each_with_latest(table) -> None:

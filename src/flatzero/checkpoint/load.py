@@ -12,6 +12,7 @@ on the process group's control group (gloo), with a timeout that fits the bytes 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -43,6 +44,7 @@ from .reshard import GroupReadPlan, _resolve
 from .rng import RNG_PREFIX, restore_rng
 from .validate import (
     agree_on_checkpoint,
+    agree_on_load_settings,
     check_for_optimizer,
     check_rank_files,
     check_rng,
@@ -375,6 +377,8 @@ def load_checkpoint(
     flat = optimizer.flat
     control_group(flat.process_group)  # created (collective) now, not while some rank reads
     wait_for_save(optimizer)  # an asynchronous save of this optimizer finishes first
+    settings = {**dataclasses.asdict(config), "scheduler": scheduler is not None}
+    agree_on_load_settings({**settings, "model": model is not None}, flat.process_group)
     read = _read_or_fall_back(
         directory, tag, optimizer, scheduler, model, rename, config, check_extra
     )
@@ -492,6 +496,7 @@ def load_flat_params(
         error = e
     _all_ok(error, flat.process_group, sum(s.numel() for s in shards) * 4)
     assert reader is not None
+    agree_on_checkpoint(reader, flat.process_group)
     for group, shard in zip(flat.groups, shards, strict=True):
         shard = shard.to(group.device)
         if group.master is not None:

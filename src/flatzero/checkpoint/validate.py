@@ -15,14 +15,14 @@ they say, on every rank, before the load changes a weight:
 - ``check_rank_files``: the tensors of the rank files this rank reads have the dtype and
   shape ``meta.json`` records. A ``CheckpointDamaged``.
 - ``check_for_optimizer``: the saved state fits the optimizer it is loaded into: its
-  hyperparameters are the optimizer's (keys) and pass the optimizer class's own checks
-  (``AdamW(lr=-1)`` is refused), its state names are the ones that class keeps. A
-  ``ValueError``.
+  hyperparameters pass the optimizer class's own checks (``AdamW(lr=-1)`` is refused), its
+  state names are the ones that class keeps with them. A ``ValueError``.
 - ``check_scheduler_state``: the saved scheduler state has the keys and value types of the
   live scheduler's ``state_dict()`` (``load_state_dict`` of torch's schedulers accepts
   anything and fails at the next ``step()``). A ``ValueError``.
 - ``check_rng``: the saved Python, NumPy and torch RNG states are set on throwaway
   generators first. A ``CheckpointDamaged``.
+- ``agree_on_load_settings``: every rank loads the same way (what it restores).
 - ``agree_on_checkpoint``: every rank opened the same checkpoint (the same tag and
   ``meta.json``): ranks given different directories that each hold a ``latest`` would
   otherwise load different weights. A ``ValueError`` on every rank.
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import all_reduce_max_each, rank_of, world_size_of
+from ..comm import all_reduce_max_each, check_same_everywhere, rank_of, world_size_of
 from ..control import control_group
 from ..dtypes import DTYPES
 from ..layout import Layout
@@ -53,6 +53,7 @@ from .rng import RNG_PREFIX
 
 __all__ = [
     "agree_on_checkpoint",
+    "agree_on_load_settings",
     "check_for_optimizer",
     "check_meta",
     "check_rank_files",
@@ -317,8 +318,8 @@ def _probe_state_names(cls: type, options: dict[str, Any]) -> tuple[set[str], se
 
 def check_for_optimizer(meta: CheckpointMeta, directory: Path, optimizer: Any) -> None:
     """Raise ``ValueError`` naming ``meta.json``'s field unless the saved optimizer state
-    fits ``optimizer`` (a ``ZeroOptimizer``): saved hyperparameters it has, with values
-    its inner class accepts, and the state names that class keeps."""
+    fits ``optimizer`` (a ``ZeroOptimizer``): saved hyperparameters its inner class
+    accepts, and the state names that class keeps with them."""
     inner = optimizer.inner
     cls = type(inner)
     where = directory / META
@@ -326,17 +327,11 @@ def check_for_optimizer(meta: CheckpointMeta, directory: Path, optimizer: Any) -
         return  # check_same_optimizer says it (or the state is not loaded)
     live = inner.param_groups[0] if inner.param_groups else {}
     for gi, record in enumerate(meta.groups):
+        # Keys the optimizer lacks are kept (a scheduler adds ``initial_lr``, ...).
         options = {k: v for k, v in live.items() if k not in ("params", "param_names")}
-        unknown = sorted(set(record.hyperparams) - set(options))
-        if unknown:
-            raise ValueError(
-                f"{where}: groups[{gi}].hyperparams has {unknown[:4]}, which {cls.__name__} "
-                "does not have: the state is another optimizer's; configure that optimizer, or "
-                "load the weights only (load_optimizer_states=False)"
-            )
         for key, value in record.hyperparams.items():
             saved = decode_value(value)
-            if isinstance(options[key], tuple) and isinstance(saved, list):
+            if isinstance(options.get(key), tuple) and isinstance(saved, list):
                 saved = tuple(saved)
             options[key] = saved
         try:
@@ -457,6 +452,18 @@ def fingerprint(meta: CheckpointMeta) -> str:
     checksums or their time)."""
     text = json.dumps(meta.to_dict(), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def agree_on_load_settings(settings: Mapping[str, Any], group: dist.ProcessGroup | None) -> None:
+    """``ValueError`` on every rank unless every rank loads the same way (``LoadConfig``,
+    and whether a scheduler and a model are restored): a rank that alone skips the
+    optimizer state or the scheduler would train on with other moments or another learning
+    rate than the others, silently. Collective on the control group (one all-reduce)."""
+    check_same_everywhere(
+        "the load settings (every rank must load the same way)",
+        {name: repr(value) for name, value in settings.items()},
+        control_group(group),
+    )
 
 
 def agree_on_checkpoint(reader: Any, group: dist.ProcessGroup | None) -> None:

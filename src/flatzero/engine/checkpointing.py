@@ -15,7 +15,11 @@ from torch import nn
 
 from ..control import control_group, raise_if_any_failed, wait_for_host_work
 from .client import link_client_optimizer
-from .rank_agreement import agree_on_checkpoint_to_load, check_shared_directory
+from .rank_agreement import (
+    agree_on_checkpoint_to_load,
+    agree_on_errors,
+    check_shared_directory,
+)
 
 if TYPE_CHECKING:
     from ..optim import ZeroOptimizer
@@ -207,7 +211,12 @@ class EngineCheckpoints:
         if not agree_on_checkpoint_to_load(Path(load_dir), tag, self._pg):
             self._warn_nothing_to_load(Path(load_dir) / "latest")
             return None, None
-        _refuse_deepspeed_checkpoint(Path(load_dir), tag)
+        error: ValueError | None = None
+        try:
+            _refuse_deepspeed_checkpoint(Path(load_dir), tag)
+        except ValueError as e:
+            error = e
+        agree_on_errors(error, "load_checkpoint", self._pg)  # before the load's collectives
         config = LoadConfig(
             strict=load_module_strict,
             load_optimizer_states=load_optimizer_states and not load_module_only,

@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import rank_of, world_size_of
+from ..comm import check_same_everywhere, rank_of, world_size_of
 from ..config import FlattenConfig
+from ..control import control_group
 from ..devices import activate, resolve_device
 from ..flatten.registry import gathering_tier
 from ..gcpause import paused_gc
@@ -173,10 +174,12 @@ def _optimizer_and_groups(
         groups = collect_param_groups(choice.params, names_from=model, where=choice.where)
         probe_scheduler(cfg.scheduler, [choice.lr_of(g) for g in groups])
         check_client_scheduler(lr_scheduler, choice.client)
-        check_checkpoint_argument(groups, checkpoint)
+        kind = check_checkpoint_argument(groups, checkpoint)
     except Exception as e:
         error = e
     agree_on_errors(error, "flatzero.initialize's optimizer, params or scheduler", None)
+    what = "checkpoint= (every rank must load the same)"
+    check_same_everywhere(what, {"kind": kind}, control_group(None))
     return choice, groups
 
 

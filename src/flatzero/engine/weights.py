@@ -60,14 +60,26 @@ def _describe(groups: list[ParamGroup]) -> str:
     return f"{devices} {'/'.join(sorted({dtype_name(p.dtype) for p in params}))}"
 
 
-def check_checkpoint_argument(groups: list[ParamGroup], checkpoint: object) -> None:
-    """``checkpoint=`` given exactly when the params are on the meta device (checked by
-    ``initialize`` on every rank before anything is flattened).
+def check_checkpoint_argument(groups: list[ParamGroup], checkpoint: object) -> str:
+    """``checkpoint=`` given exactly when the params are on the meta device, and existing
+    (checked by ``initialize`` on every rank before anything is flattened); what it is
+    (``"none"``, ``"flatzero checkpoint"``, ``"safetensors"``), which every rank must agree
+    on: each kind runs other collectives.
 
     Raises:
-        ValueError: ``checkpoint`` given for a model with weights, or missing for a meta one.
+        ValueError: ``checkpoint`` given for a model with weights, missing for a meta one,
+            or not there.
     """
     _check_checkpoint_argument(_on_meta(groups), checkpoint)
+    if checkpoint is None:
+        return "none"
+    path = Path(checkpoint)  # type: ignore[arg-type]
+    if not path.exists():
+        raise ValueError(
+            f"checkpoint={str(path)!r} does not exist; pass a safetensors file or directory, "
+            "or a flatzero checkpoint directory, that every rank can read"
+        )
+    return "flatzero checkpoint" if _is_flatzero_checkpoint(path) else "safetensors"
 
 
 def _on_meta(groups: list[ParamGroup]) -> bool:
