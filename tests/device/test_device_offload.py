@@ -5,8 +5,9 @@ on the device, with and without ``offload_optimizer``: the same losses and maste
 host's fused kernel against the device's), the masters and optimizer state in host memory,
 no fp32 master or optimizer state in device memory (the device holds at least their bytes
 less than without offload), and the stream/event logic through the device seam: one
-offload stream, an event recorded per bucket per step and waited on, never a device-wide
-synchronize inside a step. On the emulated accelerator (no pinned memory) pinning falls
+offload stream, an event recorded per bucket per step and waited on (stage 2: copies started
+during backward, as each bucket's reductions land), never a device-wide synchronize inside
+a step. On the emulated accelerator (no pinned memory) pinning falls
 back to pageable memory with one warning; on CUDA the copies are pinned and asynchronous.
 
 ``offload_problems`` runs inside the world-size-2 launch of
@@ -52,6 +53,8 @@ class _Recorder:
 
             def record(self, stream: Any = None) -> None:
                 recorder.bump("event.record")
+                if not recorder.in_step:
+                    recorder.bump("event.record during backward")
                 self.inner.record(stream)
 
             def synchronize(self) -> None:
@@ -138,6 +141,8 @@ def offload_problems(rank: int, world_size: int, kind: str) -> list[str]:
             problems.append(f"{case}: {counts} for {buckets} buckets x {steps} steps")
         if counts.get("event.synchronize", 0) < buckets * steps:
             problems.append(f"{case}: waits {counts}")
+        if case.stage == 2 and not counts.get("event.record during backward"):
+            problems.append(f"{case}: no copy started during backward: {counts}")
         pinned = kind == "cuda"
         if opt._offload.pinned != pinned or len(warnings.messages) != int(not pinned):
             problems.append(f"{case}: pinned {opt._offload.pinned}, warnings {warnings.messages}")

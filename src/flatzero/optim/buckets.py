@@ -243,6 +243,7 @@ class InFlight:
             collective wrote it in place).
         src: the result to land in ``dst``.
         add: add ``src`` into ``dst`` instead of copying it.
+        bucket: the bucket whose gradient shard ``dst`` is part of (-1: none).
     """
 
     work: Any
@@ -250,6 +251,7 @@ class InFlight:
     dst: torch.Tensor | None = None
     src: torch.Tensor | None = None
     add: bool = False
+    bucket: int = -1
 
 
 class StagingPool:

@@ -235,6 +235,8 @@ class HostOffload:
         self._events: list[Any] = []
         self._scalar_event: Any = None
         self._upload_event: Any = None
+        self._fresh: list[bool] = []
+        """Per bucket: its host gradient slice was copied after the last change to it."""
         if not self.copies:
             self.host_grads = list(device_grads)
             return
@@ -253,6 +255,7 @@ class HostOffload:
                 lo, hi = bucket.shard_offset, bucket.shard_offset + bucket.slice_numel
                 self._downloads.append((self.host_grads[gi][lo:hi], device_grads[gi][lo:hi]))
                 self._upload_sources.append(self._staging[gi][lo:hi])
+        self._fresh = [False] * len(self._downloads)
         if accel.has_streams(self.device):
             self._stream = accel.new_stream(self.device)
             self._events = [accel.new_event(self.device) for _ in pairs]
@@ -294,21 +297,43 @@ class HostOffload:
         with accel.use_stream(self._stream):
             yield
 
-    def download(self) -> None:
-        """Start copying every bucket's reduced gradient shard slice to the host gradient
-        shard (after the reductions queued so far), an event recorded after each."""
+    def chunk_landed(self, bucket: int, complete: bool) -> None:
+        """A reduction changed ``bucket``'s gradient shard slice; ``complete``: it was the
+        last of a backward pass, so start its copy to the host now, while backward goes on
+        (``GradReducer.on_chunk_landed``; a later change makes it stale again)."""
         if not self.copies:
             return
+        self._fresh[bucket] = False
+        if complete:
+            with self._side_stream():
+                self._copy(bucket)
+
+    def _copy(self, bucket: int) -> None:
+        dst, src = self._downloads[bucket]
+        dst.copy_(src, non_blocking=self.pinned)
+        if self._events:
+            self._events[bucket].record(self._stream)
+        self._fresh[bucket] = True
+
+    def download(self) -> None:
+        """Start copying every bucket's reduced gradient shard slice that was not copied
+        since its last change to the host gradient shard (after the reductions queued so
+        far), an event recorded after each."""
+        if not self.copies:
+            return
+        stale = [b for b, fresh in enumerate(self._fresh) if not fresh]
+        if not stale:
+            return
         with self._side_stream():
-            for i, (dst, src) in enumerate(self._downloads):
-                dst.copy_(src, non_blocking=self.pinned)
-                if self._events:
-                    self._events[i].record(self._stream)
+            for bucket in stale:
+                self._copy(bucket)
 
     def wait(self) -> None:
-        """Block the host until every bucket's download has landed (its event)."""
+        """Block the host until every bucket's copy has landed (its event); the next
+        window's gradients are then not copied yet."""
         for event in self._events:
             event.synchronize()
+        self._fresh = [False] * len(self._fresh)
 
     def to_host(self, value: torch.Tensor) -> torch.Tensor:
         """The 0-d fp32 tensor ``value`` in host memory, copied on the offload stream after

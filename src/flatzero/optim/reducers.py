@@ -156,6 +156,11 @@ class GradReducer:
         self._chunks_by_bucket = (
             [self._bucket_chunks(b) for b in self.buckets] if self.world_size > 1 else []
         )
+        self.on_chunk_landed: Callable[[int, bool], None] | None = None
+        """Called as ``(bucket, complete)`` after a chunk of a bucket's gradient shard
+        landed, ``complete`` when it was the last of the bucket's chunks in a backward pass
+        (stage 2 over several ranks: optimizer offload starts that bucket's copy to the host
+        then). Other reducers never call it."""
 
     def _bucket_chunks(self, bucket: BucketState) -> list[ReduceChunk]:
         """``bucket``'s reduction chunks, in layout order."""
@@ -196,7 +201,7 @@ class GradReducer:
             return
         view = self.buckets[chunk.bucket].shard_view
         dst = view[chunk.shard_start : chunk.shard_start + chunk.numel]
-        self.pool.inflight.append(InFlight(work, slot, dst, staged, add))
+        self.pool.inflight.append(InFlight(work, slot, dst, staged, add, chunk.bucket))
 
     def _finish(self, item: InFlight) -> None:
         """Complete a reduction: wait for it, land its result, free its slot."""
@@ -209,6 +214,12 @@ class GradReducer:
                 item.dst.copy_(item.src)
         if item.slot is not None:
             self.pool.release(item.slot)
+        if item.bucket >= 0:
+            self._landed_chunk(item.bucket)
+
+    def _landed_chunk(self, bucket: int) -> None:
+        """Note that one chunk of ``bucket``'s gradient shard landed (see
+        ``on_chunk_landed``)."""
 
     def finish(self) -> None:
         """Make ``grads`` hold the reduced gradients of the window so far."""
@@ -349,6 +360,11 @@ class Stage2Reducer(GradReducer):
         self._nested_seen = False
         self.held_peak = 0
         """Most bytes of gradients held at once, waiting for their chunks."""
+        self._own_chunks = [
+            sum(1 for c in chunks if c.owner == self.rank) for chunks in self._chunks_by_bucket
+        ]
+        """Per bucket: its chunks that land in this rank's gradient shard in every pass."""
+        self._chunks_landed = [0] * len(self.buckets)
         self._pass = self._new_pass()
         self._register(lambda gi, slot, _: (self._first_param[gi] + slot,))
 
@@ -440,6 +456,12 @@ class Stage2Reducer(GradReducer):
                 state.release(pid)
         self._reduce_chunk(chunk, slot, staged, self._landed)
 
+    def _landed_chunk(self, bucket: int) -> None:
+        count = self._chunks_landed[bucket] + 1
+        self._chunks_landed[bucket] = count % self._own_chunks[bucket]
+        if self.on_chunk_landed is not None:
+            self.on_chunk_landed(bucket, count == self._own_chunks[bucket])
+
     def _end_of_backward(self) -> None:
         """Count what got no gradient as zero, launch every chunk left.
 
@@ -515,6 +537,7 @@ class Stage2Reducer(GradReducer):
 
     def reset_window(self) -> None:
         self.pool.finish_all()
+        self._chunks_landed = [0] * len(self.buckets)  # a failed pass launched only some
         self._pass = self._new_pass()
         self._callback_queued = False
         self._landed = False

@@ -194,6 +194,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
         self._scaler = _loss_scaler(config, flat)
         self._reducer: GradReducer = make_reducer(flat, self._grads, config)
+        if self._offload is not None:
+            self._reducer.on_chunk_landed = self._offload.chunk_landed
         pairs = [(g, b) for g in flat.groups for b in range(len(g.buckets))]
         self._buckets = [g.buckets[b] for g, b in pairs]
         self._bucket_shards = [g.bucket_shard(b) for g, b in pairs]
