@@ -3,9 +3,11 @@
 With ``ZeroConfig.offload_optimizer`` the fp32 master shards and the inner optimizer's state
 live in host memory, beside a host fp32 gradient shard per group. A step then runs:
 
-1. ``HostOffload.download``: each bucket's reduced gradient shard slice is copied from the
-   device gradient shard into the host gradient shard, on a stream of its own (waiting for
-   the reductions first), with an event recorded per bucket;
+1. each bucket's reduced gradient shard slice is copied from the device gradient shard into
+   the host gradient shard on a stream of its own (after the reductions), with an event
+   recorded per bucket: at ZeRO stage 2 over several ranks as soon as the bucket's last
+   reduction of a backward pass landed (``chunk_landed``, while backward goes on), else (and
+   for any bucket changed since) at the step (``download``);
 2. the norm, the inf/nan verdict and the clip coefficient are computed on the device as
    without offload; ``HostOffload.to_host`` brings the coefficient over on the same stream;
 3. the host waits on the events (never a device-wide synchronize), and ``host_step`` runs
