@@ -324,4 +324,6 @@ def test_router_sends_cpu_offload_to_flatzero_and_nvme_to_deepspeed(caplog):
     assert len(calls) == 1
     routed = [r.getMessage() for r in caplog.records if "-> DeepSpeed" in r.getMessage()]
     assert len(routed) == 1 and "offload_optimizer.device" in routed[0], routed
+    ours = [r.getMessage() for r in caplog.records if "-> flatzero" in r.getMessage()]
+    assert len(ours) == 1 and "optimizer offloaded to the host" in ours[0], ours
     assert deepspeed.initialize is not router

@@ -107,8 +107,9 @@ def routing_reason(**kwargs: Any) -> str | None:
 
 def _flatzero_summary(engine: Any) -> str:
     report = engine.init_report
+    offload = ", optimizer offloaded to the host" if engine.zero_cpu_offload() else ""
     return (
-        f"ZeRO stage {report.stage}, {report.dtype}, {report.optimizer}, "
+        f"ZeRO stage {report.stage}, {report.dtype}, {report.optimizer}{offload}, "
         f"{report.world_size} rank(s), {report.params / 1e6:.2f}M params, initialize "
         f"{report.wall_seconds:.2f}s"
     )
