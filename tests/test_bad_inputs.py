@@ -136,6 +136,15 @@ _BAD_ARGUMENTS: list[tuple[str, Any, str]] = [
 ]  # fmt: skip
 
 
+def test_deepscale_config_is_read_as_deepspeed_does() -> None:
+    from flatzero.engine.initialize import _config_argument
+
+    class Old:
+        deepscale_config = "ds.json"
+
+    assert _config_argument(nn.Linear(2, 2), None, None, None, None, Old()) == "ds.json"
+
+
 @pytest.mark.parametrize(("name", "kwargs", "match"), _BAD_ARGUMENTS, ids=lambda c: c)
 def test_initialize_refuses(name: str, kwargs, match: str) -> None:
     model = nn.Linear(4, 4)

@@ -177,6 +177,10 @@ def _rank_main(rank: int, ws: int, root_text: str) -> dict[str, dict[str, Any]]:
     )
     results["load: latest on one rank only"] = _run_case(lambda: _case_load(rank, root, engine))
     results["save: a directory per rank"] = _run_case(lambda: _case_save(rank, root, engine))
+    for name, kwargs, _error in SAVE_CASES:
+        results[f"save: {name}"] = _run_case(
+            lambda k=kwargs: engine.save_checkpoint(root / "ckpt", **(k if rank == 1 else {}))
+        )
     results["load: no latest anywhere"] = _run_case(
         lambda: _case_nothing_anywhere(rank, root, engine)
     )
@@ -196,6 +200,14 @@ CONFIG_CASES: list[tuple[str, Any]] = [
     ("flatzero", {"progress": False, "bucket_numel": 4096}),
     ("flatzero", {"progress": False, "param_sync": "none"}),
 ]
+
+
+# (name, rank 1's save_checkpoint arguments, its error): rank 0 saves as usual
+SAVE_CASES: list[tuple[str, dict[str, Any], str]] = [
+    ("a bad tag on one rank", {"tag": "../t"}, "ValueError: checkpoint tag '../t' is not usable"),
+    ("client_state that JSON cannot hold on one rank", {"tag": "t", "client_state": {"a": {1.5}}},
+     "TypeError: client_state['client_state']['a'] is a set"),
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +293,16 @@ def test_save_to_a_directory_per_rank(table) -> None:
     assert str(root / "local1") in errors[0], errors[0]
     assert _files(root / "local0") == []  # the marker is gone, nothing was saved
     assert not (root / "local1").exists()
+
+
+@pytest.mark.parametrize(("name", "text"), [(c[0], c[2]) for c in SAVE_CASES])
+def test_a_save_refused_on_one_rank_is_refused_on_every_rank(table, name, text) -> None:
+    root, out = table
+    rank0, rank1 = (r[f"save: {name}"]["error"] for r in out)
+    assert rank1.startswith(text), rank1
+    assert rank0.startswith(text.split(":")[0] + ": save_checkpoint failed on rank 1: "), rank0
+    assert text.split(": ", 1)[1] in rank0, rank0
+    assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["latest", "t"]
 
 
 def test_nothing_to_load_anywhere_is_the_same_answer(table) -> None:

@@ -126,6 +126,7 @@ class EngineCheckpoints:
             load or ``destroy()`` waits for it).
         """
         from ..checkpoint import SaveConfig, save_checkpoint
+        from ..checkpoint.format import check_tag, encode_value
         from ..checkpoint.save import save_nbytes
 
         if tag is None:
@@ -142,6 +143,13 @@ class EngineCheckpoints:
             # resumes into the directory it came from); flatzero replaces it atomically.
             "config": SaveConfig(update_latest=save_latest, overwrite=True),
         }
+        error: BaseException | None = None
+        try:  # what the save would refuse on one rank, refused on every rank first
+            check_tag(tag)
+            encode_value(extra, "client_state")
+        except (ValueError, TypeError) as e:
+            error = e
+        agree_on_errors(error, "save_checkpoint", self._pg)
         check_shared_directory(Path(save_dir), self._pg)
         if self.parsed_config.replicated:
             self._save_on_rank0(

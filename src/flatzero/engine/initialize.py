@@ -94,6 +94,8 @@ def _config_argument(
         raise ValueError("pass the DeepSpeed config as config= or config_params=, not both")
     config = config if config is not None else config_params
     from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if from_args is None and args is not None:
+        from_args = getattr(args, "deepscale_config", None)  # DeepSpeed's older name
     if config is not None and from_args is not None:
         raise ValueError(
             f"two DeepSpeed configs: args.deepspeed_config={from_args!r} and config= (as "
