@@ -41,7 +41,8 @@ from ..config import FlattenConfig
 from ..cores import core_share
 from ..flatten import flatten_parameters
 from ..launch import run_ranks
-from ..models import build_model, count_bytes, count_params, count_tensors, scaled
+from ..models import build_model, count_bytes, count_params, count_tensors
+from ..models.bench_models import MODELS
 from . import limits
 from .baselines import flatten_legacy_cpu, flatten_torch_cat
 from .deepspeed_runner import (
@@ -63,49 +64,6 @@ from .trials import rotated, slowest_per_trial
 
 __all__ = ["MODELS", "add_arguments", "run"]
 
-
-def _narrow_moe(expert_layout: str):
-    return scaled(
-        "qwen3-30b-a3b",
-        layers=16,
-        hidden=64,
-        heads=4,
-        kv_heads=2,
-        head_dim=16,
-        intermediate=32,
-        vocab=1024,
-        expert_layout=expert_layout,
-    )
-
-
-MODELS = {
-    # A few million params: for tests and smoke runs.
-    "tiny": lambda: scaled(
-        "llama-3-8b", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, vocab=4096
-    ),
-    # ~0.43B params: the Llama-3-8B shape at 1/4 width and 12 layers.
-    "llama-0.4b": lambda: scaled(
-        "llama-3-8b", layers=12, hidden=1024, heads=8, kv_heads=2, intermediate=3584
-    ),
-    # Qwen3-30B-A3B shape with 2 layers and 32 experts, both expert layouts.
-    "qwen3-moe-small-fused": lambda: scaled(
-        "qwen3-30b-a3b", layers=2, experts=32, expert_layout="fused"
-    ),
-    "qwen3-moe-small-unfused": lambda: scaled(
-        "qwen3-30b-a3b", layers=2, experts=32, expert_layout="unfused"
-    ),
-    # The 16-layer Qwen3-30B-A3B tensor count (179 fused, 6,291 unfused, LM head included)
-    # at hidden 64: what each method spends per tensor, apart from the bytes.
-    "qwen3-moe-narrow-fused": lambda: _narrow_moe("fused"),
-    "qwen3-moe-narrow-unfused": lambda: _narrow_moe("unfused"),
-    # Full shapes, for a GPU node.
-    "llama-3-8b": lambda: scaled("llama-3-8b"),
-    "qwen3-30b-a3b-16l-fused": lambda: scaled("qwen3-30b-a3b", layers=16, expert_layout="fused"),
-    "qwen3-30b-a3b-16l-unfused": lambda: scaled(
-        "qwen3-30b-a3b", layers=16, expert_layout="unfused"
-    ),
-}
-"""Benchmark models by name: functions returning a model config."""
 
 METHODS = ("flatzero", "flatzero_4k", "torch_cat", "legacy_cpu", "deepspeed")
 """``flatzero_4k``: flatzero with ``FlattenConfig(host_huge_pages=False)``."""

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..dtypes import SHORT_DTYPES
+from ..measure.settle import add_settle_argument
 
 __all__ = [
     "BENCH_DTYPES",
@@ -67,13 +68,6 @@ def parse_list(text: str, kind: Callable[[str], _Item], what: str) -> list[_Item
     if not values:
         raise SystemExit(f"{what} {text!r} is empty")
     return values
-
-
-def add_settle_argument(parser: argparse.ArgumentParser, text: str) -> None:
-    """``--settle-s``: seconds (float, default 0: back to back) to wait before writing new
-    memory, so that the machine has taken freed memory back, as at a job's start; ``text``
-    is its help."""
-    parser.add_argument("--settle-s", type=float, default=0.0, help=text)
 
 
 def parse_methods(text: str, known: Sequence[str]) -> tuple[str, ...]:

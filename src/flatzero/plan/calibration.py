@@ -1,6 +1,6 @@
 """This machine's measured rates, for the planner: ``flatzero info --measure``.
 
-``measure()`` times, with ``bench.limits`` and the allocators the job uses:
+``measure()`` times, with ``measure.limits`` and the allocators the job uses:
 
 - host memcpy with one thread and with every core (``limits.memcpy_seconds``);
 - writing new host memory, page faults included (so on a VM this also measures the host
@@ -16,7 +16,7 @@
 - with CUDA: a device-to-device copy and a pinned upload (``limits.device_copy_seconds``,
   ``limits.pinned_h2d_seconds``);
 - the per-tensor cost of each flatten method: ``flatten_parameters`` (``cpu`` tier) and the
-  two DeepSpeed algorithms of ``bench.baselines`` on many tiny tensors, whose bytes are
+  two DeepSpeed algorithms of ``measure.baselines`` on many tiny tensors, whose bytes are
   negligible.
 
 Measure at the sizes the job allocates and in the regime it runs in: on the development VM
@@ -321,9 +321,9 @@ def measure_tensor_seconds(
 ) -> dict[str, float]:
     """Per-tensor seconds of each flatten method on ``count`` tensors of ``numel`` fp32
     elements (bytes negligible), one rank, best of ``repeats`` after a warm-up."""
-    from ..bench.baselines import flatten_legacy_cpu, flatten_torch_cat
     from ..config import FlattenConfig
     from ..flatten import flatten_parameters
+    from ..measure.baselines import flatten_legacy_cpu, flatten_torch_cat
 
     config = FlattenConfig(tier="cpu", device="cpu", progress=False)
     methods: dict[str, Callable[[list[nn.Parameter]], Any]] = {
@@ -404,7 +404,7 @@ def measure(
     few seconds, plus ``settle_s`` before each of the 18 passes that write new memory."""
     import platform
 
-    from ..bench import limits
+    from ..measure import limits
 
     cores = usable_cores()
     device_copy = h2d = None

@@ -9,10 +9,10 @@ import json
 import os
 from pathlib import Path
 
-from ..bench.settings import add_settle_argument
 from ..cli_types import MAX_WORLD_SIZE, count
 from ..config import DEFAULT_BUCKET_NUMEL
 from ..cores import usable_cores
+from ..measure.settle import add_settle_argument
 from .calibration import DEFAULT_FILL_BYTES, Calibration, measure
 from .hardware import GPUS, HOSTS, GpuSpec, get_gpu, get_host
 from .memory_model import OPTIMIZER_STATES

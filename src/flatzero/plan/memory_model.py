@@ -327,7 +327,7 @@ def deepspeed_init_memory(
     master partition (a clone of the rank's partition, then its fp32 copy) and, in
     ``initialize_optimizer_states``, a zeroed fp32 gradient partition, freed again.
     """
-    from ..bench.baselines import deepspeed_padded_numel
+    from ..measure.baselines import deepspeed_padded_numel
 
     padded = [deepspeed_padded_numel(n, world_size) for n in group_numels]
     model = sum(group_numels) * elt

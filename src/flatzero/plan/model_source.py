@@ -173,7 +173,7 @@ def _named_config(name: str) -> ModelConfig | None:
     """A zoo preset or benchmark model called ``name``, else None."""
     if name in PRESETS:
         return PRESETS[name]
-    from ..bench.init_bench import MODELS
+    from ..models.bench_models import MODELS
 
     return MODELS[name]() if name in MODELS else None
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..bench.baselines import deepspeed_padded_numel
 from ..config import DEFAULT_BUCKET_NUMEL
 from ..flatten.choice import TierDecision, decide_tier
 from ..layout import DEFAULT_ALIGNMENT, Layout, plan_layout
+from ..measure.baselines import deepspeed_padded_numel
 from ..optim.offload import OffloadHostBytes
 from .calibration import Calibration
 from .decision import deepspeed_path, free_at_init

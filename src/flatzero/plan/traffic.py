@@ -14,7 +14,7 @@
 - the master copy reads this rank's slice of every bucket (``host_copy`` when the master is
   in host memory, else ``device_copy``; bytes of the slices in the params' dtype).
 
-``deepspeed_bytes`` counts what ``bench.baselines`` counts for DeepSpeed's two paths
+``deepspeed_bytes`` counts what ``measure.baselines`` counts for DeepSpeed's two paths
 (``BaselineResult.flatten_bytes`` and ``master_bytes``: bytes written by copies).
 
 ``links`` turns kinds into links (HBM, PCIe, host memory, NVLink, network).
@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..bench.baselines import deepspeed_padded_numel, deepspeed_partition_range
 from ..flatten.registry import spec
 from ..layout import GroupLayout, Layout
+from ..measure.baselines import deepspeed_padded_numel, deepspeed_partition_range
 from .memory_model import itemsize
 
 __all__ = [
