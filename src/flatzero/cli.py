@@ -45,6 +45,18 @@ def _info(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_deepspeed(args: argparse.Namespace) -> int:
+    """``flatzero export-deepspeed``: the DeepSpeed config file (``--ds-config``) is read
+    here, with the DeepSpeed door's reader (JSON or hjson, base64; duplicate keys refused),
+    so that ``checkpoint`` never imports ``engine``."""
+    from .checkpoint.deepspeed_export import export_deepspeed_main
+    from .engine.config import load_config_dict
+
+    if args.ds_config is not None:
+        args.ds_config = load_config_dict(args.ds_config)
+    return export_deepspeed_main(args)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flatzero",
@@ -88,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
             deepspeed_import.import_deepspeed_main)  # fmt: skip
     command(sub, "export-deepspeed", "a flatzero checkpoint as a DeepSpeed ZeRO-1/2 checkpoint",
             deepspeed_export.add_export_deepspeed_arguments,
-            deepspeed_export.export_deepspeed_main)  # fmt: skip
+            _export_deepspeed)  # fmt: skip
     command(sub, "plan", "predict memory, tier, bytes per link and init time of a job",
             plan_cli.add_arguments, plan_cli.run)  # fmt: skip
     bench = sub.add_parser("bench", help="benchmarks against baselines and hardware limits")

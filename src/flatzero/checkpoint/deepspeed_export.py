@@ -281,17 +281,16 @@ def add_export_deepspeed_arguments(parser: argparse.ArgumentParser) -> None:
 
 def export_deepspeed_main(args: argparse.Namespace) -> int:
     """Run ``flatzero export-deepspeed``; returns the exit status (``flatzero.cli.main``
-    turns an error in the input into one line and exit status 2)."""
-    from ..engine.config import load_config_dict
-
-    config = None if args.ds_config is None else load_config_dict(args.ds_config)
+    turns an error in the input into one line and exit status 2). ``args.ds_config`` is
+    the DeepSpeed config already read (``flatzero.cli`` reads the file with the DeepSpeed
+    door's reader, so that this room does not import the engine), or None."""
     result = export_deepspeed(
         args.checkpoint,
         args.out_dir,
         world_size=args.world_size,
         tag=args.tag,
         out_tag=args.out_tag,
-        ds_config=config,
+        ds_config=args.ds_config,
         any_optimizer=args.any_optimizer,
         overwrite=args.overwrite,
     )
