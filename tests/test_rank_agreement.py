@@ -84,6 +84,26 @@ def _case_load_another(rank: int, root: Path, engine: Any) -> dict[str, Any]:
     return {}
 
 
+def _case_stage0_load(rank: int, root: Path) -> dict[str, Any]:
+    """Stage 0 (every rank loads a one-rank checkpoint alone): rank 1 another one."""
+    engine = _init(_config(zero_optimization={"stage": 0}))
+    engine.save_checkpoint(root / "s0a", tag="t")
+    engine.backward(engine(torch.ones(2, 8)).sum())
+    engine.step()
+    engine.save_checkpoint(root / "s0b", tag="t")
+    _case_load_in(engine, root / ("s0a" if rank == 0 else "s0b"))
+    return {}
+
+
+def _case_load_in(engine: Any, load_dir: Path) -> None:
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    try:
+        engine.load_checkpoint(load_dir)
+    finally:
+        after = list(engine.module.parameters())
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
 def _case_save(rank: int, root: Path, engine: Any) -> dict[str, Any]:
     engine.save_checkpoint(root / f"local{rank}", tag="t")
     return {}
@@ -181,6 +201,9 @@ def _rank_main(rank: int, ws: int, root_text: str) -> dict[str, dict[str, Any]]:
         results[f"save: {name}"] = _run_case(
             lambda k=kwargs: engine.save_checkpoint(root / "ckpt", **(k if rank == 1 else {}))
         )
+    results["load at stage 0: a directory per rank"] = _run_case(
+        lambda: _case_stage0_load(rank, root)
+    )
     results["load: no latest anywhere"] = _run_case(
         lambda: _case_nothing_anywhere(rank, root, engine)
     )
@@ -303,6 +326,13 @@ def test_a_save_refused_on_one_rank_is_refused_on_every_rank(table, name, text) 
     assert rank0.startswith(text.split(":")[0] + ": save_checkpoint failed on rank 1: "), rank0
     assert text.split(": ", 1)[1] in rank0, rank0
     assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["latest", "t"]
+
+
+def test_stage0_load_from_a_directory_per_rank(table) -> None:
+    _, out = table
+    errors = [r["load at stage 0: a directory per rank"]["error"] for r in out]
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith("ValueError: the checkpoint to load and how"), errors[0]
 
 
 def test_nothing_to_load_anywhere_is_the_same_answer(table) -> None:

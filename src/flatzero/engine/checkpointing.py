@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm import check_same_everywhere
 from ..control import control_group, raise_if_any_failed, wait_for_host_work
 from .client import link_client_optimizer
 from .rank_agreement import (
@@ -231,6 +232,8 @@ class EngineCheckpoints:
             load_scheduler=load_lr_scheduler_states and not load_module_only,
             fallback=self.parsed_config.flatzero.load_fallback,
         )
+        if self.parsed_config.replicated:
+            self._agree_on_replicated_load(Path(load_dir), tag, config)
         result = load_checkpoint(
             load_dir,
             self.optimizer,
@@ -243,6 +246,26 @@ class EngineCheckpoints:
         extra = result.extra if isinstance(result.extra, dict) else {}
         self._after_load(extra, restore_counters=not load_module_only)
         return str(result.path), extra.get("client_state", {})
+
+    def _agree_on_replicated_load(self, load_dir: Path, tag: str | None, config: Any) -> None:
+        """Stage 0: every rank loads the one-rank checkpoint alone (``load_checkpoint``
+        agrees over a one-rank group), so the ranks check here, on the engine's group, that
+        they open the same checkpoint and load it the same way: else their replicas would
+        differ, silently. ``ValueError`` on every rank naming each rank's view."""
+        from ..checkpoint.format import META, CheckpointMeta
+        from ..checkpoint.reader import locate
+        from ..checkpoint.validate import fingerprint
+
+        try:
+            found, path = locate(load_dir, tag)
+            seen = f"tag {found!r}, meta.json {fingerprint(CheckpointMeta.read(path / META))}"
+        except ValueError as error:  # the load says it (or falls back) alike on every rank
+            seen = f"unreadable ({error})"
+        check_same_everywhere(
+            "the checkpoint to load and how (every rank must load the same one)",
+            {"checkpoint": seen, "load settings": repr(config)},
+            control_group(self._pg),
+        )
 
     def wait_for_save(self) -> None:
         """Wait for an asynchronous save still being written, raising its error on every
