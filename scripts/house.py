@@ -1,0 +1,338 @@
+"""The house order of ``src/flatzero``: its rooms, their floors, and the imports between them.
+
+A *room* is a top-level module (``flatzero/comm.py`` is ``comm``) or a subpackage with
+everything under it (``flatzero/flatten/`` is ``flatten``); the package's own
+``__init__.py`` is the room ``flatzero``. Every room stands on one floor. An import may go
+to a room on the same floor or on a floor below, never up, and no chain of imports may come
+back to where it started, neither between modules nor between rooms.
+
+Every import counts, wherever it is written: at the top of a module, inside a function
+(a lazy import is a dependency that is only paid later), under ``if TYPE_CHECKING:`` (a
+type is knowledge of the room that defines it). ``from X import name`` is an arrow to the
+module ``X.name`` when that is a module, else to ``X``. ``ALLOWED_UP`` lists the few
+upward arrows accepted, each with its reason; an arrow listed there must exist (a stale
+entry is an error) and may not close a circle.
+
+``tests/test_house_order.py`` checks the package against this plan;
+``scripts/plot_house.py`` draws it (``docs/house.png``) and writes the floors table of
+``docs/architecture.md``. Standard library only: the test parses about 150 files in well
+under a second.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = "flatzero"
+_HERE = "scripts/house.py"
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # (floor, rooms), from the ground up
+    ("data", ("_version", "dtypes", "layout", "config", "cli_types", "ports", "gcpause", "models")),
+    ("device seam", ("accel",)),
+    ("placement", ("devices", "hostmem", "params", "safetensors_index")),
+    ("ranks", ("comm", "control")),
+    ("host and memory", ("cores", "memory", "report", "measure")),
+    ("flatten", ("flatten",)),
+    ("optimizer", ("optim", "loading")),
+    ("checkpoint", ("checkpoint",)),
+    ("engine", ("engine",)),
+    ("doors", ("flatzero", "patch", "run", "launch", "plan")),
+    ("tools", ("bench", "demo", "testing")),
+    ("command line", ("cli", "__main__")),
+)
+"""The floors from the ground up and the rooms on each."""
+
+ROOMS: dict[str, str] = {
+    "_version": "the version, readable without importing the package",
+    "dtypes": "every dtype name: short, torch, safetensors, element size",
+    "layout": "plan_layout: order, alignment, buckets, each rank's slices; pure metadata",
+    "config": "FlattenConfig, frozen data; checks that rooms above register run at construction",
+    "cli_types": "argparse types of the command line (counts with bounds)",
+    "ports": "a free TCP port for a local rendezvous",
+    "gcpause": "the garbage collector paused around init",
+    "models": "model shapes built without downloads (Llama, Qwen3-MoE), for plan, bench, demo",
+    "accel": "the device seam: every call to an accelerator runtime",
+    "devices": "which device a rank uses; where a process group runs collectives",
+    "hostmem": "host buffers (huge pages), staging buffers (pinned through the seam)",
+    "params": "collect_param_groups: trainable params once each, names, options",
+    "safetensors_index": "a safetensors checkpoint's tensors by name, read by byte range",
+    "comm": "collectives that work without a process group; checks of sameness across ranks",
+    "control": "the gloo control group and what ranks agree on over it (any rank failed)",
+    "cores": "this process's usable cores, a rank's share of them, init's thread count",
+    "memory": "free device memory, out-of-memory errors",
+    "report": "the init report: phases, bytes moved by kind, peaks",
+    "measure": "hardware rates and DeepSpeed's flatten algorithms, for plan and bench alike",
+    "flatten": "flatten_parameters: tiers, their registry, tier choice, bucket by bucket",
+    "optim": "ZeroOptimizer: fp32 shards, gradient reduction, the inner optimizer's step",
+    "loading": "load_flat: flatten straight from a safetensors checkpoint",
+    "checkpoint": "save, load at any world size, export, DeepSpeed in and out",
+    "engine": "the DeepSpeed door: config parsing, initialize, the engine",
+    "flatzero": "the package's public names (flatzero.__all__)",
+    "patch": "patch_deepspeed: deepspeed.initialize routed through flatzero when it can",
+    "run": "python -m flatzero.run: a script under the patch without changing it",
+    "launch": "run a function on N local ranks as torchrun would (tests, bench, demo)",
+    "plan": "flatzero plan: predicted memory, tier, bytes per link and init time",
+    "bench": "flatzero bench: each benchmark against its baseline and the hardware limit",
+    "demo": "flatzero demo: the DeepSpeed door end to end in under a minute",
+    "testing": "an emulated accelerator (PrivateUse1 over CPU memory) for tests and bench",
+    "cli": "the flatzero command: parses, dispatches, prints one line on a user error",
+    "__main__": "python -m flatzero",
+}
+"""What each room owns, one line each."""
+
+TOOLS = ("bench", "testing")
+"""Rooms that nothing on the product's path imports (``PRODUCT``), whatever the floors say."""
+
+PRODUCT = (
+    "engine",
+    "optim",
+    "flatten",
+    "checkpoint",
+    "plan",
+    "loading",
+    "patch",
+    "run",
+    "launch",
+    "flatzero",
+)
+"""The product's path: the rooms a user's training or ``flatzero plan`` runs."""
+
+ALLOWED_UP: dict[tuple[str, str], str] = {}
+"""Upward arrows accepted, as ``(importer, imported)`` modules, each with its reason."""
+
+
+@dataclass(frozen=True)
+class Arrow:
+    """One import: ``source`` (a module) imports ``target`` (a module) at ``line``."""
+
+    source: str
+    target: str
+    line: int
+    kind: str  # "top", "lazy" (inside a function) or "typing" (under TYPE_CHECKING)
+
+
+def room_of(module: str) -> str:
+    """The room of ``module`` (``flatzero.flatten.api`` -> ``flatten``)."""
+    parts = module.split(".")
+    return PACKAGE if len(parts) == 1 else parts[1]
+
+
+def floor_of(room: str) -> int:
+    """The floor number of ``room`` (0 is the ground); KeyError when it has none."""
+    for number, (_name, rooms) in enumerate(FLOORS):
+        if room in rooms:
+            return number
+    raise KeyError(room)
+
+
+def modules(src: Path = SRC) -> dict[str, Path]:
+    """Every module of the package under ``src``, by dotted name."""
+    out = {}
+    for path in sorted((src / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+class _Imports(ast.NodeVisitor):
+    """The package's imports in one module, as (name, fallback, line, kind): the arrow goes
+    to ``name`` when that is a module, else to ``fallback`` (``from X import name``)."""
+
+    def __init__(self, module: str, is_package: bool) -> None:
+        self.module = module
+        self.package = module if is_package else module.rpartition(".")[0]
+        self.found: list[tuple[str, str, int, str]] = []
+        self._functions = 0
+        self._typing = 0
+
+    def _kind(self) -> str:
+        return "typing" if self._typing else "lazy" if self._functions else "top"
+
+    def _add(self, name: str, fallback: str, line: int) -> None:
+        self.found.append((name, fallback, line, self._kind()))
+
+    def visit_FunctionDef(self, node: ast.AST) -> None:
+        self._functions += 1
+        self.generic_visit(node)
+        self._functions -= 1
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+    visit_Lambda = visit_FunctionDef
+
+    def visit_If(self, node: ast.If) -> None:
+        test = node.test
+        name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
+        if name != "TYPE_CHECKING":
+            self.generic_visit(node)
+            return
+        self._typing += 1
+        for child in node.body:
+            self.visit(child)
+        self._typing -= 1
+        for child in node.orelse:
+            self.visit(child)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            if alias.name.split(".")[0] == PACKAGE:
+                self._add(alias.name, alias.name, node.lineno)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        if node.level:
+            base = self.package.split(".")
+            base = base[: len(base) - (node.level - 1)]
+            where = ".".join(base + ([node.module] if node.module else []))
+        else:
+            where = node.module or ""
+        if where.split(".")[0] != PACKAGE:
+            return
+        for alias in node.names:
+            self._add(f"{where}.{alias.name}", where, node.lineno)
+
+
+def texts(src: Path = SRC) -> dict[str, str]:
+    """The text of every module of the package, by dotted name (a package's name ends in
+    ``.__init__`` here, so that relative imports resolve from it; ``arrows`` drops it)."""
+    out = {}
+    for name, path in modules(src).items():
+        key = f"{name}.__init__" if path.name == "__init__.py" else name
+        out[key] = path.read_text(encoding="utf-8")
+    return out
+
+
+def arrows(sources: Mapping[str, str]) -> list[Arrow]:
+    """Every import between the modules of ``sources`` (``texts()``, or a planted house)."""
+    packages = {key.removesuffix(".__init__") for key in sources if key.endswith(".__init__")}
+    by_name = {key.removesuffix(".__init__"): text for key, text in sources.items()}
+    out: dict[Arrow, None] = {}  # one arrow per import statement
+    for module, text in by_name.items():
+        for name, fallback, line, kind in _imports(module, module in packages, text):
+            target = name if name in by_name else fallback
+            while target and target not in by_name:  # flatzero.x.Name -> flatzero.x
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                out[Arrow(module, target, line, kind)] = None
+    return list(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _imports(module: str, is_package: bool, text: str) -> tuple[tuple[str, str, int, str], ...]:
+    """The imports of one module, parsed once per text (the tests plant into copies)."""
+    visitor = _Imports(module, is_package)
+    visitor.visit(ast.parse(text, filename=module))
+    return tuple(visitor.found)
+
+
+def cycles(edges: Iterable[tuple[str, str]]) -> list[list[str]]:
+    """The circles of a directed graph: its strongly connected components of more than one
+    node, each sorted (Tarjan's algorithm, iterative)."""
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    component.append(top)
+                    if top == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def room_edges(found: Iterable[Arrow]) -> set[tuple[str, str]]:
+    """The arrows between rooms (an arrow inside a room is not one)."""
+    return {
+        (room_of(a.source), room_of(a.target))
+        for a in found
+        if room_of(a.source) != room_of(a.target)
+    }
+
+
+def upward(found: Iterable[Arrow]) -> list[Arrow]:
+    """The arrows that climb to a higher floor."""
+    return [
+        a
+        for a in found
+        if room_of(a.source) != room_of(a.target)
+        and floor_of(room_of(a.target)) > floor_of(room_of(a.source))
+    ]
+
+
+def problems(
+    found: list[Arrow],
+    names: Iterable[str],
+    allowed: Mapping[tuple[str, str], str] = ALLOWED_UP,
+) -> list[str]:
+    """Everything wrong with the house of modules ``names`` whose imports are ``found``, one
+    line each (empty when it is in order)."""
+    out = []
+    rooms = sorted({room_of(name) for name in names})
+    for room in rooms:
+        if not any(room in r for _n, r in FLOORS):
+            out.append(
+                f"room {room!r} has no floor: add it to FLOORS and ROOMS in scripts/house.py"
+            )
+    for _name, on_floor in FLOORS:
+        out.extend(
+            f"FLOORS lists {room!r}, which is no room" for room in on_floor if room not in rooms
+        )
+    if out:
+        return out
+    for circle in cycles((a.source, a.target) for a in found):
+        out.append(f"modules import each other in a circle: {' -> '.join(circle)}")
+    for circle in cycles(room_edges(found)):
+        out.append(f"rooms import each other in a circle: {' -> '.join(circle)}")
+    for a in upward(found):
+        if (a.source, a.target) not in allowed:
+            out.append(
+                f"{a.source} (floor {FLOORS[floor_of(room_of(a.source))][0]!r}) imports "
+                f"{a.target} (floor {FLOORS[floor_of(room_of(a.target))][0]!r}) at line "
+                f"{a.line} ({a.kind}): an arrow up"
+            )
+    for a in found:
+        if room_of(a.source) in PRODUCT and room_of(a.target) in TOOLS:
+            out.append(f"{a.source} (product) imports {a.target} (a tool) at line {a.line}")
+    present = {(a.source, a.target) for a in upward(found)}
+    for pair in allowed:
+        if pair not in present:
+            out.append(f"ALLOWED_UP lists {pair[0]} -> {pair[1]}, which no longer climbs: drop it")
+    return out

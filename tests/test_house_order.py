@@ -1,0 +1,127 @@
+"""Issue 27: the house order of ``src/flatzero`` (``scripts/house.py`` is the plan).
+
+Every module's imports, read with ``ast`` (at the top, inside functions, under
+``TYPE_CHECKING``): no circle between modules or between rooms (a top-level module or a
+subpackage), no arrow up a floor but those ``house.ALLOWED_UP`` lists with a reason, and
+nothing on the product's path imports ``bench`` or ``testing``. The checker is itself
+checked: violations planted in a copy of the package's text are all found.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import house
+
+
+@pytest.fixture(scope="module")
+def sources() -> dict[str, str]:
+    return house.texts()
+
+
+def _names(sources: dict[str, str]) -> list[str]:
+    return [key.removesuffix(".__init__") for key in sources]
+
+
+def test_every_room_has_one_floor_and_one_line(sources):
+    on_floors = [room for _name, rooms in house.FLOORS for room in rooms]
+    assert len(on_floors) == len(set(on_floors)), "a room on two floors"
+    assert set(on_floors) == set(house.ROOMS), "FLOORS and ROOMS name different rooms"
+    assert set(on_floors) == {house.room_of(n) for n in _names(sources)}
+    assert set(house.PRODUCT) | set(house.TOOLS) <= set(on_floors)
+    for importer, imported in house.ALLOWED_UP:
+        assert house.ALLOWED_UP[importer, imported].strip(), "an allowed arrow needs its reason"
+
+
+def test_the_house_is_in_order(sources):
+    found = house.arrows(sources)
+    assert house.problems(found, _names(sources)) == []
+
+
+def test_the_product_path_imports_no_tool(sources):
+    found = house.arrows(sources)
+    bad = [
+        f"{a.source} -> {a.target}"
+        for a in found
+        if house.room_of(a.source) in house.PRODUCT and house.room_of(a.target) in house.TOOLS
+    ]
+    assert bad == []
+
+
+def test_the_reader_sees_every_kind_of_import():
+    planted = {
+        "flatzero.__init__": "from .a import f\n",
+        "flatzero.a": (
+            "from typing import TYPE_CHECKING\n"
+            "import flatzero.b\n"
+            "from . import c\n"
+            "if TYPE_CHECKING:\n"
+            "    from .sub.d import D\n"
+            "def f():\n"
+            "    from .sub import e\n"
+            "    return e\n"
+        ),
+        "flatzero.b": "",
+        "flatzero.c": "",
+        "flatzero.sub.__init__": "from .e import g\n",
+        "flatzero.sub.d": "from ..b import x\n",
+        "flatzero.sub.e": "from . import d\ndef g():\n    import os\n",
+    }
+    found = {(a.source, a.target, a.kind) for a in house.arrows(planted)}
+    assert found == {
+        ("flatzero", "flatzero.a", "top"),
+        ("flatzero.a", "flatzero.b", "top"),
+        ("flatzero.a", "flatzero.c", "top"),
+        ("flatzero.a", "flatzero.sub.d", "typing"),
+        ("flatzero.a", "flatzero.sub.e", "lazy"),
+        ("flatzero.sub", "flatzero.sub.e", "top"),
+        ("flatzero.sub.d", "flatzero.b", "top"),
+        ("flatzero.sub.e", "flatzero.sub.d", "top"),
+    }
+
+
+def _plant(sources: dict[str, str], module: str, text: str) -> list[str]:
+    planted = dict(sources)
+    planted[module] = planted.get(module, "") + text
+    return house.problems(house.arrows(planted), _names(planted))
+
+
+def test_planted_violations_are_caught(sources):
+    # an arrow up, lazy: the layout (data) asks the engine
+    found = _plant(sources, "flatzero.layout", "def f():\n    from .engine import Engine\n")
+    assert any("flatzero.layout (floor 'data') imports flatzero.engine" in p for p in found)
+    assert any("(lazy): an arrow up" in p for p in found)
+    # an arrow up under TYPE_CHECKING
+    found = _plant(
+        sources,
+        "flatzero.config",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .flatten.api import x\n",
+    )
+    assert any("flatzero.config" in p and "(typing): an arrow up" in p for p in found)
+    # a circle between modules of one floor (params imports dtypes)
+    found = _plant(sources, "flatzero.dtypes", "from .params import collect_param_groups\n")
+    assert any(p.startswith("modules import each other in a circle") for p in found)
+    assert any(p.startswith("rooms import each other in a circle") for p in found)
+    # a circle inside one room
+    found = _plant(sources, "flatzero.flatten.buffers", "from .api import flatten_parameters\n")
+    assert any("circle" in p and "flatzero.flatten.buffers" in p for p in found)
+    # the product imports the benchmark harness
+    found = _plant(sources, "flatzero.optim.zero", "def f():\n    from ..bench import limits\n")
+    assert any("(product) imports flatzero.bench" in p for p in found)
+    # a new room nobody gave a floor
+    found = _plant(sources, "flatzero.newroom", "from . import layout\n")
+    assert found == ["room 'newroom' has no floor: add it to FLOORS and ROOMS in scripts/house.py"]
+
+
+def test_an_allowed_arrow_that_no_longer_climbs_is_reported(sources):
+    found = house.arrows(sources)
+    stale = {("flatzero.layout", "flatzero.engine"): "planted"}
+    problems = house.problems(found, _names(sources), {**house.ALLOWED_UP, **stale})
+    assert problems == [
+        "ALLOWED_UP lists flatzero.layout -> flatzero.engine, which no longer climbs: drop it"
+    ]
