@@ -245,9 +245,11 @@ class HostOffload:
         self.host_grads = [self._host_buffer(g.numel(), torch.float32) for g in device_grads]
         self._scalar = self._host_buffer(1, torch.float32).view(())
         # The upload's source: the master cast to the params' dtype, in the host gradient
-        # shard's memory (free once the inner step has read it; the dtype is never wider).
+        # shard's memory (free once the inner step has read it), unless the dtype is wider.
         self._staging = [
             host.view(torch.uint8)[: g.layout.shard_numel * g.dtype.itemsize].view(g.dtype)
+            if g.dtype.itemsize <= host.itemsize
+            else self._host_buffer(g.layout.shard_numel, g.dtype)
             for g, host in zip(flat.groups, self.host_grads, strict=True)
         ]
         self._downloads: list[tuple[torch.Tensor, torch.Tensor]] = []
