@@ -391,7 +391,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Collective: every rank must call it. Raises ``RuntimeError`` (nothing changed)
         when no backward pass reached the params since the last step. The norm and the
         clip coefficient stay on the device: no host sync, except the one read of the
-        inf/nan verdict with loss scaling (fp16), which decides whether to skip.
+        inf/nan verdict with loss scaling (fp16), which decides whether to skip. With
+        optimizer offload the host also waits for the gradients' (and the coefficient's)
+        copies, on their events, before it steps them (``optim/offload.py``).
         """
         loss = None
         if closure is not None:
