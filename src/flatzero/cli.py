@@ -57,7 +57,9 @@ def _export_deepspeed(args: argparse.Namespace) -> int:
     return export_deepspeed_main(args)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
+    """The command line's parser; ``with_bench=False`` leaves the benchmark harness
+    unimported (``flatzero bench`` then only takes the rest of the line, unread)."""
     parser = argparse.ArgumentParser(
         prog="flatzero",
         description="ZeRO-1/2 for PyTorch with initialization as fast as the hardware allows.",
@@ -74,16 +76,6 @@ def _parser() -> argparse.ArgumentParser:
     from .plan import cli as plan_cli
 
     plan_cli.add_info_arguments(info)
-    from .bench import (
-        checkpoint_bench,
-        device_memory,
-        doors,
-        init_bench,
-        load_bench,
-        offload_bench,
-        plan_bench,
-        step,
-    )
     from .checkpoint import deepspeed_export, deepspeed_import, export
 
     def command(subparsers, name: str, help_text: str, add_arguments, run) -> None:
@@ -104,6 +96,20 @@ def _parser() -> argparse.ArgumentParser:
     command(sub, "plan", "predict memory, tier, bytes per link and init time of a job",
             plan_cli.add_arguments, plan_cli.run)  # fmt: skip
     bench = sub.add_parser("bench", help="benchmarks against baselines and hardware limits")
+    if not with_bench:  # another command runs: the harness (bench/) stays unimported
+        bench.add_argument("rest", nargs=argparse.REMAINDER)
+        return parser
+    from .bench import (
+        checkpoint_bench,
+        device_memory,
+        doors,
+        init_bench,
+        load_bench,
+        offload_bench,
+        plan_bench,
+        step,
+    )
+
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
     for name, module in (
         ("init", init_bench),
@@ -122,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    command = next((word for word in argv if not word.startswith("-")), None)
+    args = _parser(with_bench=command in (None, "bench")).parse_args(argv)
     args.argv = argv  # for the command line a benchmark records with its results
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
