@@ -137,9 +137,9 @@ def _micro_batch(spec: DemoSpec, corpus: torch.Tensor, step: int, micro: int, ra
 def _time_inits(spec: DemoSpec, rank: int, ws: int) -> dict[str, list[float]]:
     """Seconds of each init method on fresh copies of the model, ``trials`` times, each
     starting from the same allocator state, the order rotating between trials."""
-    from .bench.baselines import flatten_legacy_cpu, flatten_torch_cat
     from .bench.procmem import trim_host_memory
     from .bench.trials import rotated
+    from .measure.baselines import flatten_legacy_cpu, flatten_torch_cat
 
     methods = [f"flatzero {t}" for t in TIERS_ON_CPU] + [TORCH_CAT, LEGACY]
     times: dict[str, list[float]] = {m: [] for m in methods}
