@@ -7,9 +7,10 @@ real Trainer and Accelerate).
   plain user error (raised as it is); Accelerate's ``steps_per_print: inf`` and
   ``fp16.auto_cast`` are accepted.
 - Routing (2 gloo ranks, ``deepspeed.initialize`` replaced by a recorder so that DeepSpeed's
-  engine is not built): stage 1/2 with a supported optimizer go to flatzero; stage 0/3,
-  NVMe offload, ``mpu``, no optimizer, a non-elementwise optimizer, Lamb go to DeepSpeed with one
-  log line on rank 0 naming the reason and the model untouched; user errors raise.
+  engine is not built): stage 1/2 with a supported optimizer go to flatzero (with
+  ``offload_optimizer: {device: cpu}`` too, which its log line says); stage 0/3, NVMe
+  offload, ``mpu``, no optimizer, a non-elementwise optimizer, Lamb go to DeepSpeed with
+  one log line on rank 0 naming the reason and the model untouched; user errors raise.
 - Engine (2 gloo ranks, DeepSpeed imported): ``isinstance(engine, DeepSpeedEngine)``,
   ``engine.config`` as the raw dict, pass-through to the module, DeepSpeed methods flatzero
   lacks raise naming them; ``set_gradient_accumulation_boundary`` with 3 micro-batches per
@@ -196,6 +197,14 @@ def _routing(rank: int, ws: int, tmp: str) -> dict[str, Any]:
             assert opt is engine.optimizer and not calls
             engine.destroy()
             out["routes"]["zero2"] = "flatzero"
+            offload = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+            engine, opt, _, _ = deepspeed.initialize(
+                model=make_model(), config=zero2(zero_optimization=offload)
+            )
+            assert not calls and engine.zero_cpu_offload()
+            assert opt.master_shards[0].device.type == "cpu"
+            engine.destroy()
+            out["routes"]["cpu_offload"] = "flatzero"
 
             args = type("Args", (), {})()
             args.deepspeed_config = str(Path(tmp) / "stage0.json")
@@ -275,6 +284,7 @@ def test_routing(ranks):
     for out in results:
         assert set(out["routes"]) == {
             "zero2",
+            "cpu_offload",
             "no_zero_section",
             "stage0",
             "stage0_from_args",
@@ -309,8 +319,10 @@ def test_routing(ranks):
         }
     assert results[1]["log"] == []  # rank 0 says it
     log = results[0]["log"]
-    assert len(log) == 10  # one line per call
+    assert len(log) == 11  # one line per call
     assert log[0].startswith("INFO: deepspeed.initialize -> flatzero: ZeRO stage 2, fp32, AdamW")
+    assert log[1].startswith("INFO: deepspeed.initialize -> flatzero: ZeRO stage 2, fp32, AdamW")
+    assert "optimizer offloaded to the host" in log[1] and "offloaded" not in log[0]
     expected = [
         "ZeRO stage 0 (no 'zero_optimization.stage' 1 or 2): flatzero takes stages 1 and 2",
         "ZeRO stage 0",
@@ -323,7 +335,7 @@ def test_routing(ranks):
         "config key 'optimizer.type' is 'Lamb'",
         "optimizer: ZeroOptimizer does not know whether",
     ]
-    for line, reason in zip(log[1:], expected, strict=True):
+    for line, reason in zip(log[2:], expected, strict=True):
         assert line.startswith("WARNING: deepspeed.initialize -> DeepSpeed 0.19.8: "), line
         assert reason in line, (reason, line)
 

@@ -6,13 +6,13 @@ without offload: stages 1 and 2, bf16 and fp16 (loss scaling, an overflow skippe
 gradient accumulation, clipping, a model whose sizes divide by nothing, several buckets;
 world sizes 1 and 2, one launch each. Checkpoints saved with offload load without it and
 the reverse, at another world size. The device path (copies, streams, events) runs in
-``tests/device/test_device_offload.py`` on the emulated accelerator (and CUDA).
+``tests/device/test_device_offload.py`` on the emulated accelerator (and CUDA); the router
+sends the offload config to flatzero in ``tests/test_hf_patch.py``.
 """
 
 from __future__ import annotations
 
 import io
-import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,7 +265,7 @@ def test_nvme_is_deepspeeds_and_says_so_when_it_is_missing(monkeypatch):
         flatzero.initialize(model=make_model(torch.float32), config=_offload_config("nvme"))
 
 
-def test_deepspeed_door_offload_config_and_getters(caplog):
+def test_deepspeed_door_offload_config_and_getters():
     """The DeepSpeed door takes offload_optimizer (and the older cpu_offload) at stages 1
     and 2; the getters say so; param offload stays refused."""
     model = make_model(torch.float32)
@@ -299,31 +299,3 @@ def test_offload_argument_is_checked():
         OffloadConfig(threads=0)
     with pytest.raises(TypeError, match=r"ZeroConfig\.offload_optimizer"):
         ZeroConfig(offload_optimizer=True)
-
-
-def test_router_sends_cpu_offload_to_flatzero_and_nvme_to_deepspeed(caplog):
-    pytest.importorskip("deepspeed")
-    import deepspeed
-
-    calls = []
-
-    def original(**kwargs):
-        calls.append(kwargs)
-        return ("deepspeed",)
-
-    from flatzero.patch import _make_router
-
-    router = _make_router(original)
-    with caplog.at_level(logging.INFO, logger="flatzero.patch"):
-        engine, *_ = router(model=make_model(torch.float32), config=_offload_config())
-        assert type(engine).__module__.startswith("flatzero") and calls == []
-        engine.destroy()
-        assert router(model=make_model(torch.float32), config=_offload_config("nvme")) == (
-            "deepspeed",
-        )
-    assert len(calls) == 1
-    routed = [r.getMessage() for r in caplog.records if "-> DeepSpeed" in r.getMessage()]
-    assert len(routed) == 1 and "offload_optimizer.device" in routed[0], routed
-    ours = [r.getMessage() for r in caplog.records if "-> flatzero" in r.getMessage()]
-    assert len(ours) == 1 and "optimizer offloaded to the host" in ours[0], ours
-    assert deepspeed.initialize is not router
