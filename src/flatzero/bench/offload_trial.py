@@ -140,6 +140,10 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
         host = getattr(zero, "offload_host_bytes", lambda: None)()
         out["offload_host_bytes"] = None if host is None else dataclasses.asdict(host)
         out["inner_optimizer"] = type(getattr(zero, "inner", zero)).__name__
+        report = getattr(engine, "init_report", None)
+        if report is not None:
+            out["phase_seconds"] = dict(report.phase_seconds)
+            out["tier"] = "+".join(report.tiers)
     else:
         inner = getattr(optimizer, "optimizer", None)
         out["inner_optimizer"] = type(inner).__name__
