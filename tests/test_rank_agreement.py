@@ -155,6 +155,50 @@ INIT_CASES: list[tuple[str, Callable[[nn.Module], dict[str, Any]], str, str]] = 
 ]  # fmt: skip
 
 
+def _zero(**kwargs: Any) -> Any:
+    import flatzero
+
+    return flatzero.ZeroOptimizer(_model().named_parameters(), **kwargs)
+
+
+def _load_with_lr(rank: int, lr: float) -> None:
+    opt = _zero(optimizer=torch.optim.AdamW, lr=1e-3)
+    state = opt.state_dict()
+    if rank == 1:
+        groups = state["optimizer"]["param_groups"]
+        state["optimizer"] = {
+            **state["optimizer"],
+            "param_groups": [{**g, "lr": lr} for g in groups],
+        }
+    try:
+        opt.load_state_dict(state)
+    finally:
+        assert opt.param_groups[0]["lr"] == 1e-3  # nothing changed
+        opt.close()
+
+
+def _case_torch(rank: int, make: Callable[[int], Any]) -> dict[str, Any]:
+    """The PyTorch door: ``make(rank)`` with rank 1's input different."""
+    make(rank)
+    return {}
+
+
+# (name, what each rank runs, (rank 0's error, rank 1's error) beginnings)
+TORCH_CASES: list[tuple[str, Callable[[int], Any], tuple[str, str]]] = [
+    ("lr < 0 on one rank",
+     lambda r: _zero(optimizer=torch.optim.AdamW, lr=-1.0 if r else 1e-3),
+     ("ValueError: ZeroOptimizer's arguments", "ValueError: Invalid learning rate: -1.0")),
+    ("LBFGS on one rank",
+     lambda r: _zero(optimizer=torch.optim.LBFGS if r else torch.optim.AdamW, lr=1e-3),
+     ("ValueError: ZeroOptimizer's arguments", "TypeError: LBFGS cannot be used")),
+    ("load_state_dict: lr < 0 on one rank", lambda r: _load_with_lr(r, -5.0),
+     ("ValueError: load_state_dict failed on another rank",
+      "ValueError: param group 0 of the state dict has hyperparameters AdamW refuses")),
+    ("load_state_dict: another lr on one rank", lambda r: _load_with_lr(r, 0.5),
+     ("ValueError: the loaded hyperparameters", "ValueError: the loaded hyperparameters")),
+]  # fmt: skip
+
+
 def _case_nothing_anywhere(rank: int, root: Path, engine: Any) -> dict[str, Any]:
     return {"result": list(engine.load_checkpoint(root / "empty"))}
 
@@ -172,6 +216,7 @@ def _run_case(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 def _rank_main(rank: int, ws: int, root_text: str) -> dict[str, dict[str, Any]]:
     root = Path(root_text)
+    torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # torch's one-time imports, untimed
     results = {
         f"config {key}={value}": _run_case(lambda k=key, v=value: _case_config(rank, root, {k: v}))
         for key, value in CONFIG_CASES
@@ -181,6 +226,8 @@ def _rank_main(rank: int, ws: int, root_text: str) -> dict[str, dict[str, Any]]:
     )
     for name, make, _kind, _text in INIT_CASES:
         results[f"init: {name}"] = _run_case(lambda m=make: _case_init(rank, m))
+    for name, make, _texts in TORCH_CASES:
+        results[f"torch: {name}"] = _run_case(lambda m=make: _case_torch(rank, m))
     engine = _init(_config())
     engine.save_checkpoint(root / "ckpt", tag="t")
     engine.backward(engine(torch.ones(2, 8)).sum())
@@ -286,6 +333,17 @@ def test_load_that_restores_other_things_on_one_rank(table) -> None:
     assert errors[0] == errors[1], errors
     assert errors[0].startswith("ValueError: the load settings"), errors[0]
     assert "load_optimizer_states (rank 0: 'True'; rank 1: 'False')" in errors[0], errors[0]
+
+
+@pytest.mark.parametrize(("name", "texts"), [(c[0], c[2]) for c in TORCH_CASES])
+def test_pytorch_door_error_on_one_rank_is_an_error_on_every_rank(table, name, texts) -> None:
+    """``ZeroOptimizer`` and its ``load_state_dict``: rank 1's bad input is an error on both
+    ranks before any collective it would not join; nothing changes."""
+    _, out = table
+    for rank, text in enumerate(texts):
+        error = out[rank][f"torch: {name}"]["error"]
+        assert error.startswith(text), (rank, error)
+        assert out[rank][f"torch: {name}"]["seconds"] < _BOUND_S
 
 
 def test_load_from_a_directory_per_rank_each_with_latest(table) -> None:

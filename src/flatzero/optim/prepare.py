@@ -20,7 +20,7 @@ from torch import nn
 
 from ..comm import check_same_everywhere
 from ..config import FlattenConfig
-from ..control import control_group
+from ..control import control_group, raise_if_any_failed
 from ..devices import backend_of, collectives_run_on
 from ..flatten import FlatParams, flatten_parameters
 from ..flatten.alloc import allocate_agreed
@@ -42,6 +42,12 @@ def _probe_optimizer(
     """Build the optimizer on dummies so bad arguments fail before anything is flattened."""
     dummies = [nn.Parameter(torch.zeros(1)) for _ in options]
     build_inner_optimizer(optimizer, dummies, options, defaults)
+
+
+_REFUSED_ELSEWHERE = (
+    "ZeroOptimizer's arguments (optimizer, its options, params or groups) were refused on "
+    "another rank (see its error); nothing was flattened"
+)
 
 
 def _check_given_flat(flat: FlatParams, process_group: dist.ProcessGroup | None) -> None:
@@ -91,6 +97,7 @@ def flat_params_for(
     process_group: dist.ProcessGroup | None,
     flatten_config: FlattenConfig | None,
     offload: bool = False,
+    refused: BaseException | None = None,
 ) -> FlatParams:
     """The ``FlatParams`` a ``ZeroOptimizer`` runs on: ``params`` flattened, or given.
 
@@ -104,21 +111,35 @@ def flat_params_for(
         flatten_config: how to flatten; default: on the params' device.
         offload: optimizer offload: the optimizer must step host tensors, and the master
             shards are built in host memory (``FlattenConfig.master_on_host``).
+        refused: what this rank's ``ZeroOptimizer`` refused before (its config, its
+            optimizer class), raised on every rank with this function's own refusals.
 
     Raises:
         ValueError / TypeError: bad params, optimizer arguments or setup; nothing flattened.
+            A refusal on one rank is an error on every rank, before any collective that
+            rank would not join (the others: ``ValueError``, "refused on another rank").
     """
-    if isinstance(params, FlatParams):
-        _probe(optimizer, [g.options for g in params.groups], defaults, offload)
-        check_unclaimed(p for g in params.groups for p in g.params)
-        _check_given_flat(params, process_group)
+    given = isinstance(params, FlatParams)
+    deciders = params.deciders if given else process_group
+    error = refused
+    if error is None:
+        try:
+            if given:
+                _probe(optimizer, [g.options for g in params.groups], defaults, offload)
+                check_unclaimed(p for g in params.groups for p in g.params)
+                _check_given_flat(params, process_group)
+            else:
+                groups = collect_param_groups(params)
+                _refuse_empty_groups(groups)
+                _probe(optimizer, [g.options for g in groups], defaults, offload)
+                check_unclaimed(p for g in groups for p in (*g.params, *g.frozen))
+        except (ValueError, TypeError) as e:
+            error = e
+    raise_if_any_failed(error, deciders, _REFUSED_ELSEWHERE, error_type=ValueError)
+    if given:
         fields = {"layout digest": params.layout.digest(), **setup}
-        check_same_everywhere("the ZeroOptimizer setup", fields, control_group(params.deciders))
+        check_same_everywhere("the ZeroOptimizer setup", fields, control_group(deciders))
         return params
-    groups = collect_param_groups(params)
-    _refuse_empty_groups(groups)
-    _probe(optimizer, [g.options for g in groups], defaults, offload)
-    check_unclaimed(p for g in groups for p in (*g.params, *g.frozen))
     check_same_everywhere("the ZeroOptimizer setup", setup, control_group(process_group))
     config = flatten_config or _leave_params_in_place(groups)
     if offload:

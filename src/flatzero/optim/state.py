@@ -11,6 +11,7 @@ that form's keys.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -197,3 +198,26 @@ def check_loadable(state: ShardedOptimizerState, mine: ShardedOptimizerState) ->
                 )
     if mine.loss_scaler is not None:
         LossScaler.check_state_dict(state.loss_scaler)
+
+
+_DEVICE_OPTIONS = ("params", "param_names", "fused", "foreach", "capturable", "differentiable")
+"""Group keys a probe on a host tensor leaves out (they depend on the device, or are not
+hyperparameters)."""
+
+
+def check_options(cls: type, state: ShardedOptimizerState) -> None:
+    """Raise ``ValueError`` unless ``cls`` accepts every group's hyperparameters in
+    ``state`` (``lr=-1``, one beta, ...: ``load_state_dict`` of torch's optimizers takes
+    them unchecked): each is passed to ``cls``'s constructor over a throwaway param."""
+    accepted = inspect.signature(cls.__init__).parameters
+    for i, group in enumerate(state.groups):
+        kwargs = {
+            k: v for k, v in group.options.items() if k in accepted and k not in _DEVICE_OPTIONS
+        }
+        try:
+            cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+        except (ValueError, TypeError, IndexError, KeyError) as error:
+            raise ValueError(
+                f"param group {i} of the state dict has hyperparameters {cls.__name__} refuses "
+                f"({type(error).__name__}: {error}); load a state dict this optimizer saved"
+            ) from None

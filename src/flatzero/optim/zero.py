@@ -11,6 +11,7 @@ shard into this rank's slice of every bucket -> all-gather every bucket.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -20,13 +21,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import all_gather_buckets_from_own_slices, rank_of, world_size_of
+from ..comm import (
+    all_gather_buckets_from_own_slices,
+    check_same_everywhere,
+    rank_of,
+    world_size_of,
+)
 from ..config import FlattenConfig
 from ..control import control_group, raise_if_any_failed
 from ..flatten import FlatParams
 from ..flatten.threads import core_share, init_threads
 from ..gcpause import paused_gc
-from .agreement import setup_fields
+from .agreement import meaning, setup_fields
 from .config import LossScaleConfig, OffloadConfig, ZeroConfig
 from .gather import full_param, full_params
 from .inner import (
@@ -41,7 +47,7 @@ from .offload import HOST, HostOffload, OffloadHostBytes, host_step
 from .prepare import allocate_grad_shards, check_buckets_usable, flat_params_for
 from .reducers import GradReducer, make_reducer
 from .scaler import LossScaler
-from .state import GroupState, ShardedOptimizerState, check_loadable
+from .state import GroupState, ShardedOptimizerState, check_loadable, check_options
 
 __all__ = ["ZeroOptimizer"]
 
@@ -152,17 +158,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
         offload_optimizer: bool | OffloadConfig | None = None,
         **defaults: Any,
     ) -> None:
-        config = _with_offload(_with_stage(config, stage), offload_optimizer)
-        offload = config.offload_optimizer
-        optimizer_cls = check_optimizer_class(optimizer, elementwise=elementwise_optimizer)
+        refused: BaseException | None = None  # raised on every rank by flat_params_for
+        setup: dict[str, str] = {}
+        try:
+            config = _with_offload(_with_stage(config, stage), offload_optimizer)
+            optimizer_cls = check_optimizer_class(optimizer, elementwise=elementwise_optimizer)
+            keywords = {**getattr(optimizer, "keywords", {}), **defaults}
+            setup = setup_fields(config, optimizer_cls, keywords)
+        except (ValueError, TypeError) as e:
+            refused = e
+        offload = config.offload_optimizer if refused is None else None
         flat = flat_params_for(
             params,
             optimizer,
             defaults,
-            setup_fields(config, optimizer_cls, {**getattr(optimizer, "keywords", {}), **defaults}),
+            setup,
             process_group=process_group,
             flatten_config=flatten_config,
             offload=offload is not None,
+            refused=refused,
         )
         check_buckets_usable(flat, offload=offload is not None)
         if offload is not None:
@@ -555,6 +569,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         try:
             state = parse()
             check_loadable(state, self.sharded_state())
+            check_options(type(self.inner), state)
         except ValueError as e:
             error = e
         raise_if_any_failed(
@@ -562,6 +577,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.flat.deciders,
             "load_state_dict failed on another rank (see its error); nothing changed",
             error_type=ValueError,
+        )
+        assert state is not None
+        options = {f"param group {i}": meaning(g.options) for i, g in enumerate(state.groups)}
+        check_same_everywhere(  # hyperparameters are not sharded: one rank's would diverge
+            "the loaded hyperparameters (every rank must load the same)",
+            {k: json.dumps(v, sort_keys=True, default=str) for k, v in options.items()},
+            control_group(self.flat.deciders),
         )
         assert state is not None
         with torch.no_grad():
