@@ -87,7 +87,8 @@ def _allocate(nbytes: int, pin: bool) -> StagingBuffer:
     """``nbytes`` (a multiple of ``PAGE``) of page-aligned host memory, page-locked if
     ``pin`` and possible. Anonymous memory of its own (not torch's allocator), so that its
     pages stay with it, faulted in once, from the first save to the last."""
-    host = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # not shared with forked children
+    host = torch.frombuffer(mmap.mmap(-1, nbytes, flags=private), dtype=torch.uint8)
     if pin and accel.pin_host(host):
         return StagingBuffer(host, pinned=True, registered=True)
     if pin:
