@@ -6,6 +6,12 @@ every GPU is hidden (``CUDA_VISIBLE_DEVICES=""``) before anything can initialize
 that. Without it, a GPU machine would send the "CPU" tests' buckets to CUDA. The GPU tests
 (``tests/gpu``, ``tests/test_checkpoint_gpu.py``) then skip; run them with
 ``FLATZERO_TEST_GPU=1 python3 -m pytest -q tests/gpu tests/test_checkpoint_gpu.py``.
+
+The suite launches rank processes a few hundred times (``flatzero.launch.run_ranks``):
+they fork from one server that imported torch and flatzero once
+(``preload_rank_processes``), instead of each starting an interpreter and importing torch
+(~3 CPU-seconds a rank, most of the suite's time on 2 cores). What a rank sees is the same
+as under ``spawn``; ``tests/test_launch.py`` runs both.
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ if os.environ.get(GPU_ENV) != "1":
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from flatzero.launch import preload_rank_processes  # noqa: E402
+
+preload_rank_processes(("torch", "flatzero", "pytest"))
 
 
 @pytest.fixture(autouse=True)
