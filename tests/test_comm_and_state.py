@@ -39,7 +39,8 @@ def _agree_worker(rank: int, world_size: int, failing: int, error_type: str) -> 
 def test_raise_if_any_failed_raises_on_every_rank(error_type):
     out = run_ranks(_agree_worker, 3, 1, error_type, timeout_s=60)
     assert out[1] == "OSError: disk full on rank 1"
-    assert out[0] == out[2] == f"{error_type}: failed on another rank"
+    elsewhere = f"{error_type}: failed on another rank: rank 1: OSError: disk full on rank 1"
+    assert out[0] == out[2] == elsewhere  # what failed, on every rank
     assert run_ranks(_agree_worker, 2, -1, error_type, timeout_s=60) == ["ok", "ok"]
 
 

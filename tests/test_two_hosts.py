@@ -302,7 +302,9 @@ def test_control_group_agrees_across_hosts(runs):
         # planted error reached every rank, on both hosts.
         assert r["control_is_world"]
         assert r["agreed_error"] == (
-            "planted on the last rank" if r["rank"] == 3 else "failed on another rank"
+            "planted on the last rank"
+            if r["rank"] == 3
+            else "failed on another rank: rank 3: RuntimeError: planted on the last rank"
         )
 
 

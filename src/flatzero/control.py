@@ -184,6 +184,10 @@ def wait_for_host_work(group: dist.ProcessGroup | None, nbytes: int) -> None:
         dist.irecv(token, src=peers[0], group=control).wait(timeout)
 
 
+_ERROR_CHARS = 1000
+"""The most characters of a rank's error passed on to the other ranks."""
+
+
 def any_rank_failed(error: BaseException | None, group: dist.ProcessGroup | None) -> bool:
     """Whether any rank of ``group`` passed an ``error`` (the same answer on every rank).
 
@@ -202,7 +206,10 @@ def raise_if_any_failed(
     error_type: type[Exception] = RuntimeError,
 ) -> None:
     """Raise on every rank of ``group`` when any rank failed: a rank's own ``error``, or
-    ``error_type(elsewhere)`` on the ranks that had none. Collective (``any_rank_failed``).
+    ``error_type(elsewhere)`` on the ranks that had none, followed by the first failing
+    rank's error (``"...: rank 1: ValueError: ..."``), so that every rank's message says
+    what was wrong. Collective (``any_rank_failed``; the errors are gathered only when one
+    failed).
 
     Args:
         error: this rank's error, or None.
@@ -213,6 +220,12 @@ def raise_if_any_failed(
     """
     if not any_rank_failed(error, group):
         return
+    control = control_group(group)
+    found: list[str | None] = [None] * world_size_of(control)
+    if len(found) > 1:
+        text = None if error is None else f"{type(error).__name__}: {error}"[:_ERROR_CHARS]
+        dist.all_gather_object(found, text, group=control)
     if error is not None:
         raise error
-    raise error_type(elsewhere)
+    first = next(((r, t) for r, t in enumerate(found) if t is not None), None)
+    raise error_type(elsewhere if first is None else f"{elsewhere}: rank {first[0]}: {first[1]}")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather_buckets_from_own_slices, all_reduce_max
+from ..comm import all_gather_buckets_from_own_slices, all_reduce_max, world_size_of
 from ..control import control_group, wait_for_host_work
 from ..optim.state import GroupState, ShardedOptimizerState
 from .async_save import wait_for_save
@@ -117,11 +117,24 @@ def _all_ok(error: BaseException | None, group: dist.ProcessGroup | None, nbytes
     worst = all_reduce_max(code, control_group(group))
     if worst == 0:
         return
+    elsewhere = _ELSEWHERE + _first_error(error, group)
     if worst == 1:
-        raise error if error is not None else CheckpointDamaged(_ELSEWHERE)
+        raise error if error is not None else CheckpointDamaged(elsewhere)
     if isinstance(error, CheckpointDamaged):
         raise ValueError(str(error)) from error
-    raise error if error is not None else ValueError(_ELSEWHERE)
+    raise error if error is not None else ValueError(elsewhere)
+
+
+def _first_error(error: BaseException | None, group: dist.ProcessGroup | None) -> str:
+    """``": rank N: <its error>"`` of the first rank that failed (collective: every rank
+    calls it once any failed), so every rank's message says what was wrong."""
+    control = control_group(group)
+    found: list[str | None] = [None] * world_size_of(control)
+    if len(found) == 1:
+        return ""
+    dist.all_gather_object(found, None if error is None else str(error)[:1000], group=control)
+    first = next(((r, t) for r, t in enumerate(found) if t is not None), None)
+    return "" if first is None else f": rank {first[0]}: {first[1]}"
 
 
 def _group_sources(
