@@ -141,6 +141,9 @@ def _check_layout(layout: Layout, f: _Field) -> None:
 def _check_buckets(group: Any, where: str, f: _Field) -> None:
     """Bucket indices, sizes, shard offsets and the params inside them are consistent."""
     shard_offset = 0
+    by_bucket: dict[int, list[int]] = {}
+    for i, slot in enumerate(group.slots):  # one pass: a big model has many of both
+        by_bucket.setdefault(slot.bucket, []).append(i)
     for bi, bucket in enumerate(group.buckets):
         at = f"{where}.buckets[{bi}]"
         for key in ("index", "numel", "used", "shard_offset"):
@@ -160,7 +163,7 @@ def _check_buckets(group: Any, where: str, f: _Field) -> None:
                 f"{at}.shard_offset", f"is {bucket.shard_offset}, expected {shard_offset}"
             )
         shard_offset += bucket.numel // group.world_size
-        members = [i for i, s in enumerate(group.slots) if s.bucket == bi]
+        members = by_bucket.get(bi, [])
         listed = list(bucket.slots)
         if sorted(listed) != members:
             raise f.damaged(
