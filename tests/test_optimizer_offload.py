@@ -299,3 +299,126 @@ def test_offload_argument_is_checked():
         OffloadConfig(threads=0)
     with pytest.raises(TypeError, match=r"ZeroConfig\.offload_optimizer"):
         ZeroConfig(offload_optimizer=True)
+
+
+# ------------------------------------------------- copy ordering through a fake device
+class _AsyncDevice:
+    """Stand-ins for the device seam's streams, events and pinning that play CUDA's rules
+    for host memory: a ``non_blocking`` copy is in flight until an event recorded after it
+    on its stream is synchronized; a host write or an unpin touching the bytes of a copy
+    still in flight is a hazard (copies happen at once on the CPU)."""
+
+    def __init__(self) -> None:
+        self.stream = "current"
+        self.inflight: list[tuple[str, list[tuple[int, int]]]] = []
+        self.hazards: list[str] = []
+        self.unpinned = 0
+
+    @staticmethod
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        return t.data_ptr(), t.data_ptr() + t.nbytes
+
+    def touching(self, lo: int, hi: int) -> list[str]:
+        return [s for s, spans in self.inflight if any(a < hi and lo < b for a, b in spans)]
+
+    def install(self, monkeypatch) -> None:
+        import contextlib
+
+        from flatzero import accel
+        from flatzero.optim import offload as offload_module
+
+        dev = self
+
+        class Stream:
+            name = "side"
+
+            def wait_stream(self, other: str) -> None:
+                pass  # device-side order; this fake checks the host's
+
+        class Event:
+            def __init__(self, device=None) -> None:
+                self.ops: list = []
+
+            def record(self, stream) -> None:
+                name = getattr(stream, "name", stream)
+                self.ops = [op for op in dev.inflight if op[0] == name]
+
+            def synchronize(self) -> None:
+                dev.inflight = [op for op in dev.inflight if all(op is not o for o in self.ops)]
+
+        @contextlib.contextmanager
+        def use_stream(stream):
+            dev.stream = stream.name
+            try:
+                yield
+            finally:
+                dev.stream = "current"
+
+        real_copy = torch.Tensor.copy_
+
+        def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False):
+            if non_blocking:
+                dev.inflight.append((dev.stream, [dev.span(dst), dev.span(src)]))
+            elif dev.touching(*dev.span(dst)):
+                dev.hazards.append(f"host write while {dev.touching(*dev.span(dst))} copy")
+            return real_copy(dst, src, non_blocking=non_blocking)
+
+        def unpin_host(t: torch.Tensor) -> None:
+            dev.unpinned += 1
+            if dev.touching(*dev.span(t)):
+                dev.hazards.append(f"unpinned while a {dev.touching(*dev.span(t))} copy")
+
+        monkeypatch.setattr(offload_module, "_REGISTER_MIN_BYTES", 0)
+        monkeypatch.setattr(accel, "is_accelerator", lambda device: True)
+        monkeypatch.setattr(accel, "has_streams", lambda device: True)
+        monkeypatch.setattr(accel, "new_stream", lambda device: Stream())
+        monkeypatch.setattr(accel, "new_event", Event)
+        monkeypatch.setattr(accel, "current_stream", lambda device=None: "current")
+        monkeypatch.setattr(accel, "use_stream", use_stream)
+        monkeypatch.setattr(accel, "pin_host", lambda t: True)
+        monkeypatch.setattr(accel, "unpin_host", unpin_host)
+        monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+
+
+def test_offload_host_copies_are_waited_for_before_host_writes_and_unpinning(monkeypatch):
+    """Against CUDA's rules for page-locked memory (``_AsyncDevice``): the step's order is
+    clean; a load right after a backward pass (``ZeroOptimizer._load``: the window's reset
+    lands the last reductions, whose buckets' copies to the host start, then ``upload``
+    rewrites the host gradient shards' memory) waits for those copies first; and dropping
+    the optimizer while its upload is in flight unpins nothing before the upload is done."""
+    import gc
+
+    from flatzero.optim.offload import HostOffload
+
+    model = make_model(torch.bfloat16)
+    flat = flatzero.flatten_parameters(
+        model, config=FlattenConfig(device="cpu", bucket_numel=BUCKET, progress=False)
+    )
+    grads = [torch.randn(g.layout.shard_numel) for g in flat.groups]
+    masters = [g.master for g in flat.groups]
+    slices = [g.master_slice(b) for g in flat.groups for b in range(len(g.buckets))]
+    dev = _AsyncDevice()
+    dev.install(monkeypatch)
+    offload = HostOffload(flat, grads, OffloadConfig(pin_memory=True), threads=1)
+    buckets = len(slices)
+    assert offload.pinned and buckets > 1
+    # A step: copies during backward and at the step, the coefficient, wait, upload.
+    for b in range(buckets - 1):
+        offload.chunk_landed(b, complete=True)
+    offload.download()
+    offload.to_host(torch.tensor(0.5))
+    offload.wait()
+    host = [dev.span(g) for g in offload.host_grads]
+    assert not [s for lo, hi in host for s in dev.touching(lo, hi)]  # the inner step reads
+    offload.upload(masters, slices)
+    assert dev.hazards == []
+    # A load after the next backward pass: every bucket's copy in flight, then the upload.
+    for b in range(buckets):
+        offload.chunk_landed(b, complete=True)
+    offload.upload(masters, slices)
+    assert dev.hazards == []
+    # Dropped with the upload in flight (it reads the page-locked staging).
+    assert dev.touching(*host[0])
+    del offload
+    gc.collect()
+    assert dev.unpinned > 0 and dev.hazards == []

@@ -194,7 +194,10 @@ def offload_host_bytes(
     )
 
 
-def _unpin_all(tensors: list[torch.Tensor]) -> None:
+def _unpin_all(tensors: list[torch.Tensor], fences: list[Any]) -> None:
+    if tensors:
+        for event in fences:  # a copy may still read or write the pages (an upload)
+            event.synchronize()
     for tensor in tensors:
         accel.unpin_host(tensor)
     tensors.clear()
@@ -230,7 +233,9 @@ class HostOffload:
         self.copies = accel.is_accelerator(self.device)
         self.pinned = self.copies and config.pin_memory
         self._registered: list[torch.Tensor] = []
-        weakref.finalize(self, _unpin_all, self._registered)
+        self._fences: list[Any] = []
+        """Every event of this object: waited on before the pages are unpinned."""
+        weakref.finalize(self, _unpin_all, self._registered, self._fences)
         pairs = [(g, b) for g in flat.groups for b in range(len(g.buckets))]
         self._own_slices = [g.bucket_shard(b) for g, b in pairs]
         self._stream: Any = None
@@ -265,6 +270,7 @@ class HostOffload:
             self._events = [accel.new_event(self.device) for _ in pairs]
             self._scalar_event = accel.new_event(self.device)
             self._upload_event = accel.new_event(self.device)
+            self._fences += [*self._events, self._scalar_event, self._upload_event]
 
     def _host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An empty host tensor, page-locked while ``self.pinned`` (registered in place,
@@ -361,6 +367,9 @@ class HostOffload:
         if not self.copies:
             torch._foreach_copy_(self._own_slices, list(master_slices))
             return
+        # The staging is the host gradient shards' memory: no copy to the host may still
+        # write it (a load right after a backward pass: its buckets' copies are in flight).
+        self.wait()
         if self._upload_event is not None:
             self._upload_event.synchronize()  # the last upload no longer reads the staging
         for staging, master in zip(self._staging, masters, strict=True):
