@@ -75,8 +75,19 @@ def all_reduce_max_each(values: list[int], group: dist.ProcessGroup | None) -> l
     return _all_reduce_ints(values, dist.ReduceOp.MAX, group)
 
 
+_SAME_PARAMS_FIX = (
+    "Every rank must pass the same parameters (names, shapes, dtypes, requires_grad, "
+    "groups) in the same order and the same config"
+)
+"""What to do about a difference ``check_same_everywhere`` finds, unless the caller says."""
+
+
 def check_same_everywhere(
-    what: str, fields: Mapping[str, str], group: dist.ProcessGroup | None
+    what: str,
+    fields: Mapping[str, str],
+    group: dist.ProcessGroup | None,
+    *,
+    fix: str = _SAME_PARAMS_FIX,
 ) -> None:
     """Raise ``ValueError`` on every rank if any of ``fields`` differs between ranks.
 
@@ -97,7 +108,7 @@ def check_same_everywhere(
         return
     values: list[Any] = [None] * world_size_of(group)
     dist.all_gather_object(values, dict(fields), group=group)
-    raise ValueError(f"{what} differs between ranks: {describe_differences(values)}")
+    raise ValueError(f"{what} differs between ranks: {describe_differences(values)}. {fix}")
 
 
 def describe_differences(values: Sequence[Mapping[str, str]], limit: int = 300) -> str:
@@ -116,10 +127,7 @@ def describe_differences(values: Sequence[Mapping[str, str]], limit: int = 300) 
                 value = ("..." if lo else "") + value[lo : lo + limit] + "..."
             shown.append(f"rank {rank}: {value!r}")
         lines.append(f"{name} ({'; '.join(shown)})")
-    return "; ".join(lines) + (
-        ". Every rank must pass the same parameters (names, shapes, dtypes, requires_grad, "
-        "groups) in the same order and the same config"
-    )
+    return "; ".join(lines)
 
 
 def _first_difference(values: Sequence[str]) -> int:

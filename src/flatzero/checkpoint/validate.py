@@ -466,6 +466,7 @@ def agree_on_load_settings(settings: Mapping[str, Any], group: dist.ProcessGroup
         "the load settings (every rank must load the same way)",
         {name: repr(value) for name, value in settings.items()},
         control_group(group),
+        fix="Pass the same load arguments on every rank",
     )
 
 

@@ -265,6 +265,8 @@ class EngineCheckpoints:
             "the checkpoint to load and how (every rank must load the same one)",
             {"checkpoint": seen, "load settings": repr(config)},
             control_group(self._pg),
+            fix="Pass the same directory, tag and load arguments on every rank, on a file "
+            "system every rank shares",
         )
 
     def wait_for_save(self) -> None:

@@ -181,7 +181,8 @@ def _optimizer_and_groups(
         error = e
     agree_on_errors(error, "flatzero.initialize's optimizer, params or scheduler", None)
     what = "checkpoint= (every rank must load the same)"
-    check_same_everywhere(what, {"kind": kind}, control_group(None))
+    fix = "Pass the same checkpoint= on every rank, on a file system every rank shares"
+    check_same_everywhere(what, {"kind": kind}, control_group(None), fix=fix)
     return choice, groups
 
 

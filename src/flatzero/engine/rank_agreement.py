@@ -73,6 +73,7 @@ def agree_on_config(cfg: EngineConfig, group: dist.ProcessGroup | None) -> None:
         "the DeepSpeed config (every rank must pass the same one)",
         config_fields(cfg),
         control_group(group),
+        fix="Pass the same config on every rank (and the same world size to parse it with)",
     )
 
 

@@ -584,6 +584,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "the loaded hyperparameters (every rank must load the same)",
             {k: json.dumps(v, sort_keys=True, default=str) for k, v in options.items()},
             control_group(self.flat.deciders),
+            fix="Load on every rank the state dict that rank saved",
         )
         assert state is not None
         with torch.no_grad():
