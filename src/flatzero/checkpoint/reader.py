@@ -128,9 +128,7 @@ class CheckpointReader:
             try:
                 size = path.stat().st_size
             except FileNotFoundError:
-                whose = (
-                    f"rank {record.rank}'s file" if record.rank >= 0 else "the model's rest"
-                )
+                whose = f"rank {record.rank}'s file" if record.rank >= 0 else "the model's rest"
                 raise CheckpointDamaged(
                     f"{path} is missing: the checkpoint was written by "
                     f"{self.meta.world_size} ranks and {whose} is gone"
