@@ -313,6 +313,7 @@ class _AsyncDevice:
         self.inflight: list[tuple[str, list[tuple[int, int]]]] = []
         self.hazards: list[str] = []
         self.unpinned = 0
+        self.copies: list[tuple[str, bool]] = []  # (stream, non_blocking) of every copy_
 
     @staticmethod
     def span(t: torch.Tensor) -> tuple[int, int]:
@@ -357,6 +358,7 @@ class _AsyncDevice:
         real_copy = torch.Tensor.copy_
 
         def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False):
+            dev.copies.append((dev.stream, non_blocking))
             if non_blocking:
                 dev.inflight.append((dev.stream, [dev.span(dst), dev.span(src)]))
             elif dev.touching(*dev.span(dst)):
@@ -380,6 +382,18 @@ class _AsyncDevice:
         monkeypatch.setattr(torch.Tensor, "copy_", copy_)
 
 
+def _flat_for_offload() -> tuple:
+    """CPU ``FlatParams`` (several buckets), gradient shards, masters and master slices."""
+    flat = flatzero.flatten_parameters(
+        make_model(torch.bfloat16),
+        config=FlattenConfig(device="cpu", bucket_numel=BUCKET, progress=False),
+    )
+    grads = [torch.randn(g.layout.shard_numel) for g in flat.groups]
+    masters = [g.master for g in flat.groups]
+    slices = [g.master_slice(b) for g in flat.groups for b in range(len(g.buckets))]
+    return flat, grads, masters, slices
+
+
 def test_offload_host_copies_are_waited_for_before_host_writes_and_unpinning(monkeypatch):
     """Against CUDA's rules for page-locked memory (``_AsyncDevice``): the step's order is
     clean; a load right after a backward pass (``ZeroOptimizer._load``: the window's reset
@@ -390,13 +404,7 @@ def test_offload_host_copies_are_waited_for_before_host_writes_and_unpinning(mon
 
     from flatzero.optim.offload import HostOffload
 
-    model = make_model(torch.bfloat16)
-    flat = flatzero.flatten_parameters(
-        model, config=FlattenConfig(device="cpu", bucket_numel=BUCKET, progress=False)
-    )
-    grads = [torch.randn(g.layout.shard_numel) for g in flat.groups]
-    masters = [g.master for g in flat.groups]
-    slices = [g.master_slice(b) for g in flat.groups for b in range(len(g.buckets))]
+    flat, grads, masters, slices = _flat_for_offload()
     dev = _AsyncDevice()
     dev.install(monkeypatch)
     offload = HostOffload(flat, grads, OffloadConfig(pin_memory=True), threads=1)
@@ -405,9 +413,12 @@ def test_offload_host_copies_are_waited_for_before_host_writes_and_unpinning(mon
     # A step: copies during backward and at the step, the coefficient, wait, upload.
     for b in range(buckets - 1):
         offload.chunk_landed(b, complete=True)
+    assert dev.copies == [("side", True)] * (buckets - 1)  # overlapping backward
     offload.download()
+    assert dev.copies == [("side", True)] * buckets  # only the bucket not copied yet
     offload.to_host(torch.tensor(0.5))
     offload.wait()
+    assert all(torch.equal(h, g) for h, g in zip(offload.host_grads, grads, strict=True))
     host = [dev.span(g) for g in offload.host_grads]
     assert not [s for lo, hi in host for s in dev.touching(lo, hi)]  # the inner step reads
     offload.upload(masters, slices)
@@ -422,3 +433,29 @@ def test_offload_host_copies_are_waited_for_before_host_writes_and_unpinning(mon
     del offload
     gc.collect()
     assert dev.unpinned > 0 and dev.hazards == []
+
+
+def test_offload_pageable_fallback_copies_at_the_step_with_one_warning(monkeypatch, caplog):
+    """Pinning refused: pageable host memory, one warning, and no copy during backward (a
+    copy to pageable memory would block the host until the device drained its queue, per
+    bucket and backward pass): every bucket is copied at the step, synchronously."""
+    from flatzero import accel
+    from flatzero.optim.offload import HostOffload
+
+    flat, grads, *_ = _flat_for_offload()
+    dev = _AsyncDevice()
+    dev.install(monkeypatch)
+    monkeypatch.setattr(accel, "pin_host", lambda t: False)
+    monkeypatch.setattr(accel, "pinned_empty", lambda nbytes: None)
+    with caplog.at_level("WARNING", logger="flatzero.optim.offload"):
+        offload = HostOffload(flat, grads, OffloadConfig(pin_memory=True), threads=1)
+    assert not offload.pinned and len(caplog.records) == 1
+    buckets = sum(len(g.buckets) for g in flat.groups)
+    for _ in range(2):  # two backward passes of an accumulation window
+        for b in range(buckets):
+            offload.chunk_landed(b, complete=True)
+    assert dev.copies == []
+    offload.download()
+    offload.wait()
+    assert dev.copies == [("side", False)] * buckets
+    assert all(torch.equal(h, g) for h, g in zip(offload.host_grads, grads, strict=True))

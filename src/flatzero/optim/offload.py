@@ -310,11 +310,14 @@ class HostOffload:
     def chunk_landed(self, bucket: int, complete: bool) -> None:
         """A reduction changed ``bucket``'s gradient shard slice; ``complete``: it was the
         last of a backward pass, so start its copy to the host now, while backward goes on
-        (``GradReducer.on_chunk_landed``; a later change makes it stale again)."""
+        (``GradReducer.on_chunk_landed``; a later change makes it stale again). Only into
+        page-locked memory: a copy to pageable memory blocks the host until the device has
+        run everything queued before it, once per bucket and backward pass (with gradient
+        accumulation, every pass): those buckets are copied at the step, once."""
         if not self.copies:
             return
         self._fresh[bucket] = False
-        if complete:
+        if complete and self.pinned:
             with self._side_stream():
                 self._copy(bucket)
 
