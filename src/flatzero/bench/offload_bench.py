@@ -235,6 +235,7 @@ def _step(args: argparse.Namespace, has_deepspeed: bool, ext_dir: str | None) ->
         warmup=args.step_warmup,
         steps=args.step_steps,
         bucket_numel=args.bucket_numel,
+        communication_data_type=args.communication_data_type,
     )
     env = {"DS_ACCELERATOR": "cpu"}
     if ext_dir:
@@ -529,6 +530,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-batch", type=int, default=1, help="step: sequences per rank")
     parser.add_argument("--step-seq", type=int, default=16, help="step: tokens per sequence")
     parser.add_argument("--step-warmup", type=int, default=2, help="step: untimed steps")
+    parser.add_argument(
+        "--communication-data-type",
+        choices=["bf16", "fp32"],
+        help="step: the config's communication_data_type, both doors (default: unset; "
+        "DeepSpeed then reduces bf16 gradients in bf16, flatzero in fp32)",
+    )
     parser.add_argument("--step-steps", type=int, default=10, help="step: timed steps")
     parser.add_argument(
         "--step-methods",

@@ -55,6 +55,8 @@ class OffloadStepSpec:
         warmup: untimed steps per method first.
         steps: timed steps per method (alternating).
         bucket_numel: reduce and all-gather bucket sizes, elements.
+        communication_data_type: the config's ``communication_data_type`` (both doors);
+            None: unset (DeepSpeed then reduces bf16 gradients in bf16, flatzero in fp32).
     """
 
     model: str
@@ -66,6 +68,7 @@ class OffloadStepSpec:
     warmup: int
     steps: int
     bucket_numel: int
+    communication_data_type: str | None = None
 
 
 class _Engine(StepMethod):
@@ -80,6 +83,8 @@ class _Engine(StepMethod):
             offload=name != "flatzero",
         )
         config["train_micro_batch_size_per_gpu"] = spec.batch
+        if spec.communication_data_type is not None:
+            config["communication_data_type"] = spec.communication_data_type
         if name.startswith("deepspeed"):
             from .deepspeed_runner import prepare_deepspeed
 
