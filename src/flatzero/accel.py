@@ -234,6 +234,11 @@ def new_event(device: torch.device) -> Any:
     return device_module(device).Event()
 
 
+def new_timing_event(device: torch.device) -> Any:
+    """A new event that can time ``device``'s work (``start.elapsed_time(end)``, ms)."""
+    return device_module(device).Event(enable_timing=True)
+
+
 # --- pinned host memory ---------------------------------------------------------------
 
 _pin_refused: set[str] = set()

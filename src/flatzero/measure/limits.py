@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import accel
+
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "CopyLimit",
@@ -200,10 +202,12 @@ def _host_pass(chunks: list[int], dst: torch.Tensor, src: torch.Tensor) -> Calla
     return one_pass
 
 
-def _cuda_pass(chunks: list[int], dst: torch.Tensor, src: torch.Tensor) -> Callable[[], float]:
+def _device_pass(
+    dev: torch.device, chunks: list[int], dst: torch.Tensor, src: torch.Tensor
+) -> Callable[[], float]:
     def one_pass() -> float:
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        start = accel.new_timing_event(dev)
+        end = accel.new_timing_event(dev)
         start.record()
         for n in chunks:
             dst[:n].copy_(src[:n], non_blocking=True)
@@ -214,20 +218,24 @@ def _cuda_pass(chunks: list[int], dst: torch.Tensor, src: torch.Tensor) -> Calla
     return one_pass
 
 
-def _cuda_copy_seconds(
+def _device_copy_seconds(
     kind: str, nbytes: int, dev: torch.device, repeats: int, chunk_bytes: int
-) -> CopyLimit:
-    """Time copies of ``nbytes`` into ``dev`` with CUDA events, from a buffer on ``dev``
-    (``kind`` ``"device_copy"``) or in pinned host memory (``"pinned_h2d"``)."""
+) -> CopyLimit | None:
+    """Time copies of ``nbytes`` into ``dev`` with the device's timing events, from a buffer
+    on ``dev`` (``kind`` ``"device_copy"``) or in pinned host memory (``"pinned_h2d"``;
+    None where the backend has no pinned memory)."""
     _validate(nbytes, repeats, chunk_bytes)
     chunk = min(nbytes, chunk_bytes)
-    with torch.cuda.device(dev):
-        pinned = kind == "pinned_h2d"
-        src = torch.full((chunk,), 0x5A, dtype=torch.uint8, device="cpu" if pinned else dev)
-        if pinned:
-            src = src.pin_memory()
+    with accel.on_device(dev):
+        if kind == "pinned_h2d":
+            src = accel.pinned_empty(chunk)
+            if src is None:
+                return None
+            src.fill_(0x5A)
+        else:
+            src = torch.full((chunk,), 0x5A, dtype=torch.uint8, device=dev)
         dst = torch.empty(chunk, dtype=torch.uint8, device=dev)
-        seconds = _best_of(_cuda_pass(_chunks(nbytes, chunk), dst, src), repeats)
+        seconds = _best_of(_device_pass(dev, _chunks(nbytes, chunk), dst, src), repeats)
         del src, dst
     return CopyLimit(kind, str(dev), nbytes, seconds, None, chunk, repeats)
 
@@ -240,7 +248,8 @@ def device_copy_seconds(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     threads: int | None = None,
 ) -> CopyLimit:
-    """Time a device-to-device copy of ``nbytes`` (CUDA events); on a CPU device, a memcpy.
+    """Time a device-to-device copy of ``nbytes`` (the device's timing events); on a CPU
+    device, a memcpy.
 
     Args:
         nbytes: bytes to copy per pass.
@@ -255,9 +264,11 @@ def device_copy_seconds(
     dev = torch.device(device)
     if dev.type == "cpu":
         return memcpy_seconds(nbytes, threads, repeats=repeats, chunk_bytes=chunk_bytes)
-    if dev.type != "cuda":
-        raise ValueError(f"device={dev} is not supported: use 'cpu' or a CUDA device")
-    return _cuda_copy_seconds("device_copy", nbytes, dev, repeats, chunk_bytes)
+    if not accel.is_accelerator(dev):
+        raise ValueError(f"device={dev} is not supported: use 'cpu' or an accelerator")
+    limit = _device_copy_seconds("device_copy", nbytes, dev, repeats, chunk_bytes)
+    assert limit is not None  # only a pinned source can be missing
+    return limit
 
 
 def pinned_h2d_seconds(
@@ -267,19 +278,19 @@ def pinned_h2d_seconds(
     repeats: int = 3,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> CopyLimit | None:
-    """Time a pinned-host-to-device copy of ``nbytes`` (CUDA events).
+    """Time a pinned-host-to-device copy of ``nbytes`` (the device's timing events).
 
     Args:
         nbytes: bytes to copy per pass.
-        device: the CUDA device.
+        device: the accelerator.
         repeats: timed passes; the best is kept.
         chunk_bytes: bytes per copy call; one pinned and one device buffer of this size.
 
     Returns:
-        The best pass in seconds and GB/s, or ``None`` when ``device`` is not a CUDA device
-        or CUDA is not available.
+        The best pass in seconds and GB/s, or ``None`` when ``device`` is not an
+        accelerator of this process or its backend has no pinned host memory.
     """
     dev = torch.device(device)
-    if dev.type != "cuda" or not torch.cuda.is_available():
+    if not accel.is_accelerator(dev) or accel.accelerator_type() != dev.type:
         return None
-    return _cuda_copy_seconds("pinned_h2d", nbytes, dev, repeats, chunk_bytes)
+    return _device_copy_seconds("pinned_h2d", nbytes, dev, repeats, chunk_bytes)
