@@ -303,7 +303,7 @@ def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, A
             "no_save_wall_s_all": base,
         }
         if "warmup:" + key in ranks[0]["trials"]:  # the first save: buffers not yet touched
-            row["warmup_lost_s"] = lost("warmup:" + key, block)[0]
+            row["warmup_lost_s"] = lost(key, block, "warmup:")[0]
             row["warmup_call_s"] = slowest("warmup:" + key, "call_s")
         rows.append(row)
     rows.sort(key=lambda r: spec.methods.index(r["method"]))
