@@ -24,8 +24,11 @@ GPU_ENV = "FLATZERO_TEST_GPU"
 if os.environ.get(GPU_ENV) != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+from collections.abc import Iterator  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from flatzero.launch import preload_rank_processes  # noqa: E402
 
@@ -35,3 +38,14 @@ preload_rank_processes(("torch", "flatzero", "pytest"))
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left() -> Iterator[None]:
+    """``flatzero.initialize`` in the test process makes a world-of-one default group and,
+    as ``deepspeed.initialize`` does, leaves it: a test that made one takes it down, so the
+    tests after it start without one (a group a module fixture made is left alone)."""
+    had_one = dist.is_initialized()
+    yield
+    if not had_one and dist.is_initialized():
+        dist.destroy_process_group()

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import io
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import flatzero
@@ -159,17 +157,6 @@ def ws2_worker(rank: int, world_size: int, root: str) -> tuple[list[str], bytes]
     buffer = io.BytesIO()
     torch.save(save_worker(rank, world_size, root), buffer)
     return problems, buffer.getvalue()
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group_left() -> Iterator[None]:
-    """``flatzero.initialize`` in this process makes a world-of-one default group and, as
-    ``deepspeed.initialize`` does, leaves it; a test that made one takes it down, so the
-    tests after it start without one."""
-    had_one = dist.is_initialized()
-    yield
-    if not had_one and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
