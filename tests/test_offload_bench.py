@@ -53,7 +53,7 @@ def test_offload_init_and_memory_figures_from_launch_records():
 
     from flatzero.bench import offload_bench
 
-    def launch(door, run, init_s, gain):
+    def launch(door, run, init_s, gain, phases=True):
         rank = {
             "init_s": init_s, "init_cpu_s": init_s, "step_s": [0.5, 0.4], "loss": [1.0, 0.9],
             "rss_before_bytes": 10**9, "rss_step_bytes": [0, 10**9 + gain],
@@ -61,6 +61,12 @@ def test_offload_init_and_memory_figures_from_launch_records():
             "model_bytes": 2 * 10**6,
             "offload_host_bytes": {"master": 1, "grads": 1, "state": 2, "pinned": 0},
         }  # fmt: skip
+        if phases:  # each phase's high-water mark, per step
+            rank["peak_rss_phase_bytes"] = {
+                "forward": [10**9 + gain, 10**9 + gain],
+                "backward": [10**9 + 3 * gain, 10**9 + 2 * gain],
+                "step": [10**9 + gain, 10**9 + 2 * gain],
+            }
         rec = {"door": door, "world_size": 1, "ranks": [rank], "run": run, "trial": 0}
         return rec | {"slowest": offload_bench._slowest(rec)}
 
@@ -74,3 +80,13 @@ def test_offload_init_and_memory_figures_from_launch_records():
     assert row["rss_gain_bytes"] == 2**20 and row["launches"] == 2
     assert row["formula"]["total"] == row["formula"]["master"] * 4  # AdamW: 4 + 8 + 4 bytes
     assert "RSS / plan" in offload_bench._memory_table(memory)
+    formula = row["formula"]["total"]
+    assert row["phase_peak_gain_bytes"] == {"forward": 2**20, "backward": 3 * 2**20, "step": 2**21}
+    assert row["step_peak_over_formula"] == 2**21 / formula
+    assert row["backward_peak_over_formula"] == 3 * 2**20 / formula
+    # launch records from before the phases were recorded: the whole-span peak alone
+    old = [launch(d, 0, s, 2**20, phases=False) for d, s in (("flatzero", 1.0),)]
+    (row,) = offload_bench._memory(args, {"launches": old}, None)["rows"]
+    assert row["phase_peak_gain_bytes"] is None and row["step_peak_over_formula"] is None
+    assert row["peak_over_formula"] == 2**21 / formula
+    assert "peak" in offload_bench._memory_table({"rows": [row]})

@@ -12,8 +12,16 @@ load, where a checksum costs the most relative to the rest, not the disk.
 
 ``--what save``: the step time a save costs training. A window is a save, ``--steps``
 training steps, and the wait until the save is complete; every round also runs a window
-without a save (``none``), and a method's lost time in a round is its window minus that
-round's ``none`` window. Methods: ``sync`` (``save_checkpoint``), ``async``
+without a save (``none``). A window's excess is its wall time minus ``--steps`` times the
+median of its own last third of steps (the save and its effects are over by then, given
+enough steps); a method's lost time in a round is its window's excess minus the mean
+excess of the ``none`` windows (of its block, below): each window is its own baseline, so
+the machine's drift over minutes cancels, and the spread of steps about their median,
+present in every window, is taken out. After every window,
+untimed, dirty pages are written back (``os.sync``), so that a save's writeback lands in
+its own window or nowhere, never in the next. Give it enough steps to cover a background
+write (a real run saves every hundreds of steps): with fewer, the wait at the window's
+end counts as lost. Methods: ``sync`` (``save_checkpoint``), ``async``
 (``asynchronous=True``: a copy into host memory, a background thread writes), rotating in
 every round with ``none``; then ``dcp_async`` (``torch.distributed.checkpoint.async_save``
 of the same tensors: each rank's master and moment shards under names of its own, on a
@@ -179,9 +187,14 @@ def _finish_save(method: str, opt: ZeroOptimizer, handle: Any) -> None:
         wait_for_save(opt)
 
 
-def _timed_steps(model: torch.nn.Module, opt: ZeroOptimizer, spec: CheckpointSpec) -> None:
+def _timed_steps(model: torch.nn.Module, opt: ZeroOptimizer, spec: CheckpointSpec) -> list[float]:
+    """``spec.steps`` training steps; the wall seconds of each."""
+    seconds = []
     for i in range(spec.steps):
+        t0 = time.perf_counter()
         train_step(model, opt, spec, i)
+        seconds.append(time.perf_counter() - t0)
+    return seconds
 
 
 def _window(
@@ -194,15 +207,20 @@ def _window(
     group: Any,
 ) -> dict[str, float]:
     """One trial: a save by ``method`` (``none``: no save), ``spec.steps`` steps, the wait
-    for the save; the seconds the call blocked and the wall seconds of it all."""
+    for the save; the seconds the call blocked, each step's and the wall seconds of it all.
+    Then, untimed, the kernel writes back every dirty page (``os.sync``) and the ranks
+    meet, so that no window's writeback runs into the next one."""
     dist.barrier()
     t0 = time.perf_counter()
     handle = None if method == "none" else _start_save(method, path, opt, index, group)
     call = time.perf_counter() - t0
-    _timed_steps(model, opt, spec)
+    steps = _timed_steps(model, opt, spec)
     if method != "none":
         _finish_save(method, opt, handle)
-    return {"call_s": call, "wall_s": time.perf_counter() - t0}
+    wall = time.perf_counter() - t0
+    os.sync()
+    dist.barrier()
+    return {"call_s": call, "wall_s": wall, "step_s": steps}
 
 
 def _save_rank(rank: int, world_size: int, spec: CheckpointSpec) -> dict[str, Any]:
@@ -278,9 +296,28 @@ def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, A
     def slowest(key: str, field: str) -> list[float]:
         return slowest_per_trial([[t[field] for t in r["trials"][key]] for r in ranks])
 
+    def slowest_steps(key: str) -> list[list[float]]:
+        """Per round, per step: the slowest rank's seconds."""
+        rounds = zip(*([t["step_s"] for t in r["trials"][key]] for r in ranks), strict=True)
+        return [[max(s) for s in zip(*per_rank, strict=True)] for per_rank in rounds]
+
+    def excess(key: str) -> list[float]:
+        """Per round, the slowest rank's window minus ``spec.steps`` times the median of
+        its own last third of steps (by then the save and its effects are over): each
+        window is its own baseline, so the machine's drift over minutes cancels."""
+        tail = max(1, spec.steps // 3)
+        per_rank = [
+            [t["wall_s"] - spec.steps * statistics.median(t["step_s"][-tail:]) for t in trials]
+            for trials in (r["trials"][key] for r in ranks)
+        ]
+        return slowest_per_trial(per_rank)
+
     def lost(key: str, block: str, kind: str = "") -> tuple[list[float], list[float]]:
-        walls, base = slowest(kind + key, "wall_s"), slowest(f"{kind}none@{block}", "wall_s")
-        return [w - b for w, b in zip(walls, base, strict=True)], base
+        """Per round: the window's excess minus the mean excess of the block's windows
+        without a save (what a window holds beyond its steady steps anyway: the spread
+        of step times about their median)."""
+        base = statistics.fmean(excess(f"none@{block}"))
+        return [e - base for e in excess(kind + key)], slowest(f"none@{block}", "wall_s")
 
     rows = []
     steps = []
@@ -301,15 +338,18 @@ def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, A
             "call_s_all": slowest(key, "call_s"),
             "wall_s_all": slowest(key, "wall_s"),
             "no_save_wall_s_all": base,
+            "steps_s_all": slowest_steps(key),
         }
         if "warmup:" + key in ranks[0]["trials"]:  # the first save: buffers not yet touched
             row["warmup_lost_s"] = lost(key, block, "warmup:")[0]
             row["warmup_call_s"] = slowest("warmup:" + key, "call_s")
         rows.append(row)
     rows.sort(key=lambda r: spec.methods.index(r["method"]))
-    by = {r["method"]: r["lost_s_median"] for r in rows}
+    by = {r["method"]: r for r in rows}
+    sync = by.get("sync")
     for row in rows:
-        row["lost_vs_sync"] = row["lost_s_median"] / by["sync"] if by.get("sync") else None
+        row["lost_vs_sync"] = row["lost_s_median"] / sync["lost_s_median"] if sync else None
+        row["lost_vs_sync_call"] = row["lost_s_median"] / sync["call_s_median"] if sync else None
     return {"step_s_median": statistics.median(steps), "rows": rows}
 
 
@@ -384,14 +424,23 @@ def _report_save(args: argparse.Namespace, spec: CheckpointSpec, ranks: list[dic
         f"model {args.model} ({result['params'] / 1e6:.0f}M params), world size "
         f"{args.world_size}, {args.trials} trials; step {summary['step_s_median']:.3f} s"
     )
-    print(f"{'method':<12}{'call s':>10}{'lost s':>10}{'vs sync':>10}{'first save lost s':>20}")
+    print(
+        f"{'method':<12}{'call s':>10}{'lost s':>10}{'/ sync lost':>13}{'/ sync call':>13}"
+        f"{'first save lost s':>20}"
+    )
     for row in summary["rows"]:
-        versus = row["lost_vs_sync"]
+        lost, call = (
+            "" if row[k] is None else f"{row[k]:.3f}" for k in ("lost_vs_sync", "lost_vs_sync_call")
+        )
         first = ", ".join(f"{x:.2f}" for x in row.get("warmup_lost_s", []))
         print(
             f"{row['method']:<12}{row['call_s_median']:>10.3f}{row['lost_s_median']:>10.3f}"
-            f"{'' if versus is None else f'{versus:.3f}':>10}{first:>20}"
+            f"{lost:>13}{call:>13}{first:>20}"
         )
+    print(
+        "lost: the window (save, steps, wait) minus the mean window without a save; "
+        "medians over rounds; / sync lost, / sync call: over the synchronous save's"
+    )
     return result
 
 
@@ -401,6 +450,8 @@ def run(args: argparse.Namespace) -> int:
     methods = parse_methods(args.methods or ",".join(known), known)
     main = {"load": _load_rank, "save": _save_rank, "writer": _writer_rank}[args.what]
     args.loadavg_at_start = os.getloadavg()  # other jobs on the machine, for the record
+    if args.workdir is not None:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
         spec = spec_from_args(CheckpointSpec, args, methods=methods, workdir=workdir)
         ranks = run_ranks(main, args.world_size, spec, timeout_s=3600)

@@ -48,7 +48,7 @@ from .machine import describe_host
 from .offload_kernel import HYPERPARAMETERS, KERNEL_METHODS
 from .offload_kernel import MARKER as KERNEL_MARKER
 from .offload_step import STEP_METHODS
-from .offload_trial import DOORS, offload_config
+from .offload_trial import DOORS, PHASES, offload_config
 from .offload_trial import MARKER as TRIAL_MARKER
 from .ranks import threads_per_rank
 from .results import emit, print_skipped, result_head
@@ -439,6 +439,16 @@ def _memory(
         ranks = [r for rec in mine for r in rec["ranks"]]
         gains = [r["rss_step_bytes"][-1] - r["rss_before_bytes"] for r in ranks]
         peaks = [r["peak_rss_bytes"] - r["rss_before_bytes"] for r in ranks]
+        phase_peaks = (  # launch records from before the phases were recorded lack them
+            {
+                phase: statistics.median(
+                    max(r["peak_rss_phase_bytes"][phase]) - r["rss_before_bytes"] for r in ranks
+                )
+                for phase in PHASES
+            }
+            if all("peak_rss_phase_bytes" in r for r in ranks)
+            else None
+        )
         allocated = [r["offload_host_bytes"] for r in ranks]
         gain = statistics.median(gains)
         rows.append(
@@ -455,6 +465,13 @@ def _memory(
                 "rss_over_formula": gain / formula.total,
                 "rss_over_formula_plus_other": gain / (formula.total + other),
                 "peak_over_formula": statistics.median(peaks) / formula.total,
+                "phase_peak_gain_bytes": phase_peaks,
+                **{
+                    f"{phase}_peak_over_formula": phase_peaks[phase] / formula.total
+                    if phase_peaks
+                    else None
+                    for phase in ("step", "backward")
+                },
                 "launches": len(mine),
             }
         )
@@ -465,7 +482,8 @@ def _memory_table(part: dict[str, Any]) -> str:
     gib = 2**30
     head = (
         f"{'ranks':>5} {'plan: master + state + grads = total GiB':>42} {'allocated GiB':>13} "
-        f"{'RSS +GiB':>8} {'RSS / plan':>10} {'peak +GiB':>9} {'peak / plan':>11}"
+        f"{'RSS +GiB':>8} {'RSS / plan':>10} {'step peak +GiB':>14} {'/ plan':>6} "
+        f"{'backward peak +GiB':>18} {'/ plan':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in part["rows"]:
@@ -474,15 +492,23 @@ def _memory_table(part: dict[str, Any]) -> str:
             f"{f['master'] / gib:.2f} + {f['state'] / gib:.2f} + {f['grads'] / gib:.2f} = "
             f"{f['total'] / gib:.2f}"
         )
+        phase = r.get("phase_peak_gain_bytes")
+        peaks = (
+            f"{phase['step'] / gib:>14.2f} {r['step_peak_over_formula']:>6.3f} "
+            f"{phase['backward'] / gib:>18.2f} {r['backward_peak_over_formula']:>6.3f}"
+            if phase
+            else f"{r['peak_gain_bytes'] / gib:>14.2f} {r['peak_over_formula']:>6.3f}"
+        )
         lines.append(
             f"{r['world_size']:>5} {plan:>42} {r['allocated']['total'] / gib:>13.2f} "
-            f"{r['rss_gain_bytes'] / gib:>8.2f} {r['rss_over_formula']:>10.3f} "
-            f"{r['peak_gain_bytes'] / gib:>9.2f} {r['peak_over_formula']:>11.3f}"
+            f"{r['rss_gain_bytes'] / gib:>8.2f} {r['rss_over_formula']:>10.3f} {peaks}"
         )
     lines.append(
         "RSS +: a rank's resident set after its steps (gc + malloc_trim) minus before "
-        "flatzero.initialize (the model built); peak +: its high-water mark over the same "
-        "span minus the same; median over launches and ranks"
+        "flatzero.initialize (the model built); step / backward peak +: the high-water mark "
+        "of the steps' optimizer step (offload's host memory all live) / backward phases "
+        "(with the autograd temporaries of the model's own compute, host memory on a "
+        "machine without an accelerator) minus the same; median over launches and ranks"
     )
     return "\n".join(lines)
 

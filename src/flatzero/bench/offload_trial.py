@@ -11,7 +11,11 @@ with AdamW, clipping 1.0), then ``--steps`` training steps on one random batch.
 
 Host memory (``/proc/self/status``): RSS before ``initialize`` (the model built), right
 after it, after the first step and after the last (each after ``gc`` and
-``malloc_trim``), and the peak (high-water mark) from before ``initialize`` to the end.
+``malloc_trim``), and the peak (high-water mark): of ``initialize``, and of each phase
+of every step (``PHASES``; the mark is reset at each phase's start), so that the optimizer
+step's peak, where offload's host memory is all live, stands apart from backward's (on a
+host-only machine the autograd temporaries of the model's own compute are host memory
+too).
 For flatzero the engine's ``offload_host_bytes()`` (what its optimizer allocated, from the
 tensors) is recorded too; the parent sets those beside the formula of ``flatzero plan``.
 
@@ -38,6 +42,8 @@ MARKER = "FLATZERO_OFFLOAD_TRIAL "
 """Prefix of the result line on stdout."""
 
 DOORS = ("flatzero", "deepspeed")
+PHASES = ("forward", "backward", "step")
+"""A training step's phases, each with its own high-water mark of host memory."""
 ADAMW = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 """The ``optimizer`` section's AdamW parameters, both doors."""
 
@@ -111,13 +117,20 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
     trim_host_memory()
     rss_init = rss_bytes()
     steps, losses, rss_steps = [], [], []
+    phase_peaks: dict[str, list[int]] = {phase: [] for phase in PHASES}
     for _ in range(args.steps):
         dist.barrier()
         s0 = time.perf_counter()
         with contextlib.redirect_stdout(captured):
+            reset_peak_rss()
             loss = engine(ids, labels=ids).loss
+            phase_peaks["forward"].append(peak_rss_bytes())
+            reset_peak_rss()
             engine.backward(loss)
+            phase_peaks["backward"].append(peak_rss_bytes())
+            reset_peak_rss()
             engine.step()
+            phase_peaks["step"].append(peak_rss_bytes())
         steps.append(time.perf_counter() - s0)
         losses.append(float(loss.detach().float()))
         trim_host_memory()
@@ -132,7 +145,8 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
         "rss_init_bytes": rss_init,
         "rss_step_bytes": rss_steps,
         "peak_rss_init_bytes": peak_init,
-        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_rss_bytes": max([peak_init, *(max(p) for p in phase_peaks.values() if p)]),
+        "peak_rss_phase_bytes": phase_peaks,
         "optimizer": type(optimizer).__name__,
     }
     if args.door == "flatzero":

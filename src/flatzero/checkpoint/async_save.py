@@ -55,9 +55,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 WRITER_NICE = 19
-"""The nice value of the background thread (the lowest priority): on a machine whose cores
-all run the training step, the writer takes only time the step leaves idle; where a core is
-free (the step runs on accelerators), it runs at full speed."""
+"""The nice value of the background thread (the lowest priority), where ``SCHED_IDLE``
+cannot be had: on a machine whose cores all run the training step, the writer takes only
+time the step leaves idle; where a core is free (the step runs on accelerators), it runs at
+full speed."""
 
 _POLL_S = 0.02
 """Seconds between rank 0's looks for the other ranks' marks."""
@@ -139,11 +140,22 @@ def release_snapshot(optimizer: Any) -> None:
 
 
 def _lower_priority() -> None:
-    """Make the calling thread yield the cores to the training threads: on Linux a
-    thread's nice value is its own (``setpriority`` of its thread id)."""
+    """Make the calling thread yield the cores to the training threads.
+
+    On Linux a thread's scheduling policy and nice value are its own (set through its
+    thread id). ``SCHED_IDLE`` first: besides the lowest weight, its thread never preempts
+    a running training thread when it wakes (each time a write completes), where a nice 19
+    thread still may, stalling every thread of the step's parallel regions while it runs.
+    Else nice ``WRITER_NICE``."""
+    tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
     except (AttributeError, OSError) as error:  # not Linux, or not allowed
+        logger.debug("the asynchronous save's thread is not SCHED_IDLE: %s", error)
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
+    except (AttributeError, OSError) as error:
         logger.debug("the asynchronous save's thread keeps its priority: %s", error)
 
 
