@@ -12,12 +12,9 @@ load, where a checksum costs the most relative to the rest, not the disk.
 
 ``--what save``: the step time a save costs training. A window is a save, ``--steps``
 training steps, and the wait until the save is complete; every round also runs a window
-without a save (``none``). A window's excess is its wall time minus ``--steps`` times the
-median of its own last third of steps (the save and its effects are over by then, given
-enough steps); a method's lost time in a round is its window's excess minus the mean
-excess of the ``none`` windows (of its block, below): each window is its own baseline, so
-the machine's drift over minutes cancels, and the spread of steps about their median,
-present in every window, is taken out. After every window,
+without a save (``none``), and a method's lost time in a round is its window minus the
+mean of the ``none`` windows over every round (of its block, below); each step's seconds
+are recorded too (``steps_s_all``). After every window,
 untimed, dirty pages are written back (``os.sync``), so that a save's writeback lands in
 its own window or nowhere, never in the next. Give it enough steps to cover a background
 write (a real run saves every hundreds of steps): with fewer, the wait at the window's
@@ -301,23 +298,14 @@ def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, A
         rounds = zip(*([t["step_s"] for t in r["trials"][key]] for r in ranks), strict=True)
         return [[max(s) for s in zip(*per_rank, strict=True)] for per_rank in rounds]
 
-    def excess(key: str) -> list[float]:
-        """Per round, the slowest rank's window minus ``spec.steps`` times the median of
-        its own last third of steps (by then the save and its effects are over): each
-        window is its own baseline, so the machine's drift over minutes cancels."""
-        tail = max(1, spec.steps // 3)
-        per_rank = [
-            [t["wall_s"] - spec.steps * statistics.median(t["step_s"][-tail:]) for t in trials]
-            for trials in (r["trials"][key] for r in ranks)
-        ]
-        return slowest_per_trial(per_rank)
-
     def lost(key: str, block: str, kind: str = "") -> tuple[list[float], list[float]]:
-        """Per round: the window's excess minus the mean excess of the block's windows
-        without a save (what a window holds beyond its steady steps anyway: the spread
-        of step times about their median)."""
-        base = statistics.fmean(excess(f"none@{block}"))
-        return [e - base for e in excess(kind + key)], slowest(f"none@{block}", "wall_s")
+        """Per round: the window minus the mean of the block's windows without a save
+        (a mean over every round, not one round's: as noisy as one window, not two; each
+        window's own steps are no baseline: on the development VM a run's steps switch
+        between speeds, 0.45 and 0.6 s, for minutes at a time)."""
+        walls, base = slowest(kind + key, "wall_s"), slowest(f"none@{block}", "wall_s")
+        mean = statistics.fmean(base)
+        return [w - mean for w in walls], base
 
     rows = []
     steps = []
