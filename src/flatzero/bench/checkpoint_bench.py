@@ -14,9 +14,9 @@ load, where a checksum costs the most relative to the rest, not the disk.
 training steps, and the wait until the save is complete; every round also runs a window
 without a save (``none``), and a method's lost time in a round is its window minus the
 mean of the ``none`` windows over every round (of its block, below); each step's seconds
-are recorded too (``steps_s_all``). After every window,
-untimed, dirty pages are written back (``os.sync``), so that a save's writeback lands in
-its own window or nowhere, never in the next. Give it enough steps to cover a background
+are recorded too (``steps_s_all``). After every window, untimed, dirty pages are written
+back (``os.sync``), so that a save's writeback lands in its own window or nowhere, never
+in the next. Give it enough steps to cover a background
 write (a real run saves every hundreds of steps): with fewer, the wait at the window's
 end counts as lost. Methods: ``sync`` (``save_checkpoint``), ``async``
 (``asynchronous=True``: a copy into host memory, a background thread writes), rotating in

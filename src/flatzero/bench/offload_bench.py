@@ -497,7 +497,8 @@ def _memory_table(part: dict[str, Any]) -> str:
             f"{phase['step'] / gib:>14.2f} {r['step_peak_over_formula']:>6.3f} "
             f"{phase['backward'] / gib:>18.2f} {r['backward_peak_over_formula']:>6.3f}"
             if phase
-            else f"{r['peak_gain_bytes'] / gib:>14.2f} {r['peak_over_formula']:>6.3f}"
+            else f"{r['peak_gain_bytes'] / gib:>14.2f} {r['peak_over_formula']:>6.3f} "
+            f"{'(whole span: no phases recorded)':>25}"
         )
         lines.append(
             f"{r['world_size']:>5} {plan:>42} {r['allocated']['total'] / gib:>13.2f} "
