@@ -66,3 +66,89 @@ def test_flatten_parameters_honours_host_huge_pages(monkeypatch, tier):
     assert len(plain) == len(huge)
     for a, b in zip(plain, huge, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+_MIB = 2**20
+_LINUX = sys.platform.startswith("linux")
+
+
+@pytest.mark.parametrize(
+    ("factory", "args", "expect"),
+    [
+        (torch.zeros_like, (), 0.0),
+        (torch.full_like, (0.5,), 0.5),
+        (torch.empty_like, (), None),
+    ],
+)
+def test_huge_page_factories_put_large_host_tensors_on_huge_pages(factory, args, expect):
+    """Within the mode, a ``*_like`` factory of a large contiguous host tensor returns memory
+    on a 2 MiB boundary (``empty_host``) with the factory's shape, dtype and values."""
+    from flatzero.hostmem import HugePageFactories
+
+    like = torch.ones(3, 3 * _MIB // 3, dtype=torch.float32)  # 9 MiB, 2-D
+    with HugePageFactories():
+        out = factory(like, *args, memory_format=torch.preserve_format)
+    assert out.shape == like.shape and out.dtype == like.dtype and not out.requires_grad
+    if _LINUX:
+        assert out.data_ptr() % (2 * _MIB) == 0
+    if expect is not None:
+        assert torch.equal(out, torch.full_like(like, expect))
+
+
+@pytest.mark.parametrize(
+    ("like", "kwargs"),
+    [
+        (torch.ones(16), {}),  # small
+        (torch.ones(3 * _MIB), {"dtype": torch.float64}),  # another dtype asked for
+        (torch.ones(3 * _MIB), {"requires_grad": True}),
+        (torch.ones(2, 3 * _MIB // 2).t(), {}),  # not contiguous
+    ],
+)
+def test_huge_page_factories_leave_other_calls_alone(monkeypatch, like, kwargs):
+    """What the mode does not redirect runs as torch runs it: no ``empty_host`` call, and
+    the result is what the plain factory gives."""
+    import flatzero.hostmem as hostmem
+
+    calls = []
+    real = hostmem.empty_host
+    monkeypatch.setattr(hostmem, "empty_host", lambda *a, **k: calls.append(a) or real(*a, **k))
+    with hostmem.HugePageFactories():
+        out = torch.zeros_like(like, **kwargs)
+    plain = torch.zeros_like(like, **kwargs)
+    assert calls == []
+    assert out.dtype == plain.dtype and out.stride() == plain.stride()
+    assert out.requires_grad == plain.requires_grad and torch.equal(out, plain)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "options", "state_keys"),
+    [
+        (torch.optim.AdamW, {"fused": True}, ("exp_avg", "exp_avg_sq")),
+        (torch.optim.Adam, {"foreach": False, "fused": False}, ("exp_avg", "exp_avg_sq")),
+        (torch.optim.SGD, {"momentum": 0.9, "fused": True}, ("momentum_buffer",)),
+        (torch.optim.Adagrad, {"fused": True}, ("sum",)),
+    ],
+)
+def test_inner_optimizer_state_of_host_shards_is_on_huge_pages(optimizer, options, state_keys):
+    """flatzero's inner step makes the state of a host shard on huge pages (at construction
+    or at the first step), and steps exactly as the same optimizer built and stepped plainly:
+    the same params and state, bit for bit, over three steps."""
+    from flatzero.optim.inner import build_inner_optimizer, step_with_grad_scale
+
+    numel = 3 * _MIB  # 12 MiB of fp32
+    g = torch.Generator().manual_seed(0)
+    init = torch.randn(numel, generator=g)
+    grads = [torch.randn(numel, generator=g) for _ in range(3)]
+    ours, plain = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    inner = build_inner_optimizer(optimizer, [ours], [{}], {"lr": 0.01, **options})
+    reference = optimizer([plain], lr=0.01, **options)
+    for grad in grads:
+        ours.grad, plain.grad = grad.clone(), grad.clone()
+        step_with_grad_scale(inner, None)
+        reference.step()
+    assert torch.equal(ours, plain)
+    for key in state_keys:
+        state = inner.state[ours][key]
+        assert torch.equal(state, reference.state[plain][key])
+        if _LINUX:
+            assert state.data_ptr() % (2 * _MIB) == 0, key

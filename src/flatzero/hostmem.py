@@ -6,6 +6,11 @@ Asking the kernel for 2 MiB pages (``madvise(MADV_HUGEPAGE)``) before the first
 touch cuts the faults 512-fold. PyTorch offers this only through the process-wide
 ``THP_MEM_ALLOC_ENABLE`` variable read at start-up; here it is done per buffer.
 
+``HugePageFactories`` does the same for the tensors an optimizer makes for its state
+(``torch.zeros_like`` of a host shard): a step reads and writes the whole of them, and on
+the development VM AdamW over 50M elements took 33 ms with its moments on 4 KiB pages
+against 27 ms on 2 MiB pages at one thread (TLB misses; docs/offload.md).
+
 Staging buffers for uploads (``staging_buffer``) are page-locked by flatzero itself where
 the accelerator's runtime can register host memory, so that releasing them gives back
 exactly those pages and never empties the process's pinned cache.
@@ -18,13 +23,16 @@ import ctypes.util
 import functools
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from . import accel
 
-__all__ = ["StagingBuffer", "empty_host", "staging_buffer"]
+__all__ = ["HugePageFactories", "StagingBuffer", "empty_host", "staging_buffer"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +78,61 @@ def empty_host(numel: int, dtype: torch.dtype, *, huge_pages: bool = True) -> to
     length = min(length, raw.numel() - start) // _HUGE_PAGE * _HUGE_PAGE
     madvise(raw.data_ptr() + start, length, _MADV_HUGEPAGE)  # advice only: failure is harmless
     return raw[start : start + nbytes].view(dtype)
+
+
+_FILLS: dict[Callable[..., torch.Tensor], Callable[[torch.Tensor, tuple, dict], Any]] = {
+    torch.zeros_like: lambda out, args, kwargs: out.zero_(),
+    torch.full_like: lambda out, args, kwargs: out.fill_(
+        args[1] if len(args) > 1 else kwargs["fill_value"]
+    ),
+    torch.empty_like: lambda out, args, kwargs: out,
+}
+"""The factories ``HugePageFactories`` redirects, and how each fills its new tensor."""
+
+_SAME_LAYOUT = (None, torch.preserve_format, torch.contiguous_format)
+
+
+def _redirectable(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether ``func(*args, **kwargs)`` makes a large contiguous host tensor exactly like
+    ``args[0]`` (no other dtype, device, layout or ``requires_grad`` asked for)."""
+    if func not in _FILLS or not args or not isinstance(args[0], torch.Tensor):
+        return False
+    like = args[0]
+    asked = {k: v for k, v in kwargs.items() if k != "fill_value"}
+    return (
+        like.device.type == "cpu"
+        and like.layout == torch.strided
+        and like.is_contiguous()
+        and like.numel() * like.element_size() >= _MIN_BYTES
+        and asked.pop("memory_format", None) in _SAME_LAYOUT
+        and asked.pop("dtype", None) in (None, like.dtype)
+        and asked.pop("device", None) in (None, like.device, like.device.type)
+        and asked.pop("layout", None) in (None, torch.strided)
+        and not asked.pop("requires_grad", False)
+        and not asked
+    )
+
+
+class HugePageFactories(TorchFunctionMode):
+    """Within it, ``torch.zeros_like``, ``torch.full_like`` and ``torch.empty_like`` of a
+    large contiguous host tensor (``_MIN_BYTES`` or more) return ``empty_host`` memory (2 MiB
+    pages where the OS allows), filled as the factory fills; every other call runs as it
+    is. ``torch.optim``'s optimizers make their state with these factories at their first
+    step, so a first step run within it puts the state on huge pages."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if not _redirectable(func, args, kwargs):
+            return func(*args, **kwargs)
+        like = args[0]
+        out = empty_host(like.numel(), like.dtype).view(like.shape)
+        return _FILLS[func](out, args, kwargs)
 
 
 @dataclass

@@ -161,7 +161,7 @@ def _kernel_rows(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _kernel_table(rows: list[dict[str, Any]], numel: int) -> str:
     head = (
-        f"{'threads':>7} {'method':<14} {'ms/step':>8} {'min ms':>7} {'GB/s':>6} "
+        f"{'threads':>7} {'method':<20} {'ms/step':>8} {'min ms':>7} {'GB/s':>6} "
         f"{'x deepspeed':>11} {'CPU/wall':>8} {'max |dp|':>9} {'max |dv|':>9}"
     )
     lines = [head, "-" * len(head)]
@@ -170,7 +170,7 @@ def _kernel_table(rows: list[dict[str, Any]], numel: int) -> str:
     for r in rows:
         x = "-" if r["x_deepspeed"] is None else f"{r['x_deepspeed']:.3f}x"
         lines.append(
-            f"{r['threads']:>7} {r['method']:<14} {r['step_s_median'] * 1e3:>8.1f} "
+            f"{r['threads']:>7} {r['method']:<20} {r['step_s_median'] * 1e3:>8.1f} "
             f"{r['step_s_min'] * 1e3:>7.1f} {traffic / r['step_s_median'] / 1e9:>6.1f} {x:>11} "
             f"{r['cpu_over_wall']:>8.2f} {r['param_max_abs_diff']:>9.2e} "
             f"{r['exp_avg_sq_max_abs_diff']:>9.2e}"
@@ -184,8 +184,9 @@ def _kernel_table(rows: list[dict[str, Any]], numel: int) -> str:
 
 def _kernel(args: argparse.Namespace, has_deepspeed: bool) -> dict[str, Any]:
     """The ``kernel`` part: the JIT build, then ``--runs`` launches per thread count."""
-    methods = [m for m in args.kernel_methods if has_deepspeed or m != "deepspeed"]
-    build, ext_dir = _build(args) if "deepspeed" in methods else (None, None)
+    methods = [m for m in args.kernel_methods if has_deepspeed or not m.startswith("deepspeed")]
+    uses_deepspeed = any(m.startswith("deepspeed") for m in methods)
+    build, ext_dir = _build(args) if uses_deepspeed else (None, None)
     threads = args.kernel_threads or sorted(
         {threads_per_rank(ws) for ws in args.world_sizes}, reverse=True
     )

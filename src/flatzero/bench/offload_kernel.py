@@ -12,8 +12,13 @@ correction, decoupled weight decay):
 - ``flatzero``: flatzero's host step, as an offloaded ``ZeroOptimizer`` runs it over its
   host master shard: the inner ``torch.optim.AdamW`` built by ``optim.inner`` for the host
   (``with_fused_default``: its fused CPU kernel), stepped by ``optim.offload.host_step``
-  with ``--threads`` intra-op threads;
-- ``deepspeed``: ``deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True)`` (its AVX op);
+  with ``--threads`` intra-op threads, over memory placed as flatzero places it: the
+  master and gradient shards from ``hostmem.empty_host`` and the moments made by the first
+  step on huge pages (``hostmem.HugePageFactories``);
+- ``deepspeed``: ``deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True)`` (its AVX op),
+  over memory as DeepSpeed's engine has it (torch's allocator, 4 KiB pages);
+- ``deepspeed_huge_pages``: the same op over memory placed as flatzero's (the kernels
+  alone, side by side: what is left of the ratio once placement is the same);
 - ``torch_foreach`` and ``torch_single``: ``torch.optim.AdamW(foreach=True)`` and the
   single-tensor loop (``foreach=False``), for context.
 
@@ -41,12 +46,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HYPERPARAMETERS", "KERNEL_METHODS", "MARKER", "host_step", "main"]
+__all__ = ["HUGE_PAGE_METHODS", "HYPERPARAMETERS", "KERNEL_METHODS", "MARKER", "host_step", "main"]
 
 MARKER = "FLATZERO_OFFLOAD_KERNEL "
 """Prefix of the result line on stdout."""
 
-KERNEL_METHODS = ("flatzero", "deepspeed", "torch_foreach", "torch_single")
+KERNEL_METHODS = (
+    "flatzero",
+    "deepspeed",
+    "deepspeed_huge_pages",
+    "torch_foreach",
+    "torch_single",
+)
+HUGE_PAGE_METHODS = ("flatzero", "deepspeed_huge_pages")
+"""The methods over memory placed as flatzero places it (2 MiB pages where the OS allows)."""
 HYPERPARAMETERS: dict[str, Any] = {
     "lr": 1e-3,
     "betas": (0.9, 0.999),
@@ -81,11 +94,20 @@ def _optimizer(method: str, flat: Any, threads: int) -> tuple[Any, Callable[[], 
 
     if method == "flatzero":
         return host_step(flat, threads, **HYPERPARAMETERS)
-    if method == "deepspeed":
+    if method.startswith("deepspeed"):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+        from ..hostmem import HugePageFactories
+
         opt = DeepSpeedCPUAdam([flat], bias_correction=True, adamw_mode=True, **HYPERPARAMETERS)
-        return opt, opt.step
+        if method not in HUGE_PAGE_METHODS:
+            return opt, opt.step
+
+        def step() -> None:
+            with HugePageFactories():  # its moments, made at the first step
+                opt.step()
+
+        return opt, step
     foreach = method == "torch_foreach"
     opt = torch.optim.AdamW([flat], foreach=foreach, fused=False, **HYPERPARAMETERS)
     return opt, opt.step
@@ -95,6 +117,15 @@ def _state_of(opt: Any) -> Any:
     """The second moment ``opt`` holds for its one tensor."""
     (state,) = opt.state.values()
     return state["exp_avg_sq"]
+
+
+def _placed(method: str, values: Any) -> Any:
+    """A copy of ``values`` in memory placed as ``method``'s library places it."""
+    from ..hostmem import empty_host
+
+    if method in HUGE_PAGE_METHODS:
+        return empty_host(values.numel(), values.dtype).copy_(values)
+    return values.clone()
 
 
 def _kernels(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,8 +142,8 @@ def _kernels(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {}
     steps: dict[str, Callable[[], None]] = {}
     for method in args.methods:
-        flat = torch.nn.Parameter(init.clone())
-        flat.grad = torch.empty_like(flat)
+        flat = torch.nn.Parameter(_placed(method, init))
+        flat.grad = _placed(method, init)  # overwritten before every step
         flats[method] = flat
         opts[method], steps[method] = _optimizer(method, flat, args.threads)
     del init

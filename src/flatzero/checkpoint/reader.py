@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..hostmem import empty_host
 from ..layout import Layout
 from .checksum import ChunkSums
 from .format import (
@@ -242,7 +243,8 @@ class CheckpointReader:
         if out is None:
             groups = plan.source_groups or (0,)
             dtype = torch.float32 if state == MASTER else self.state_dtype(groups[0], state)
-            out = torch.zeros(plan.shard_numel, dtype=dtype)
+            # On huge pages, as the state a first step makes (hostmem.HugePageFactories).
+            out = empty_host(plan.shard_numel, dtype).zero_()
         if out.numel() != plan.shard_numel:
             raise ValueError(f"out has {out.numel()} elements, the shard {plan.shard_numel}")
         for c in plan.copies:

@@ -9,6 +9,7 @@ shape or at all params at once would silently compute something else and are ref
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ..hostmem import HugePageFactories
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
@@ -180,15 +183,24 @@ def takes_grad_scale(inner: torch.optim.Optimizer) -> bool:
 
 def step_with_grad_scale(inner: torch.optim.Optimizer, grad_scale: torch.Tensor | None) -> None:
     """``inner.step()``, its fused kernel dividing every gradient by ``grad_scale`` as it
-    reads it (``takes_grad_scale``); None: a plain step."""
+    reads it (``takes_grad_scale``); None: a plain step. A step that makes state (the
+    first) makes the state of host shards on huge pages (``hostmem.HugePageFactories``)."""
+    placement = HugePageFactories() if _makes_state(inner) else contextlib.nullcontext()
     if grad_scale is None:
-        inner.step()
+        with placement:
+            inner.step()
         return
     inner.grad_scale = grad_scale  # type: ignore[attr-defined]
     try:
-        inner.step()
+        with placement:
+            inner.step()
     finally:
         inner.grad_scale = None  # type: ignore[attr-defined]
+
+
+def _makes_state(inner: torch.optim.Optimizer) -> bool:
+    """Whether ``inner.step()`` will create state: some param has none yet."""
+    return any(not inner.state.get(p) for g in inner.param_groups for p in g["params"])
 
 
 def build_inner_optimizer(
@@ -205,13 +217,17 @@ def build_inner_optimizer(
         group_options: per group, the user's hyperparameters (``lr``, ``weight_decay``, ...);
             ``fused=None``/``foreach=None`` in them are dropped, so ``defaults`` decide.
         defaults: keyword arguments for the optimizer (its defaults for every group).
+
+    State made at construction (``Adagrad``'s sums) goes on huge pages for host shards, as a
+    first step's does (``step_with_grad_scale``).
     """
     groups = [
         {**_without_unchosen(options), "params": [shard]}
         for shard, options in zip(shards, group_options, strict=True)
     ]
     try:
-        return optimizer(groups, **defaults)
+        with HugePageFactories():
+            return optimizer(groups, **defaults)
     except TypeError as error:
         name = _optimizer_class(optimizer).__name__
         raise TypeError(
