@@ -158,3 +158,54 @@ def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint(tmp_p
     _, fresh = make()
     assert load_checkpoint(tmp_path, fresh).tag == "a"
     assert same(state(fresh), saved)
+
+
+def held_until_copied(rank: int, ws: int, base: str) -> dict:
+    """An asynchronous save returns before its background thread copies the master and
+    moment shards; the forward and backward passes after it run meanwhile, and the next
+    step's inner update waits for the copy: the checkpoint holds the state at the call."""
+    root = Path(base)
+    model, opt = make()
+    step(model, opt, 0)
+    at_save = state(opt)
+    copying, release = threading.Event(), threading.Event()
+
+    def held_copy(point: str, _rank: int) -> None:
+        if point == "copying_snapshot":
+            copying.set()
+            release.wait(30)
+
+    set_fault_hook(held_copy)
+    save_checkpoint(root, opt, tag="a", asynchronous=True)
+    copy_started = copying.wait(30)
+    g = torch.Generator().manual_seed(7 + rank)
+    model(torch.randn(4, 16, generator=g)).square().mean().backward()  # not held
+    backward_ran_while_held = not release.is_set()
+    threading.Timer(0.3, release.set).start()
+    opt.step()
+    step_returned_after_release = release.is_set()
+    opt.zero_grad()
+    wait_for_save(opt)
+    set_fault_hook(None)
+    after_step = state(opt)
+    _, fresh = make()
+    load_checkpoint(root, fresh, "a")
+    loaded = state(fresh)
+    return {
+        "copy_started": copy_started,
+        "backward_ran_while_held": backward_ran_while_held,
+        "step_returned_after_release": step_returned_after_release,
+        "saved_the_state_at_the_call": same(loaded, at_save),
+        "step_changed_the_state": not same(after_step, at_save),
+    }
+
+
+def test_the_next_step_waits_for_the_snapshot_copy(tmp_path):
+    for o in run_ranks(held_until_copied, 2, str(tmp_path), timeout_s=120):
+        assert o == {
+            "copy_started": True,
+            "backward_ran_while_held": True,
+            "step_returned_after_release": True,
+            "saved_the_state_at_the_call": True,
+            "step_changed_the_state": True,
+        }

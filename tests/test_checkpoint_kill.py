@@ -31,7 +31,7 @@ SCRIPT = Path(__file__).parent / "kill_scripts" / "resumable_train.py"
 STEPS, SAVE_EVERY = 24, 2
 SEED = 24
 SAVE_POINTS = ("tensor_written", "rank_file_written", "before_publish", "after_exchange")
-ASYNC_POINTS = (*SAVE_POINTS, "snapshot_taken")
+ASYNC_POINTS = (*SAVE_POINTS, "snapshot_taken", "copying_snapshot")
 PLAN = (("save", "sync"), ("save", "async"), ("step", "sync"), ("save", "async"))
 PLAN += (("save", "sync"), ("step", "async"), ("save", "async"))
 """The kinds of kill, in order; points, counts, ranks drawn from ``SEED``."""
@@ -44,7 +44,8 @@ def draw(rng: random.Random, kind: str, mode: str) -> str:
     point = rng.choice(ASYNC_POINTS if mode == "async" else SAVE_POINTS)
     if point == "tensor_written":  # 3 tensors per rank file: master and two moments
         return f"{point}:{rng.randint(1, 6)}:{rng.randint(0, 1)}"
-    rank = rng.randint(0, 1) if point in ("rank_file_written", "snapshot_taken") else 0
+    per_rank = ("rank_file_written", "snapshot_taken", "copying_snapshot")
+    rank = rng.randint(0, 1) if point in per_rank else 0
     return f"{point}:{rng.randint(1, 2)}:{rank}"
 
 

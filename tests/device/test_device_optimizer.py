@@ -28,6 +28,7 @@ from test_optimizer_parity import (  # tests/ is on sys.path (rootdir of this pa
 )
 
 from .harness import launch
+from .test_device_async_save import async_save_problems
 from .test_device_offload import offload_problems
 
 FP32_TOLERANCE = 1e-4  # relative, per param: host reference vs device kernels
@@ -72,8 +73,9 @@ def _short_runs(monkeypatch):
 
 
 def _train_worker(rank: int, world_size: int, kind: str) -> tuple[bytes, list[str]]:
-    """The parity cases; at world size 2 then optimizer offload (``test_device_offload``),
-    in the same processes."""
+    """The parity cases; then, in the same processes, an asynchronous save at world size 1
+    (``test_device_async_save``) and optimizer offload at world size 2
+    (``test_device_offload``)."""
     parity.STEPS = STEPS  # a fresh rank process: the harness's module as the test sets it
     results = {}
     for case in _cases(kind, world_size):
@@ -81,14 +83,19 @@ def _train_worker(rank: int, world_size: int, kind: str) -> tuple[bytes, list[st
         results[case] = (got, accel.memory_allocated(torch.device(kind, 0)))
     buffer = io.BytesIO()
     torch.save(results, buffer)
-    offload = offload_problems(rank, world_size, kind) if world_size == 2 else []
-    return buffer.getvalue(), offload
+    problems = []
+    if world_size == 1:
+        problems = async_save_problems(rank, world_size, kind)
+    if world_size == 2:
+        problems = offload_problems(rank, world_size, kind)
+    return buffer.getvalue(), problems
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_zero_1_and_2_on_the_device_match_adamw(kind, world_size):
     launched = launch(kind, _train_worker, world_size, timeout_s=600)
-    assert [offload for _, offload in launched] == [[]] * world_size  # test_device_offload
+    # test_device_async_save and test_device_offload
+    assert [problems for _, problems in launched] == [[]] * world_size
     outputs = [torch.load(io.BytesIO(blob), weights_only=False) for blob, _ in launched]
     for case, (got, _allocated) in outputs[0].items():
         for other in outputs[1:]:

@@ -1,16 +1,20 @@
 """Asynchronous saves: a snapshot in reusable host memory, a background writer, a wait.
 
-``save_checkpoint(..., asynchronous=True)`` copies what the rank writes into one host
+``save_checkpoint(..., asynchronous=True)`` lays what the rank writes out in one host
 buffer per optimizer (``snapshot``: page-locked where an accelerator is present, so device
 shards come over by DMA; allocated at the first asynchronous save, kept and reused by the
-next ones, grown when the state grows) and returns; a background thread per rank writes
-and fsyncs the rank file from the snapshot. The ranks then meet through the file system,
-not a process group (a collective from a second thread would interleave with training's
-collectives): each rank leaves a small mark in the checkpoint's temporary directory with
-its file record or its error (``mark``), and rank 0's thread waits for every mark
-(``collect_marks``) and publishes as a synchronous save does. The checkpoint appears, and
-``latest`` moves, only once every rank's file is complete: a kill during the background
-write leaves the previous checkpoint as it was.
+next ones, grown when the state grows), starts the copies into it and returns. Device
+shards are copied on a side stream; host shards (the master and moments of a CPU run or of
+optimizer offload) by the background thread. Until those copies have landed the optimizer
+holds its next inner step (``Staging.fence``): the forward and backward passes of the next
+step run meanwhile, and the checkpoint holds the state as it was at the call. The same
+thread per rank then writes and fsyncs the rank file from the snapshot. The ranks then
+meet through the file system, not a process group (a collective from a second thread would
+interleave with training's collectives): each rank leaves a small mark in the checkpoint's
+temporary directory with its file record or its error (``mark``), and rank 0's thread
+waits for every mark (``collect_marks``) and publishes as a synchronous save does. The
+checkpoint appears, and ``latest`` moves, only once every rank's file is complete: a kill
+during the background write leaves the previous checkpoint as it was.
 
 The next ``save_checkpoint``, ``load_checkpoint`` or ``engine.destroy()`` first waits for
 the previous save (``wait_for_save``): every rank joins its thread, then the ranks agree
@@ -22,6 +26,7 @@ finishes the write first (the thread is not a daemon).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import json
 import logging
@@ -40,9 +45,10 @@ from .. import accel
 from ..control import raise_if_any_failed
 from ..hostmem import StagingBuffer
 from .format import FileRecord
-from .image import PAGE, FileImage, fill, padded
+from .image import PAGE, FileImage, lay_out, padded
 
 __all__ = [
+    "Staging",
     "collect_marks",
     "mark",
     "release_snapshot",
@@ -59,6 +65,9 @@ WRITER_NICE = 19
 cannot be had: on a machine whose cores all run the training step, the writer takes only
 time the step leaves idle; where a core is free (the step runs on accelerators), it runs at
 full speed."""
+
+_COPY_BYTES = 64 * 2**20
+"""Bytes per ``memmove`` of the background thread's copies."""
 
 _POLL_S = 0.02
 """Seconds between rank 0's looks for the other ranks' marks."""
@@ -99,15 +108,87 @@ def _allocate(nbytes: int, pin: bool) -> StagingBuffer:
     return StagingBuffer(host, pinned=False)
 
 
+@dataclasses.dataclass
+class Staging:
+    """The copies of a snapshot that are still to land when ``save_checkpoint`` returns.
+
+    Host tensors that only the optimizer's step or a load changes (its master and state
+    shards) are copied by the background thread, before it writes, while training goes on
+    (``copy_host``). Device tensors are copied on a side stream of their device, an event
+    recorded after (``device_events``). The optimizer's next change of that state first
+    runs ``fence`` (``ZeroOptimizer.hold_state_until``), so the snapshot holds the state
+    as it was at the call; the forward and backward passes in between overlap the copies.
+
+    Attributes:
+        host_copies: (destination, source) pairs of contiguous uint8 host tensors.
+        device_events: per device with streams, the event after its copies.
+        landed: set once the host copies are made (or failed: the thread's error is raised
+            at the next call, ``wait_for_save``).
+    """
+
+    host_copies: list[tuple[torch.Tensor, torch.Tensor]]
+    device_events: list[tuple[torch.device, Any]]
+    landed: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def copy_host(self) -> None:
+        """(The background thread.) Make the host copies, ``_COPY_BYTES`` per ``memmove``
+        on this thread alone (no intra-op threads; the GIL is released during each), then
+        set ``landed``, also on error."""
+        try:
+            for dst, src in self.host_copies:
+                for at in range(0, src.numel(), _COPY_BYTES):
+                    n = min(_COPY_BYTES, src.numel() - at)
+                    ctypes.memmove(dst.data_ptr() + at, src.data_ptr() + at, n)
+        finally:
+            self.host_copies = []
+            self.landed.set()
+
+    def wait_device_copies(self) -> None:
+        """(The background thread.) Block until the device copies have landed."""
+        for _, event in self.device_events:
+            event.synchronize()
+
+    def fence(self) -> None:
+        """(The training thread, before the state changes.) Queue the devices' next work
+        after their copies (no host sync) and wait for the host copies."""
+        for device, event in self.device_events:
+            accel.current_stream(device).wait_event(event)
+        self.landed.wait()
+
+
+def _copy_from_device(
+    device: torch.device, copies: list[tuple[torch.Tensor, torch.Tensor]], pinned: bool
+) -> Any:
+    """Start ``copies`` (host destination, ``device`` source) on a side stream after the
+    work queued so far; the event recorded after them (None without streams: then the
+    copies were synchronous)."""
+    if not accel.has_streams(device):
+        for dst, src in copies:
+            dst.copy_(src)
+        return None
+    stream = accel.new_stream(device)
+    stream.wait_stream(accel.current_stream(device))
+    with accel.use_stream(stream):
+        for dst, src in copies:
+            dst.copy_(src, non_blocking=pinned)
+    event = accel.new_event(device)
+    event.record(stream)
+    return event
+
+
 def snapshot(
     optimizer: Any,
     files: Sequence[tuple[str, Sequence[tuple[str, torch.Tensor]], dict[str, str] | None]],
-) -> list[FileImage]:
-    """Copies of ``files`` (per file: its name, its tensors in order and its metadata) in
-    ``optimizer``'s reusable host buffer, each laid out as the file's data
-    (``image.fill``). Device tensors are copied without blocking into a page-locked
-    buffer, then each device is synchronized once. The buffer is allocated at the first
-    call and kept; a larger state (or device tensors after host ones) allocates anew.
+    *,
+    deferrable: Sequence[bool],
+) -> tuple[list[FileImage], Staging]:
+    """``files`` (per file: its name, its tensors in order and its metadata) laid out in
+    ``optimizer``'s reusable host buffer as the files' data (``image.lay_out``), and the
+    copies into it that are still to land (``Staging``): device tensors' (on a side stream,
+    into a page-locked buffer) and, for each file with ``deferrable`` true (tensors that
+    only the optimizer's step or a load changes), host tensors'. The other host tensors are
+    copied now. The buffer is allocated at the first call and kept; a larger state (or
+    device tensors after host ones) allocates anew.
 
     Raises:
         RuntimeError / OSError: the buffer cannot be allocated (out of host memory).
@@ -121,14 +202,22 @@ def snapshot(
         buffer = _allocate(total, pin=bool(on_device))
         _snapshots[optimizer] = buffer
     images = []
+    later: list[tuple[torch.Tensor, torch.Tensor]] = []
+    from_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     offset = 0
-    for (name, tensors, metadata), size in zip(files, sizes, strict=True):
-        data = buffer.data[offset : offset + size]
-        images.append(fill(name, tensors, metadata, data, non_blocking=buffer.pinned))
+    for (name, tensors, metadata), size, defer in zip(files, sizes, deferrable, strict=True):
+        image, copies = lay_out(name, tensors, metadata, buffer.data[offset : offset + size])
+        images.append(image)
         offset += size
-    for device in on_device:
-        accel.synchronize(device)
-    return images
+        for dst, src in copies:
+            if accel.is_accelerator(src.device):
+                from_device.setdefault(src.device, []).append((dst, src))
+            elif defer:
+                later.append((dst, src))
+            else:
+                dst.copy_(src)
+    events = [(d, _copy_from_device(d, c, buffer.pinned)) for d, c in from_device.items()]
+    return images, Staging(later, [(d, e) for d, e in events if e is not None])
 
 
 def release_snapshot(optimizer: Any) -> None:

@@ -66,7 +66,9 @@ def set_fault_hook(hook: Callable[[str, int], None] | None) -> None:
     (replacing a tag: the new directory is in, the old one not yet removed),
     ``"between_renames"`` (replacing without the exchange: the old directory is aside, the
     new one not yet in), ``"before_latest"`` (published, ``latest`` not yet moved),
-    ``"snapshot_taken"`` (an asynchronous save copied its shards and is about to return).
+    ``"snapshot_taken"`` (an asynchronous save laid its snapshot out, started its copies
+    and is about to return), ``"copying_snapshot"`` (its background thread, before it
+    copies the host shards into the snapshot).
     Publishing points report rank 0, the only rank that publishes.
     """
     global _fault_hook

@@ -34,7 +34,7 @@ import torch
 from .checksum import Checksummer, ChunkSums
 from .stfile import TensorEntry, header_bytes
 
-__all__ = ["PAGE", "FileImage", "fill", "padded", "write_image"]
+__all__ = ["PAGE", "FileImage", "lay_out", "padded", "write_image"]
 
 PAGE = 4096
 """Alignment of file offsets, lengths and buffer addresses for ``O_DIRECT`` (the page size;
@@ -78,30 +78,31 @@ class FileImage:
         return len(self.prefix) + self.nbytes
 
 
-def fill(
+def lay_out(
     name: str,
     tensors: Sequence[tuple[str, torch.Tensor]],
     metadata: dict[str, str] | None,
     data: torch.Tensor,
-    *,
-    non_blocking: bool,
-) -> FileImage:
-    """Copy ``tensors`` (any device) into ``data`` (page-aligned uint8 host memory of at
-    least ``padded(sum of their bytes)``) as the file ``name``'s data region.
+) -> tuple[FileImage, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The file ``name``'s image in ``data`` (page-aligned uint8 host memory of at least
+    ``padded(sum of the tensors' bytes)``) and the copies that fill it: per tensor with
+    bytes, its part of ``data`` and its bytes (a flat uint8 view of the tensor, any device).
+    Nothing is copied here.
 
     Raises:
         TypeError / ValueError: a dtype safetensors lacks, a name twice.
     """
     entries = tuple(TensorEntry(n, t.dtype, tuple(t.shape)) for n, t in tensors)
     prefix = header_bytes(name, entries, metadata, align=PAGE)
+    copies = []
     offset = 0
     for (_, tensor), entry in zip(tensors, entries, strict=True):
         n = entry.nbytes
         if n:
             source = tensor.detach().reshape(-1).view(torch.uint8)
-            data[offset : offset + n].copy_(source, non_blocking=non_blocking)
+            copies.append((data[offset : offset + n], source))
         offset += n
-    return FileImage(name, entries, prefix, data[: padded(offset)], offset)
+    return FileImage(name, entries, prefix, data[: padded(offset)], offset), copies
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

@@ -49,7 +49,7 @@ from ..control import (
     raise_if_any_failed,
     wait_for_host_work,
 )
-from .async_save import collect_marks, mark, snapshot, start, wait_for_save
+from .async_save import Staging, collect_marks, mark, snapshot, start, wait_for_save
 from .atomic import fault_point, publish, remove_stale_tmp, tmp_dir_name, write_latest
 from .config import SaveConfig
 from .format import (
@@ -360,15 +360,20 @@ def _write_in_background(
     tag: str,
     collected: _Collected,
     images: list[FileImage],
+    staging: Staging,
     flat: Any,
     config: SaveConfig,
 ) -> None:
-    """(A background thread of every rank.) Write this rank's files from the snapshot and
-    leave a mark; rank 0 then waits for every rank's mark and publishes (removing ``tmp``
-    when any rank failed). Raises this rank's error, or on rank 0 any rank's."""
+    """(A background thread of every rank.) Finish the snapshot's copies, write this rank's
+    files from it and leave a mark; rank 0 then waits for every rank's mark and publishes
+    (removing ``tmp`` when any rank failed). Raises this rank's error, or on rank 0 any
+    rank's."""
     error: BaseException | None = None
     record = rest_record = None
     try:
+        staging.wait_device_copies()
+        fault_point("copying_snapshot", flat.rank)
+        staging.copy_host()
         record, rest_record = _write_images(tmp, images, flat, config)
     except (OSError, ValueError, TypeError) as e:
         error = e
@@ -397,17 +402,21 @@ def _start_in_background(
     optimizer: Any,
     config: SaveConfig,
 ) -> None:
-    """Copy this rank's files into host memory (every rank agrees it could; rank 0 removes
-    ``tmp`` if not), then write and publish them in a background thread."""
+    """Lay this rank's files out in host memory and start copying them there (every rank
+    agrees it could; rank 0 removes ``tmp`` if not), then finish the copies, write and
+    publish in a background thread. The rank file's tensors (master and state shards) are
+    held by the optimizer's next step or load until copied (``Staging``); the model's rest
+    (buffers a forward pass may change) is copied before this returns."""
     flat = optimizer.flat
     error: BaseException | None = None
     images: list[FileImage] = []
+    staging: Staging | None = None
     meta = rank_file_metadata(flat.rank, flat.world_size, flat.layout.digest(), tag, files.metadata)
     wanted = [(rank_file_name(flat.rank, flat.world_size), files.tensors, meta)]
     if files.rest:
         wanted.append((MODEL_REST, files.rest, {"format": "pt", "tag": tag}))
     try:
-        images = snapshot(optimizer, wanted)
+        images, staging = snapshot(optimizer, wanted, deferrable=[True, False][: len(wanted)])
     except (RuntimeError, OSError) as e:  # out of host memory
         error = e
     try:
@@ -416,10 +425,12 @@ def _start_in_background(
         if flat.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    assert staging is not None
+    optimizer.hold_state_until(staging.fence)
     fault_point("snapshot_taken", flat.rank)
     start(
         optimizer,
-        lambda: _write_in_background(root, tmp, tag, collected, images, flat, config),
+        lambda: _write_in_background(root, tmp, tag, collected, images, staging, flat, config),
         root / tag,
         flat.process_group,
     )
