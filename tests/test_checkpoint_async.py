@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from flatzero import FlattenConfig
-from flatzero.checkpoint import load_checkpoint, read_latest, save_checkpoint
-from flatzero.checkpoint.async_save import _snapshots, wait_for_save
+from flatzero.checkpoint import load_checkpoint, load_flat_params, read_latest, save_checkpoint
+from flatzero.checkpoint.async_save import _snapshots, release_snapshot, wait_for_save
 from flatzero.checkpoint.atomic import set_fault_hook
 from flatzero.launch import run_ranks
 from flatzero.optim import ZeroOptimizer
@@ -162,8 +162,11 @@ def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint(tmp_p
 
 def held_until_copied(rank: int, ws: int, base: str) -> dict:
     """An asynchronous save returns before its background thread copies the master and
-    moment shards; the forward and backward passes after it run meanwhile, and the next
-    step's inner update waits for the copy: the checkpoint holds the state at the call."""
+    moment shards; the forward and backward passes after it run meanwhile. The next step's
+    inner update first copies what the held thread has not (it does not wait for it), so
+    the checkpoint holds the state at the call. Then the same with the thread failing
+    before it copies (rank 1): the step still returns, the error reaches every rank at the
+    next call. And ``load_flat_params`` right after a save waits for the copies too."""
     root = Path(base)
     model, opt = make()
     step(model, opt, 0)
@@ -178,34 +181,68 @@ def held_until_copied(rank: int, ws: int, base: str) -> dict:
     set_fault_hook(held_copy)
     save_checkpoint(root, opt, tag="a", asynchronous=True)
     copy_started = copying.wait(30)
-    g = torch.Generator().manual_seed(7 + rank)
-    model(torch.randn(4, 16, generator=g)).square().mean().backward()  # not held
-    backward_ran_while_held = not release.is_set()
-    threading.Timer(0.3, release.set).start()
-    opt.step()
-    step_returned_after_release = release.is_set()
-    opt.zero_grad()
+    step(model, opt, 1)  # backward, then the step copies the snapshot itself
+    step_returned_while_held = not release.is_set()
+    release.set()
     wait_for_save(opt)
     set_fault_hook(None)
-    after_step = state(opt)
     _, fresh = make()
     load_checkpoint(root, fresh, "a")
-    loaded = state(fresh)
+    saved_the_state_at_the_call = same(state(fresh), at_save)
+    step_changed_the_state = not same(state(opt), at_save)
+
+    def fail_copy(point: str, r: int) -> None:
+        if point == "copying_snapshot" and r == 1:
+            raise OSError("no thread left (injected)")
+
+    at_b = state(opt)
+    set_fault_hook(fail_copy)
+    save_checkpoint(root, opt, tag="b", asynchronous=True)
+    step(model, opt, 2)  # no hang on rank 1: its fence copies
+    set_fault_hook(None)
+    try:
+        wait_for_save(opt)
+        error = "no error"
+    except (OSError, RuntimeError) as e:
+        error = f"{type(e).__name__}: {e}"
+
+    at_c = state(opt)
+    save_checkpoint(root, opt, tag="c", asynchronous=True)
+    try:
+        release_snapshot(opt)
+        release_refused = False
+    except RuntimeError:
+        release_refused = True
+    load_flat_params(opt.flat, root, "a")  # waits for the copies of "c" first
+    wait_for_save(opt)
+    _, fresh_c = make()
+    load_checkpoint(root, fresh_c, "c")
     return {
         "copy_started": copy_started,
-        "backward_ran_while_held": backward_ran_while_held,
-        "step_returned_after_release": step_returned_after_release,
-        "saved_the_state_at_the_call": same(loaded, at_save),
-        "step_changed_the_state": not same(after_step, at_save),
+        "step_returned_while_held": step_returned_while_held,
+        "saved_the_state_at_the_call": saved_the_state_at_the_call,
+        "step_changed_the_state": step_changed_the_state,
+        "b_changed_by_the_step": not same(at_b, at_c),
+        "error": error,
+        "release_refused": release_refused,
+        "c_is_the_state_at_its_call": same(state(fresh_c), at_c),
     }
 
 
-def test_the_next_step_waits_for_the_snapshot_copy(tmp_path):
-    for o in run_ranks(held_until_copied, 2, str(tmp_path), timeout_s=120):
+def test_the_next_step_finishes_the_snapshot_copy(tmp_path):
+    out = run_ranks(held_until_copied, 2, str(tmp_path), timeout_s=120)
+    for rank, o in enumerate(out):
+        error = o.pop("error")
         assert o == {
             "copy_started": True,
-            "backward_ran_while_held": True,
-            "step_returned_after_release": True,
+            "step_returned_while_held": True,
             "saved_the_state_at_the_call": True,
             "step_changed_the_state": True,
+            "b_changed_by_the_step": True,
+            "release_refused": True,
+            "c_is_the_state_at_its_call": True,
         }
+        if rank == 1:
+            assert error == "OSError: no thread left (injected)"
+        else:
+            assert error.startswith("RuntimeError:") and "rank 1" in error

@@ -229,8 +229,15 @@ def use_stream(stream: Any) -> Iterator[None]:
         yield
 
 
-def new_event(device: torch.device) -> Any:
-    """A new event for ``device``'s streams (no timing: cheaper to record)."""
+def new_event(device: torch.device, *, blocking: bool = False) -> Any:
+    """A new event for ``device``'s streams (no timing: cheaper to record). ``blocking``:
+    a thread waiting on it (``synchronize``) sleeps rather than spins, where the backend
+    offers the choice (``torch.cuda.Event(blocking=True)``)."""
+    if blocking:
+        try:
+            return device_module(device).Event(blocking=True)
+        except TypeError:  # a backend whose events take no such argument
+            pass
     return device_module(device).Event()
 
 

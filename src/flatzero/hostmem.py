@@ -95,8 +95,10 @@ _SAME_LAYOUT = (None, torch.preserve_format, torch.contiguous_format)
 def _redirectable(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> bool:
     """Whether ``func(*args, **kwargs)`` makes a large contiguous host tensor exactly like
     ``args[0]`` (no other dtype, device, layout or ``requires_grad`` asked for)."""
-    if func not in _FILLS or not args or not isinstance(args[0], torch.Tensor):
-        return False
+    if func not in _FILLS or not args or type(args[0]) not in (torch.Tensor, torch.nn.Parameter):
+        return False  # a tensor subclass (DTensor, ...) makes its own
+    if func is torch.full_like and len(args) < 2 and "fill_value" not in kwargs:
+        return False  # torch's own error
     like = args[0]
     asked = {k: v for k, v in kwargs.items() if k != "fill_value"}
     return (
@@ -117,8 +119,10 @@ class HugePageFactories(TorchFunctionMode):
     """Within it, ``torch.zeros_like``, ``torch.full_like`` and ``torch.empty_like`` of a
     large contiguous host tensor (``_MIN_BYTES`` or more) return ``empty_host`` memory (2 MiB
     pages where the OS allows), filled as the factory fills; every other call runs as it
-    is. ``torch.optim``'s optimizers make their state with these factories at their first
-    step, so a first step run within it puts the state on huge pages."""
+    is. ``torch.optim``'s optimizers make most of their state with these factories (Adam,
+    AdamW, fused SGD at their first step, Adagrad when built; foreach SGD clones the
+    gradient instead), so building and stepping within it puts that state on huge
+    pages."""
 
     def __torch_function__(
         self,

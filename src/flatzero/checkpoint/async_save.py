@@ -108,70 +108,113 @@ def _allocate(nbytes: int, pin: bool) -> StagingBuffer:
     return StagingBuffer(host, pinned=False)
 
 
-@dataclasses.dataclass
 class Staging:
     """The copies of a snapshot that are still to land when ``save_checkpoint`` returns.
 
     Host tensors that only the optimizer's step or a load changes (its master and state
     shards) are copied by the background thread, before it writes, while training goes on
     (``copy_host``). Device tensors are copied on a side stream of their device, an event
-    recorded after (``device_events``). The optimizer's next change of that state first
-    runs ``fence`` (``ZeroOptimizer.hold_state_until``), so the snapshot holds the state
-    as it was at the call; the forward and backward passes in between overlap the copies.
+    recorded after them (``device_events``). The next change of that state first runs
+    ``fence`` (``FlatParams.hold_state_until``), so the snapshot holds the state as it was
+    at the call; the forward and backward passes in between overlap the copies.
 
-    Attributes:
-        host_copies: (destination, source) pairs of contiguous uint8 host tensors.
-        device_events: per device with streams, the event after its copies.
-        landed: set once the host copies are made (or failed: the thread's error is raised
-            at the next call, ``wait_for_save``).
+    The host copies are ``_COPY_BYTES`` chunks that either thread may take: the fence
+    copies what the background thread has not yet (at the training thread's priority)
+    rather than wait for it, so a busy machine never leaves the step waiting on a
+    ``SCHED_IDLE`` thread.
     """
 
-    host_copies: list[tuple[torch.Tensor, torch.Tensor]]
-    device_events: list[tuple[torch.device, Any]]
-    landed: threading.Event = dataclasses.field(default_factory=threading.Event)
-
-    def copy_host(self) -> None:
-        """(The background thread.) Make the host copies, ``_COPY_BYTES`` per ``memmove``
-        on this thread alone (no intra-op threads; the GIL is released during each), then
-        set ``landed``, also on error."""
-        try:
-            for dst, src in self.host_copies:
-                for at in range(0, src.numel(), _COPY_BYTES):
-                    n = min(_COPY_BYTES, src.numel() - at)
-                    ctypes.memmove(dst.data_ptr() + at, src.data_ptr() + at, n)
-        finally:
-            self.host_copies = []
+    def __init__(
+        self,
+        host_copies: list[tuple[torch.Tensor, torch.Tensor]],
+        device_events: list[tuple[torch.device, Any]],
+        device_sources: list[torch.Tensor],
+    ) -> None:
+        """Args:
+        host_copies: (destination, source) pairs of contiguous host uint8 tensors.
+        device_events: per device with streams, the event after its copies.
+        device_sources: the device tensors being copied (kept alive until they landed:
+            a temporary freed early could be reused by the next kernel)."""
+        self.device_events = device_events
+        self._device_sources = device_sources
+        self._host = host_copies  # keeps the chunks' memory alive
+        self._chunks = [
+            (dst.data_ptr() + at, src.data_ptr() + at, min(_COPY_BYTES, src.numel() - at))
+            for dst, src in host_copies
+            for at in range(0, src.numel(), _COPY_BYTES)
+        ]
+        self._lock = threading.Lock()
+        self._taken = 0
+        self._copied = 0
+        self.landed = threading.Event()
+        """Set once every host chunk is copied (by whichever thread copied the last: the
+        fence copies what the background thread never took, so it is set even when that
+        thread failed before copying)."""
+        if not self._chunks:
             self.landed.set()
 
+    def _copy_chunks(self) -> None:
+        """Copy chunks no thread has taken yet, one ``memmove`` each (the GIL released)."""
+        while True:
+            with self._lock:
+                if self._taken == len(self._chunks):
+                    return
+                chunk = self._chunks[self._taken]
+                self._taken += 1
+            ctypes.memmove(*chunk)
+            with self._lock:
+                self._copied += 1
+                if self._copied == len(self._chunks):
+                    self.landed.set()
+
+    def copy_host(self) -> None:
+        """(The background thread.) Copy the host chunks not yet taken."""
+        self._copy_chunks()
+
     def wait_device_copies(self) -> None:
-        """(The background thread.) Block until the device copies have landed."""
-        for _, event in self.device_events:
-            event.synchronize()
+        """Block the calling thread until the device copies have landed (each device made
+        current for its wait: a thread of its own would otherwise talk to device 0)."""
+        for device, event in self.device_events:
+            with accel.on_device(device):
+                event.synchronize()
+        self._device_sources = []
 
     def fence(self) -> None:
         """(The training thread, before the state changes.) Queue the devices' next work
-        after their copies (no host sync) and wait for the host copies."""
+        after their copies (no host sync); copy the host chunks left and wait for the
+        ones being copied."""
         for device, event in self.device_events:
             accel.current_stream(device).wait_event(event)
-        self.landed.wait()
+        self._copy_chunks()
+        self.landed.wait()  # the chunks the background thread is copying
 
 
 def _copy_from_device(
-    device: torch.device, copies: list[tuple[torch.Tensor, torch.Tensor]], pinned: bool
+    device: torch.device,
+    now: list[tuple[torch.Tensor, torch.Tensor]],
+    later: list[tuple[torch.Tensor, torch.Tensor]],
+    pinned: bool,
 ) -> Any:
-    """Start ``copies`` (host destination, ``device`` source) on a side stream after the
-    work queued so far; the event recorded after them (None without streams: then the
-    copies were synchronous)."""
+    """Start ``now`` then ``later`` (host destination, ``device`` source pairs) on a side
+    stream after the work queued so far; the device's next work is queued after ``now``
+    (tensors the forward pass may change: no host sync). Returns the event recorded after
+    all of them (None without streams: then the copies were synchronous)."""
     if not accel.has_streams(device):
-        for dst, src in copies:
+        for dst, src in [*now, *later]:
             dst.copy_(src)
         return None
     stream = accel.new_stream(device)
     stream.wait_stream(accel.current_stream(device))
     with accel.use_stream(stream):
-        for dst, src in copies:
+        for dst, src in now:
             dst.copy_(src, non_blocking=pinned)
-    event = accel.new_event(device)
+        if now:
+            now_event = accel.new_event(device)
+            now_event.record(stream)
+            accel.current_stream(device).wait_event(now_event)
+        for dst, src in later:
+            dst.copy_(src, non_blocking=pinned)
+    event = accel.new_event(device, blocking=True)
     event.record(stream)
     return event
 
@@ -203,7 +246,7 @@ def snapshot(
         _snapshots[optimizer] = buffer
     images = []
     later: list[tuple[torch.Tensor, torch.Tensor]] = []
-    from_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    from_device: dict[torch.device, tuple[list, list]] = {}
     offset = 0
     for (name, tensors, metadata), size, defer in zip(files, sizes, deferrable, strict=True):
         image, copies = lay_out(name, tensors, metadata, buffer.data[offset : offset + size])
@@ -211,18 +254,28 @@ def snapshot(
         offset += size
         for dst, src in copies:
             if accel.is_accelerator(src.device):
-                from_device.setdefault(src.device, []).append((dst, src))
+                now_and_later = from_device.setdefault(src.device, ([], []))
+                now_and_later[1 if defer else 0].append((dst, src))
             elif defer:
                 later.append((dst, src))
             else:
                 dst.copy_(src)
-    events = [(d, _copy_from_device(d, c, buffer.pinned)) for d, c in from_device.items()]
-    return images, Staging(later, [(d, e) for d, e in events if e is not None])
+    events = [(d, _copy_from_device(d, *c, buffer.pinned)) for d, c in from_device.items()]
+    sources = [src for now, after in from_device.values() for _, src in (*now, *after)]
+    return images, Staging(later, [(d, e) for d, e in events if e is not None], sources)
 
 
 def release_snapshot(optimizer: Any) -> None:
     """Free ``optimizer``'s snapshot buffer (the next asynchronous save allocates anew).
-    Call it only while no save of it is pending."""
+
+    Raises:
+        RuntimeError: a save of it is pending (``wait_for_save`` first).
+    """
+    if optimizer in _pending:
+        raise RuntimeError(
+            "an asynchronous save of this optimizer is still pending: call "
+            "wait_for_save(optimizer) before release_snapshot(optimizer)"
+        )
     buffer = _snapshots.pop(optimizer, None)
     if buffer is not None:
         buffer.release()

@@ -510,6 +510,7 @@ def load_flat_params(
     _all_ok(error, flat.process_group, sum(s.numel() for s in shards) * 4)
     assert reader is not None
     agree_on_checkpoint(reader, flat.process_group)
+    flat.before_state_changes()  # an asynchronous save still copying the masters
     for group, shard in zip(flat.groups, shards, strict=True):
         shard = shard.to(group.device)
         if group.master is not None:

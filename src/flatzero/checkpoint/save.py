@@ -371,11 +371,11 @@ def _write_in_background(
     error: BaseException | None = None
     record = rest_record = None
     try:
-        staging.wait_device_copies()
         fault_point("copying_snapshot", flat.rank)
-        staging.copy_host()
+        staging.copy_host()  # the step's fence copies what is left if this fails
+        staging.wait_device_copies()
         record, rest_record = _write_images(tmp, images, flat, config)
-    except (OSError, ValueError, TypeError) as e:
+    except Exception as e:  # every rank leaves its mark, or rank 0 waits for it in vain
         error = e
     mark(tmp, flat.rank, record, error)
     if flat.rank == 0:
@@ -406,7 +406,8 @@ def _start_in_background(
     agrees it could; rank 0 removes ``tmp`` if not), then finish the copies, write and
     publish in a background thread. The rank file's tensors (master and state shards) are
     held by the optimizer's next step or load until copied (``Staging``); the model's rest
-    (buffers a forward pass may change) is copied before this returns."""
+    (buffers a forward pass may change) is copied before this returns (on an accelerator:
+    the device's next work is queued after its copy)."""
     flat = optimizer.flat
     error: BaseException | None = None
     images: list[FileImage] = []
@@ -421,19 +422,21 @@ def _start_in_background(
         error = e
     try:
         _all_ok(error, flat.process_group, f"copying its shards into host memory for {tmp}")
+        assert staging is not None
+        fault_point("snapshot_taken", flat.rank)
+        start(
+            optimizer,
+            lambda: _write_in_background(root, tmp, tag, collected, images, staging, flat, config),
+            root / tag,
+            flat.process_group,
+        )
     except BaseException:
+        if staging is not None:  # no device copy may still write the reused buffer
+            staging.wait_device_copies()
         if flat.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    assert staging is not None
-    optimizer.hold_state_until(staging.fence)
-    fault_point("snapshot_taken", flat.rank)
-    start(
-        optimizer,
-        lambda: _write_in_background(root, tmp, tag, collected, images, staging, flat, config),
-        root / tag,
-        flat.process_group,
-    )
+    flat.hold_state_until(staging.fence)
 
 
 def _prune(root: Path, keep_last: int, keep: set[str]) -> None:
@@ -476,10 +479,11 @@ def save_checkpoint(
         extra: JSON-able client state (e.g. ``{"epoch": 3, "samples": 12800}``) returned
             by ``load_checkpoint``.
         config: ``SaveConfig`` (RNG states, checksums, overwrite, keep_last, ...).
-        asynchronous: copy this rank's shards into reusable host memory and return; a
-            background thread writes and publishes them (``async_save``). The checkpoint
-            appears once every rank's file is complete; the next save, load or
-            ``wait_for_save`` waits for it.
+        asynchronous: lay this rank's files out in reusable host memory, start copying
+            its shards there and return; a background thread finishes the copies, writes
+            and publishes (``async_save``; the next optimizer step waits for the copies
+            only). The checkpoint appears once every rank's file is complete; the next
+            save, load or ``wait_for_save`` waits for it.
 
     Returns:
         The path of the new checkpoint, ``directory/tag`` (after an asynchronous save:

@@ -122,9 +122,10 @@ class EngineCheckpoints:
         Returns:
             True, as DeepSpeed does. An existing checkpoint of the same tag is replaced (as
             DeepSpeed overwrites it) once the new one is complete. With
-            ``"flatzero": {"async_save": true}`` it returns once the shards are copied to
-            host memory and a background thread writes and publishes them (the next save,
-            load or ``destroy()`` waits for it).
+            ``"flatzero": {"async_save": true}`` it returns once the copies of the shards
+            into host memory are started; a background thread finishes them, writes and
+            publishes (the next optimizer step waits for the copies only; the next save,
+            load or ``destroy()`` for all of it).
         """
         from ..checkpoint import SaveConfig, save_checkpoint
         from ..checkpoint.format import check_tag, encode_value

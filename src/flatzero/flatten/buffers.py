@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +108,23 @@ class FlatParams:
     world_size: int
     frozen: list[nn.Parameter] = field(default_factory=list)
     agreement_group: dist.ProcessGroup | None = None
+    _state_fences: list[Callable[[], None]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
+
+    def hold_state_until(self, fence: Callable[[], None]) -> None:
+        """Run ``fence()`` once, before the master shards (or the state of an optimizer
+        over them) next change: an optimizer's inner step, a load. For a reader that
+        copies them in the background (an asynchronous save's snapshot,
+        ``checkpoint.async_save``): the fence returns once the copy has what it needs; the
+        forward and backward passes before it run meanwhile."""
+        self._state_fences.append(fence)
+
+    def before_state_changes(self) -> None:
+        """Run the fences ``hold_state_until`` registered (call it before changing the
+        master shards or the optimizer state; a fence that raises keeps the later ones)."""
+        while self._state_fences:
+            self._state_fences.pop(0)()
 
     @property
     def deciders(self) -> dist.ProcessGroup | None:

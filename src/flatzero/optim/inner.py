@@ -199,8 +199,9 @@ def step_with_grad_scale(inner: torch.optim.Optimizer, grad_scale: torch.Tensor 
 
 
 def _makes_state(inner: torch.optim.Optimizer) -> bool:
-    """Whether ``inner.step()`` will create state: some param has none yet."""
-    return any(not inner.state.get(p) for g in inner.param_groups for p in g["params"])
+    """Whether ``inner.step()`` may create state: some param was never stepped nor loaded
+    (a step enters every param in ``inner.state``, even one it keeps no state for)."""
+    return any(p not in inner.state for g in inner.param_groups for p in g["params"])
 
 
 def build_inner_optimizer(

@@ -215,7 +215,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._bucket_shards = [g.bucket_shard(b) for g, b in pairs]
         self._master_slices = [g.master_slice(b) for g, b in pairs]
         self._clip_request: float | None = None
-        self._state_fences: list[Callable[[], None]] = []
         self._norm_cache: tuple[int, torch.Tensor] | None = None
         self._last_norm: torch.Tensor | None = None
         self.last_step_skipped = False
@@ -445,7 +444,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if max_norm is not None:
                 clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)
                 coef = (clip * inv).to(device=self._grads[0].device, dtype=torch.float32)
-        self._before_state_changes()
+        self.flat.before_state_changes()  # a pending snapshot's copies
         if offload is None:
             step_with_grad_scale(self.inner, self._scale_grads(coef))
         else:
@@ -589,7 +588,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             fix="Load on every rank the state dict that rank saved",
         )
         assert state is not None
-        self._before_state_changes()
+        self.flat.before_state_changes()  # a pending snapshot's copies
         with torch.no_grad():
             for group, master in zip(state.groups, self._masters, strict=True):
                 master.copy_(group.master)
@@ -602,19 +601,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._reducer.set_order(list(order) if order is not None else None)
             self._end_window()
             self._write_back()
-
-    def hold_state_until(self, fence: Callable[[], None]) -> None:
-        """Run ``fence()`` before the master shards or the inner optimizer's state next
-        change (the inner step of ``step()``, a load), once. For a reader that copies them
-        in the background (an asynchronous save's snapshot, ``checkpoint.async_save``): the
-        fence returns once the copy has what it needs, and the forward and backward passes
-        before it run meanwhile."""
-        self._state_fences.append(fence)
-
-    def _before_state_changes(self) -> None:
-        fences, self._state_fences = self._state_fences, []
-        for fence in fences:
-            fence()
 
     def close(self) -> None:
         """Remove the gradient hooks from the params and release them, so that another
