@@ -45,7 +45,7 @@ from typing import Any
 from . import offload_step
 from .deepspeed_runner import without_unavailable_deepspeed
 from .machine import describe_host
-from .offload_kernel import HYPERPARAMETERS, KERNEL_METHODS
+from .offload_kernel import DEFAULT_KERNEL_METHODS, HYPERPARAMETERS, KERNEL_METHODS
 from .offload_kernel import MARKER as KERNEL_MARKER
 from .offload_step import STEP_METHODS
 from .offload_trial import DOORS, PHASES, offload_config
@@ -535,8 +535,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel-warmup", type=int, default=3, help="kernel: untimed steps")
     parser.add_argument(
         "--kernel-methods",
-        default=",".join(KERNEL_METHODS),
-        help=f"kernel: comma-separated of {', '.join(KERNEL_METHODS)}",
+        default=",".join(DEFAULT_KERNEL_METHODS),
+        help=f"kernel: comma-separated of {', '.join(KERNEL_METHODS)} (default: "
+        f"{','.join(DEFAULT_KERNEL_METHODS)}; torch's foreach and single-tensor AdamW allocate "
+        "param-sized temporaries every step, which slowed the others in the same process "
+        "by up to 40 %% at 1 thread: run them in a launch of their own)",
     )
     parser.add_argument(
         "--no-build",

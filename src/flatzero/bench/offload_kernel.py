@@ -46,7 +46,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HUGE_PAGE_METHODS", "HYPERPARAMETERS", "KERNEL_METHODS", "MARKER", "host_step", "main"]
+__all__ = [
+    "DEFAULT_KERNEL_METHODS",
+    "HUGE_PAGE_METHODS",
+    "HYPERPARAMETERS",
+    "KERNEL_METHODS",
+    "MARKER",
+    "host_step",
+    "main",
+]
 
 MARKER = "FLATZERO_OFFLOAD_KERNEL "
 """Prefix of the result line on stdout."""
@@ -58,6 +66,9 @@ KERNEL_METHODS = (
     "torch_foreach",
     "torch_single",
 )
+DEFAULT_KERNEL_METHODS = ("flatzero", "deepspeed", "deepspeed_huge_pages")
+"""What ``flatzero bench offload --what kernel`` compares by default (the context methods
+allocate param-sized temporaries every step, which slow the others in the same process)."""
 HUGE_PAGE_METHODS = ("flatzero", "deepspeed_huge_pages")
 """The methods over memory placed as flatzero places it (2 MiB pages where the OS allows)."""
 HYPERPARAMETERS: dict[str, Any] = {
