@@ -49,7 +49,7 @@ from ..control import (
     raise_if_any_failed,
     wait_for_host_work,
 )
-from .async_save import Staging, collect_marks, mark, snapshot, start, wait_for_save
+from .async_save import Hasher, Staging, collect_marks, mark, snapshot, start, wait_for_save
 from .atomic import fault_point, publish, remove_stale_tmp, tmp_dir_name, write_latest
 from .config import SaveConfig
 from .format import (
@@ -342,15 +342,15 @@ def _publish(root: Path, tmp: Path, meta: CheckpointMeta, flat: Any, config: Sav
 
 
 def _write_images(
-    tmp: Path, images: list[FileImage], flat: Any, config: SaveConfig
+    tmp: Path, images: list[FileImage], flat: Any, hasher: Hasher
 ) -> tuple[FileRecord, FileRecord | None]:
     """Write this rank's snapshot (its rank file, on rank 0 also the model's rest) into
-    ``tmp``; their records."""
-    record = write_image_file(tmp, images[0], checksums=config.checksums, rank=flat.rank)
+    ``tmp``; their records, with the checksums ``hasher`` computes meanwhile."""
+    record = write_image_file(tmp, images[0], sums=lambda: hasher.sums(0), rank=flat.rank)
     fault_point("rank_file_written", flat.rank)
     rest_record = None
     if len(images) > 1:
-        rest_record = write_image_file(tmp, images[1], checksums=config.checksums)
+        rest_record = write_image_file(tmp, images[1], sums=lambda: hasher.sums(1))
     return record, rest_record
 
 
@@ -364,19 +364,23 @@ def _write_in_background(
     flat: Any,
     config: SaveConfig,
 ) -> None:
-    """(A background thread of every rank.) Finish the snapshot's copies, write this rank's
-    files from it and leave a mark; rank 0 then waits for every rank's mark and publishes
-    (removing ``tmp`` when any rank failed). Raises this rank's error, or on rank 0 any
-    rank's."""
+    """(A background thread of every rank, at the caller's priority.) Once the snapshot is
+    complete (its host chunks copied by an idle-priority ``Hasher`` or by the next step's
+    fence), write this rank's files from it, take the hasher's checksums and leave a mark;
+    rank 0 then waits for every rank's mark and publishes (removing ``tmp`` when any rank
+    failed). Raises this rank's error, or on rank 0 any rank's."""
     error: BaseException | None = None
     record = rest_record = None
+    hasher: Hasher | None = None
     try:
-        fault_point("copying_snapshot", flat.rank)
-        staging.copy_host()  # the step's fence copies what is left if this fails
+        hasher = Hasher(images, staging, config.checksums, flat.rank)
+        staging.landed.wait()
         staging.wait_device_copies()
-        record, rest_record = _write_images(tmp, images, flat, config)
+        record, rest_record = _write_images(tmp, images, flat, hasher)
     except Exception as e:  # every rank leaves its mark, or rank 0 waits for it in vain
         error = e
+    if hasher is not None:
+        hasher.join()
     mark(tmp, flat.rank, record, error)
     if flat.rank == 0:
         timeout = host_work_timeout(_written_at_most(collected)).total_seconds()

@@ -7,7 +7,7 @@ importer calls them for every rank in turn from one process.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,22 +99,28 @@ def rank_file_metadata(
 
 
 def write_image_file(
-    directory: Path, image: FileImage, *, checksums: bool, rank: int = -1
+    directory: Path,
+    image: FileImage,
+    *,
+    sums: Callable[[], Mapping[str, ChunkSums | None]],
+    rank: int = -1,
 ) -> FileRecord:
     """Write a snapshot's file (``image.write_image``: without the page cache where the
     system allows) into ``directory``; its record, as ``write_tensors`` returns it (with
-    the same fault point after each tensor)."""
-    size, sums = write_image(
+    the same fault point after each tensor), with the checksums ``sums()`` gives once the
+    file is written (computed by another thread meanwhile: ``async_save.Hasher``)."""
+    size, _ = write_image(
         directory,
         image,
-        checksums_on=checksums,
+        checksums_on=False,
         tensor_written=lambda: fault_point("tensor_written", rank),
     )
+    checksums = sums()
     return FileRecord(
         rank=rank,
         file=image.name,
         bytes=size,
-        tensors={e.name: _tensor_record(e, sums[e.name]) for e in image.entries},
+        tensors={e.name: _tensor_record(e, checksums[e.name]) for e in image.entries},
     )
 
 
