@@ -65,8 +65,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 WRITER_NICE = 19
-"""The nice value of the background thread (the lowest priority), where ``SCHED_IDLE``
-cannot be had: on a machine whose cores all run the training step, the writer takes only
+"""The nice value of a save's CPU work (``Hasher``: the lowest priority), where ``SCHED_IDLE``
+cannot be had: on a machine whose cores all run the training step, it takes only
 time the step leaves idle; where a core is free (the step runs on accelerators), it runs at
 full speed."""
 

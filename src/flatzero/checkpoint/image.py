@@ -11,7 +11,7 @@ write costs ~1.5 CPU seconds per GB (the kernel's copy and its page allocation),
 use. Where ``O_DIRECT`` is missing or refused (another OS, tmpfs on older kernels, some
 network file systems) the same writes go through the page cache.
 
-The checksums of the chunks of every tensor are computed by the writer from the buffer
+The checksums of the chunks of every tensor are computed from the buffer (``checksums``)
 (``crc32c`` releases the GIL for large buffers, so the training thread runs meanwhile).
 
 Buffer bytes of a file: its data bytes rounded up to the page (``padded``); the header
@@ -165,18 +165,14 @@ def write_image(
     directory: Path,
     image: FileImage,
     *,
-    checksums_on: bool,
     tensor_written: Callable[[], None] = lambda: None,
-) -> tuple[int, dict[str, ChunkSums | None]]:
-    """Write ``image`` to ``directory / image.name`` (a new file) and fsync it; its size and
-    the checksums of its tensors (None each when ``checksums_on`` is false).
+) -> int:
+    """Write ``image`` to ``directory / image.name`` (a new file) and fsync it; its size.
+    (Its checksums are ``checksums(image)``, computed by another thread meanwhile.)
 
     ``tensor_written()`` runs once per tensor, after the file holds that tensor's bytes
     (the test seam of ``atomic.fault_point``).
     """
-    sums: dict[str, ChunkSums | None] = (
-        dict(checksums(image)) if checksums_on else dict.fromkeys(e.name for e in image.entries)
-    )
     ends = []
     offset = len(image.prefix)
     for e in image.entries:
@@ -208,4 +204,4 @@ def write_image(
         os.fsync(fd)
     finally:
         os.close(fd)
-    return image.file_bytes, sums
+    return image.file_bytes

@@ -109,12 +109,7 @@ def write_image_file(
     system allows) into ``directory``; its record, as ``write_tensors`` returns it (with
     the same fault point after each tensor), with the checksums ``sums()`` gives once the
     file is written (computed by another thread meanwhile: ``async_save.Hasher``)."""
-    size, _ = write_image(
-        directory,
-        image,
-        checksums_on=False,
-        tensor_written=lambda: fault_point("tensor_written", rank),
-    )
+    size = write_image(directory, image, tensor_written=lambda: fault_point("tensor_written", rank))
     checksums = sums()
     return FileRecord(
         rank=rank,
