@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from flatzero.hostmem import empty_host
+from flatzero.hostmem import empty_host, mapped_host
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -36,6 +36,36 @@ def test_huge_pages_can_be_declined(monkeypatch):
     t = empty_host(9 * 2**18, torch.float32, huge_pages=False)
     assert calls == [] and t.storage_offset() == 0 and t.shape == (9 * 2**18,)
     empty_host(9 * 2**18, torch.float32)
+    assert len(calls) == 1
+
+
+def test_mapped_buffers_are_advised_for_huge_pages_from_a_huge_page_boundary(monkeypatch):
+    """A large ``mapped_host`` buffer (an asynchronous save's snapshot) starts on a 2 MiB
+    boundary, is advised for huge pages over its whole 2 MiB pages before anything touches
+    it, and holds what is written to it; a small one and a declined one are not advised."""
+    import flatzero.hostmem as hostmem
+
+    calls = []
+    real = hostmem._madvise()
+    if real is None:
+        pytest.skip("no madvise on this platform")
+
+    def spy(address, length, advice):
+        calls.append((address, length, advice))
+        return real(address, length, advice)
+
+    monkeypatch.setattr(hostmem, "_madvise", lambda: spy)
+    nbytes = 9 * 2**20 + 4096
+    t = mapped_host(nbytes)
+    assert t.dtype == torch.uint8 and t.shape == (nbytes,)
+    assert t.data_ptr() % (2 * 2**20) == 0
+    assert calls == [(t.data_ptr(), 8 * 2**20, hostmem._MADV_HUGEPAGE)]
+    values = torch.arange(nbytes, dtype=torch.int64).remainder(251).to(torch.uint8)
+    t.copy_(values)
+    assert torch.equal(t, values)
+    small, declined = mapped_host(4096), mapped_host(nbytes, huge_pages=False)
+    assert small.shape == (4096,) and declined.shape == (nbytes,)
+    assert small.data_ptr() % 4096 == 0 and declined.data_ptr() % 4096 == 0
     assert len(calls) == 1
 
 

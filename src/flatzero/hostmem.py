@@ -22,6 +22,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import mmap
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import accel
 
-__all__ = ["HugePageFactories", "StagingBuffer", "empty_host", "staging_buffer"]
+__all__ = ["HugePageFactories", "StagingBuffer", "empty_host", "mapped_host", "staging_buffer"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,28 @@ def empty_host(numel: int, dtype: torch.dtype, *, huge_pages: bool = True) -> to
     length = min(length, raw.numel() - start) // _HUGE_PAGE * _HUGE_PAGE
     madvise(raw.data_ptr() + start, length, _MADV_HUGEPAGE)  # advice only: failure is harmless
     return raw[start : start + nbytes].view(dtype)
+
+
+def mapped_host(nbytes: int, *, huge_pages: bool = True) -> torch.Tensor:
+    """A 1-D uint8 host tensor of ``nbytes`` bytes in a private anonymous mapping of its own
+    (not torch's allocator: its pages stay with it, faulted in once, for as long as it
+    lives; a forked child does not share them), starting on a 2 MiB boundary and advised
+    for huge pages (``huge_pages`` and ``nbytes`` of ``_MIN_BYTES`` or more).
+
+    For a buffer that is filled again and again (an asynchronous save's snapshot): on the
+    development VM a first copy of 5 GiB into it took 3.8-4.8 s on 2 MiB pages against
+    9.3-14.9 s on 4 KiB pages, and an ``O_DIRECT`` write of it 0.027 CPU-s against 0.12
+    (the kernel pins 512 times fewer pages), with less of the training's compute lost
+    meanwhile (docs/checkpoints.md)."""
+    madvise = _madvise() if huge_pages and nbytes >= _MIN_BYTES else None
+    extra = _HUGE_PAGE if madvise is not None else 0
+    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    raw = torch.frombuffer(mmap.mmap(-1, max(1, nbytes + extra), flags=private), dtype=torch.uint8)
+    if madvise is None:
+        return raw[:nbytes]
+    start = -raw.data_ptr() % _HUGE_PAGE
+    madvise(raw.data_ptr() + start, nbytes // _HUGE_PAGE * _HUGE_PAGE, _MADV_HUGEPAGE)
+    return raw[start : start + nbytes]
 
 
 _FILLS: dict[Callable[..., torch.Tensor], Callable[[torch.Tensor, tuple, dict], Any]] = {

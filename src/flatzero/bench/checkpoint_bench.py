@@ -61,7 +61,7 @@ from ..optim import ZeroOptimizer
 from .init_bench import MODELS
 from .results import emit, result_head
 from .settings import BENCH_DTYPES, TrialsSpec, parse_methods, spec_from_args
-from .trials import rotated, slowest_per_trial
+from .trials import bracketed, median_interval, rotated, slowest_per_trial
 
 __all__ = ["LOAD_METHODS", "SAVE_METHODS", "CheckpointSpec", "add_arguments", "run"]
 
@@ -238,6 +238,7 @@ def _save_rank(rank: int, world_size: int, spec: CheckpointSpec) -> dict[str, An
         for round_index in range(spec.warmup + spec.trials):
             for method in rotated(methods, round_index):
                 window = _window(method, path, model, opt, spec, index, dcp_group)
+                window["order"] = index
                 index += 1
                 kind = "" if round_index >= spec.warmup else "warmup:"
                 trials.setdefault(f"{kind}{method}@{block}", []).append(window)
@@ -287,9 +288,11 @@ def _report_writer(args: argparse.Namespace, spec: CheckpointSpec, ranks: list[d
 
 
 def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, Any]:
-    """Per method: the median over rounds of (its window - the mean window without a save),
-    and of (its window - the same round's window without a save), the slowest rank's; and
-    the blocking time of the call."""
+    """Per method, the slowest rank's: the median over rounds of (its window - the mean
+    window without a save), of (its window - the same round's window without a save) and
+    of (its window - the mean of the windows without a save right before and after it,
+    with a distribution-free interval for that median); and the blocking time of the
+    call."""
 
     def slowest(key: str, field: str) -> list[float]:
         return slowest_per_trial([[t[field] for t in r["trials"][key]] for r in ranks])
@@ -308,6 +311,14 @@ def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, A
         mean = statistics.fmean(base)
         return [w - mean for w in walls], base
 
+    def order(key: str) -> list[int]:
+        """The run order of the windows of ``key`` (the same on every rank)."""
+        return [int(t["order"]) for t in ranks[0]["trials"][key]]
+
+    def baseline(block: str) -> dict[int, float]:
+        """The block's windows without a save: run order -> the slowest rank's seconds."""
+        return dict(zip(order(f"none@{block}"), slowest(f"none@{block}", "wall_s"), strict=True))
+
     rows = []
     steps = []
     for key in ranks[0]["trials"]:
@@ -319,6 +330,8 @@ def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, A
         lost_s, base = lost(key, block)
         steps += [b / spec.steps for b in base]
         paired = [w - b for w, b in zip(slowest(key, "wall_s"), base, strict=True)]
+        around = bracketed(order(key), slowest(key, "wall_s"), baseline(block))
+        low, high, coverage = median_interval(around)
         row = {
             "method": method,
             "call_s_median": statistics.median(slowest(key, "call_s")),
@@ -327,6 +340,12 @@ def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, A
             # cancels, one window's noise more counts): a second view, reported beside
             "lost_paired_s_median": statistics.median(paired),
             "lost_paired_s_all": paired,
+            # against the windows without a save right before and after it (drift cancels
+            # to first order): the estimate the target is judged on, with an interval
+            "lost_bracketed_s_median": statistics.median(around),
+            "lost_bracketed_s_interval": [low, high],
+            "lost_bracketed_interval_coverage": coverage,
+            "lost_bracketed_s_all": around,
             "lost_s_min": min(lost_s),
             "lost_s_all": lost_s,
             "call_s_all": slowest(key, "call_s"),
@@ -346,6 +365,11 @@ def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, A
         row["lost_vs_sync_call"] = row["lost_s_median"] / sync["call_s_median"] if sync else None
         row["lost_paired_vs_sync"] = (
             row["lost_paired_s_median"] / sync["lost_paired_s_median"] if sync else None
+        )
+        sync_lost = sync["lost_bracketed_s_median"] if sync else None
+        row["lost_bracketed_vs_sync"] = row["lost_bracketed_s_median"] / sync_lost if sync else None
+        row["lost_bracketed_vs_sync_interval"] = (
+            [x / sync_lost for x in row["lost_bracketed_s_interval"]] if sync else None
         )
     return {"step_s_median": statistics.median(steps), "rows": rows}
 
@@ -422,20 +446,31 @@ def _report_save(args: argparse.Namespace, spec: CheckpointSpec, ranks: list[dic
         f"{args.world_size}, {args.trials} trials; step {summary['step_s_median']:.3f} s"
     )
     print(
-        f"{'method':<12}{'call s':>10}{'lost s':>10}{'/ sync lost':>13}{'/ sync call':>13}"
-        f"{'paired lost s':>15}{'/ sync':>8}{'first save lost s':>20}"
+        f"{'method':<12}{'call s':>8}{'lost s':>8}{'/ sync':>8}{'paired s':>10}{'/ sync':>8}"
+        f"{'bracketed s [interval]':>26}{'/ sync [interval]':>22}{'first save lost s':>19}"
     )
-    keys = ("lost_vs_sync", "lost_vs_sync_call", "lost_paired_vs_sync")
     for row in summary["rows"]:
-        lost, call, paired = ("" if row[k] is None else f"{row[k]:.3f}" for k in keys)
+        lost, paired, around = (
+            "" if row[k] is None else f"{row[k]:.3f}"
+            for k in ("lost_vs_sync", "lost_paired_vs_sync", "lost_bracketed_vs_sync")
+        )
+        low, high = row["lost_bracketed_s_interval"]
+        median = f"{row['lost_bracketed_s_median']:.3f} [{low:.3f}, {high:.3f}]"
+        ratios = row["lost_bracketed_vs_sync_interval"]
+        around += "" if ratios is None else f" [{ratios[0]:.3f}, {ratios[1]:.3f}]"
         first = ", ".join(f"{x:.2f}" for x in row.get("warmup_lost_s", []))
         print(
-            f"{row['method']:<12}{row['call_s_median']:>10.3f}{row['lost_s_median']:>10.3f}"
-            f"{lost:>13}{call:>13}{row['lost_paired_s_median']:>15.3f}{paired:>8}{first:>20}"
+            f"{row['method']:<12}{row['call_s_median']:>8.3f}{row['lost_s_median']:>8.3f}"
+            f"{lost:>8}{row['lost_paired_s_median']:>10.3f}{paired:>8}"
+            f"{median:>26}"
+            f"{around:>22}{first:>19}"
         )
+    coverage = min(r["lost_bracketed_interval_coverage"] for r in summary["rows"])
     print(
-        "lost: the window (save, steps, wait) minus the mean window without a save; paired "
-        "lost: minus the same round's; medians over rounds; / sync: over the synchronous save's"
+        "lost: the window (save, steps, wait) minus the mean window without a save; paired: "
+        "minus the same round's; bracketed: minus the mean of the windows without a save "
+        f"right before and after it, [a {coverage:.0%} interval for its median]; medians over "
+        "rounds; / sync: over the synchronous save's"
     )
     return result
 

@@ -30,7 +30,6 @@ import ctypes
 import dataclasses
 import json
 import logging
-import mmap
 import os
 import threading
 import time
@@ -43,7 +42,7 @@ import torch
 
 from .. import accel
 from ..control import raise_if_any_failed
-from ..hostmem import StagingBuffer
+from ..hostmem import StagingBuffer, mapped_host
 from .atomic import fault_point
 from .checksum import ChunkSums
 from .format import FileRecord
@@ -99,10 +98,9 @@ def snapshot_nbytes(data_nbytes: Sequence[int]) -> int:
 
 def _allocate(nbytes: int, pin: bool) -> StagingBuffer:
     """``nbytes`` (a multiple of ``PAGE``) of page-aligned host memory, page-locked if
-    ``pin`` and possible. Anonymous memory of its own (not torch's allocator), so that its
-    pages stay with it, faulted in once, from the first save to the last."""
-    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # not shared with forked children
-    host = torch.frombuffer(mmap.mmap(-1, nbytes, flags=private), dtype=torch.uint8)
+    ``pin`` and possible. A mapping of its own on huge pages (``hostmem.mapped_host``), so
+    that its pages stay with it, faulted in once, from the first save to the last."""
+    host = mapped_host(nbytes)
     if pin and accel.pin_host(host):
         return StagingBuffer(host, pinned=True, registered=True)
     if pin:
