@@ -556,6 +556,28 @@ def test_defaults_and_mapping():
     assert parse_config({**B, "steps_per_print": None}, world_size=1).steps_per_print is None
 
 
+@pytest.mark.parametrize(
+    ("precision", "comm", "expected"),
+    [
+        ({}, None, torch.float32),
+        ({"bf16": {"enabled": True}}, None, torch.bfloat16),
+        ({"fp16": {"enabled": True}}, None, torch.float16),
+        ({"bf16": {"enabled": True}}, "fp32", torch.float32),
+        ({"fp16": {"enabled": True}}, "bf16", torch.bfloat16),
+        ({}, "bfp16", torch.bfloat16),
+    ],
+)
+def test_gradients_are_summed_in_the_training_dtype_unless_communication_data_type_says(
+    precision, comm, expected
+):
+    """As DeepSpeed's engine (``communication_data_type()``: the given type, else fp16 or
+    bf16 when enabled, else fp32): the same config sums the same bytes over the ranks."""
+    config = {**B, "zero_optimization": {"stage": 2}, **precision}
+    if comm is not None:
+        config["communication_data_type"] = comm
+    assert parse_config(config, world_size=2).zero_config().reduce_dtype == expected
+
+
 def test_fp16_loss_scale_mapping():
     dyn = parse_config(
         {

@@ -565,7 +565,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--communication-data-type",
         choices=["bf16", "fp32"],
         help="step: the config's communication_data_type, both doors (default: unset; "
-        "DeepSpeed then reduces bf16 gradients in bf16, flatzero in fp32)",
+        "each door then reduces bf16 gradients in bf16, as DeepSpeed does)",
     )
     parser.add_argument("--step-steps", type=int, default=10, help="step: timed steps")
     parser.add_argument(

@@ -56,7 +56,7 @@ class OffloadStepSpec:
         steps: timed steps per method (alternating).
         bucket_numel: reduce and all-gather bucket sizes, elements.
         communication_data_type: the config's ``communication_data_type`` (both doors);
-            None: unset (DeepSpeed then reduces bf16 gradients in bf16, flatzero in fp32).
+            None: unset (both doors then reduce bf16 gradients in bf16).
     """
 
     model: str

@@ -12,10 +12,10 @@ with AdamW, clipping 1.0), then ``--steps`` training steps on one random batch.
 Host memory (``/proc/self/status``): RSS before ``initialize`` (the model built), right
 after it, after the first step and after the last (each after ``gc`` and
 ``malloc_trim``), and the peak (high-water mark): of ``initialize``, and of each phase
-of every step (``PHASES``; the mark is reset at each phase's start), so that the optimizer
-step's peak, where offload's host memory is all live, stands apart from backward's (on a
-host-only machine the autograd temporaries of the model's own compute are host memory
-too).
+of every step (``PHASES``; the heap is trimmed and the mark reset at each phase's start),
+so that the optimizer step's peak, where offload's host memory is all live, stands apart
+from backward's (on a host-only machine the autograd temporaries of the model's own
+compute are host memory too).
 For flatzero the engine's ``offload_host_bytes()`` (what its optimizer allocated, from the
 tensors) is recorded too; the parent sets those beside the formula of ``flatzero plan``.
 
@@ -27,11 +27,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .procmem import cpu_seconds, peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
@@ -118,20 +120,27 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
     rss_init = rss_bytes()
     steps, losses, rss_steps = [], [], []
     phase_peaks: dict[str, list[int]] = {phase: [] for phase in PHASES}
+
+    def phase(name: str, run: Callable[[], Any]) -> tuple[Any, float]:
+        """``run()`` with the heap trimmed first and the mark reset, so that its peak is
+        the memory live at its start plus what it allocates (not what an earlier phase
+        freed and glibc kept: the settled environment raises glibc's trim threshold);
+        its result and seconds (the trim not counted)."""
+        trim_host_memory()
+        reset_peak_rss()
+        t0 = time.perf_counter()
+        with contextlib.redirect_stdout(captured):
+            out = run()
+        seconds = time.perf_counter() - t0
+        phase_peaks[name].append(peak_rss_bytes())
+        return out, seconds
+
     for _ in range(args.steps):
         dist.barrier()
-        s0 = time.perf_counter()
-        with contextlib.redirect_stdout(captured):
-            reset_peak_rss()
-            loss = engine(ids, labels=ids).loss
-            phase_peaks["forward"].append(peak_rss_bytes())
-            reset_peak_rss()
-            engine.backward(loss)
-            phase_peaks["backward"].append(peak_rss_bytes())
-            reset_peak_rss()
-            engine.step()
-            phase_peaks["step"].append(peak_rss_bytes())
-        steps.append(time.perf_counter() - s0)
+        loss, forward_s = phase("forward", lambda: engine(ids, labels=ids).loss)
+        _, backward_s = phase("backward", functools.partial(engine.backward, loss))
+        _, step_s = phase("step", engine.step)
+        steps.append(forward_s + backward_s + step_s)
         losses.append(float(loss.detach().float()))
         trim_host_memory()
         rss_steps.append(rss_bytes())

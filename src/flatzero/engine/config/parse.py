@@ -28,7 +28,8 @@ class _TopKeys(NamedTuple):
 
     gradient_clipping: float | None
     steps_per_print: int | None
-    reduce_dtype: torch.dtype
+    reduce_dtype: torch.dtype | None
+    """``communication_data_type``; None: not given (the training dtype, as DeepSpeed)."""
     dataloader_drop_last: bool
 
 
@@ -45,7 +46,7 @@ def _read_top_keys(top: Section) -> _TopKeys:
     return _TopKeys(
         gradient_clipping=clip or None,
         steps_per_print=spp,
-        reduce_dtype=_COMM_DTYPES[comm] if comm is not None else torch.float32,
+        reduce_dtype=_COMM_DTYPES[comm] if comm is not None else None,
         dataloader_drop_last=top.bool("dataloader_drop_last", False),
     )
 
@@ -117,7 +118,9 @@ def parse_config(config: Any, *, world_size: int) -> EngineConfig:
         zero_optimizer=ZeroConfig(
             stage=max(1, zero.stage),
             max_grad_norm=keys.gradient_clipping,
-            reduce_dtype=keys.reduce_dtype,
+            # DeepSpeed's default: gradients are summed in the training dtype (bf16 with
+            # bf16.enabled, fp16 with fp16.enabled), fp32 otherwise
+            reduce_dtype=keys.reduce_dtype or precision.torch_dtype or torch.float32,
             grad_accum_dtype=grad_accum_dtype,
             loss_scale=precision.loss_scale,
             offload_optimizer=offload,
