@@ -4,6 +4,7 @@ saving before the first step, weights-only loads, keep_last, overwrite, JSON val
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from flatzero import FlattenConfig, flatten_parameters
 from flatzero.checkpoint import (
     LoadConfig,
     SaveConfig,
+    atomic,
     available_tags,
     load_checkpoint,
     load_flat_params,
@@ -157,6 +159,41 @@ def test_keep_last_and_overwrite(tmp_path):
     save_checkpoint(tmp_path, opt, tag="step4", config=SaveConfig(overwrite=True))
     _, opt2 = make()
     assert load_checkpoint(tmp_path, opt2).step == 5
+    atomic.wait_for_removals()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+@pytest.mark.parametrize("how", ["prune", "overwrite"])
+def test_a_save_does_not_wait_for_the_old_checkpoint_to_be_deleted(tmp_path, monkeypatch, how):
+    """The checkpoint a save prunes or replaces leaves its tag at once (renamed to a
+    ``.tmp-`` name) and is deleted in the background: the save returns while that deletion
+    is held, the new checkpoint loads meanwhile, and once it ends nothing is left."""
+    release, started = threading.Event(), threading.Event()
+    rmtree = atomic.shutil.rmtree
+
+    def held_rmtree(path, *args, **kwargs):
+        started.set()
+        assert release.wait(30)
+        rmtree(path, *args, **kwargs)
+
+    net, opt = make(lr=1e-2)
+    train(net, opt, 1)
+    save_checkpoint(tmp_path, opt, tag="a")
+    monkeypatch.setattr(atomic.shutil, "rmtree", held_rmtree)
+    train(net, opt, 1)
+    if how == "prune":
+        save_checkpoint(tmp_path, opt, tag="b", config=SaveConfig(keep_last=1))
+        assert sorted(available_tags(tmp_path)) == ["b"]
+    else:
+        save_checkpoint(tmp_path, opt, tag="a", config=SaveConfig(overwrite=True))
+        assert sorted(available_tags(tmp_path)) == ["a"]
+    assert started.wait(30)
+    doomed = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    assert len(doomed) == 1 and doomed[0].is_dir()  # held: still there
+    _, opt2 = make()
+    assert load_checkpoint(tmp_path, opt2).step == 2
+    release.set()
+    atomic.wait_for_removals()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 

@@ -50,7 +50,14 @@ from ..control import (
     wait_for_host_work,
 )
 from .async_save import Hasher, Staging, collect_marks, mark, snapshot, start, wait_for_save
-from .atomic import fault_point, publish, remove_stale_tmp, tmp_dir_name, write_latest
+from .atomic import (
+    fault_point,
+    publish,
+    remove_in_background,
+    remove_stale_tmp,
+    tmp_dir_name,
+    write_latest,
+)
 from .config import SaveConfig
 from .format import (
     MODEL_REST,
@@ -451,7 +458,7 @@ def _prune(root: Path, keep_last: int, keep: set[str]) -> None:
             continue
         doomed = root / tmp_dir_name(tag, "pruned-" + secrets.token_hex(3))
         (root / tag).rename(doomed)  # disappears as a whole, then is deleted
-        shutil.rmtree(doomed, ignore_errors=True)
+        remove_in_background(doomed)
         logger.info("removed old checkpoint %s", root / tag)
 
 
