@@ -232,6 +232,8 @@ def _engine_accumulate(rank: int, world_size: int) -> dict[str, Any]:
         "zero_optimization": {"stage": 1, "reduce_bucket_size": 300},
         "bf16": {"enabled": True},
         "data_types": {"grad_accum_dtype": "fp32"},
+        # the ranks' sum in fp32 too, as the reference (unset, it is bf16, as DeepSpeed's)
+        "communication_data_type": "fp32",
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
         "flatzero": {"progress": False},
     }
