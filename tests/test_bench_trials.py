@@ -38,13 +38,16 @@ def test_median_interval_covers_the_median_as_often_as_it_says():
     assert held / runs >= coverage - 3 * math.sqrt(coverage * (1 - coverage) / runs)
 
 
-def test_bracketed_cancels_a_linear_drift_and_uses_one_side_at_the_ends():
-    """Windows at orders 0..6 on a machine slowing by 0.5 s per window; the baseline runs at
-    the even orders, a save adds 1 s to the odd ones: each is 1 s over its neighbours' mean.
-    A window after the last baseline is compared with that one alone."""
-    drift = [10 + 0.5 * o for o in range(8)]
-    base = {o: drift[o] for o in (0, 2, 4, 6)}
-    assert bracketed([1, 3, 5], [drift[o] + 1 for o in (1, 3, 5)], base) == [1.0, 1.0, 1.0]
-    assert bracketed([7], [drift[7] + 1], base) == [1.5]
+def test_bracketed_cancels_a_linear_drift_wherever_the_window_sits_between_baselines():
+    """Windows at orders 0..9 on a machine slowing by 0.5 s per window; the baseline runs
+    at orders 0, 3, 4 and 8 (unevenly spaced, as rotated methods place them), a save adds
+    1 s to the others: each reads exactly 1 s, the plain mean of the two neighbours would
+    not (order 1: 0.5 s off). A window after the last baseline is compared with that one
+    alone."""
+    drift = [10 + 0.5 * o for o in range(10)]
+    base = {o: drift[o] for o in (0, 3, 4, 8)}
+    saves = [1, 2, 5, 6, 7]
+    assert bracketed(saves, [drift[o] + 1 for o in saves], base) == pytest.approx([1.0] * 5)
+    assert bracketed([9], [drift[9] + 1], base) == [1.5]
     with pytest.raises(ValueError, match="no baseline"):
         bracketed([1], [1.0], {})

@@ -32,6 +32,7 @@ from flatzero.bench.deepspeed_runner import deepspeed_available
 from flatzero.checkpoint import (
     CheckpointReader,
     ExportConfig,
+    atomic,
     deepspeed_pickle,
     export_checkpoint,
     export_deepspeed,
@@ -538,6 +539,7 @@ def test_trainer_directory_is_copied_beside(trainer_dir, tmp_path):
     inside = trainer_dir / "to_deepspeed"  # an output inside the directory is never copied
     export_deepspeed(trainer_dir, inside, world_size=1)
     again = export_deepspeed(trainer_dir, inside, world_size=1, overwrite=True)
+    atomic.wait_for_removals()  # the replaced copy is deleted in the background
     assert "to_deepspeed" not in again.copied and sorted(p.name for p in inside.iterdir()) == [
         "global_step1",
         "latest",

@@ -561,17 +561,19 @@ def test_defaults_and_mapping():
     [
         ({}, None, torch.float32),
         ({"bf16": {"enabled": True}}, None, torch.bfloat16),
-        ({"fp16": {"enabled": True}}, None, torch.float16),
+        ({"fp16": {"enabled": True}}, None, torch.float32),
+        ({"fp16": {"enabled": True}}, "fp16", torch.float16),
         ({"bf16": {"enabled": True}}, "fp32", torch.float32),
         ({"fp16": {"enabled": True}}, "bf16", torch.bfloat16),
         ({}, "bfp16", torch.bfloat16),
     ],
 )
-def test_gradients_are_summed_in_the_training_dtype_unless_communication_data_type_says(
+def test_bf16_gradients_are_summed_in_bf16_unless_communication_data_type_says(
     precision, comm, expected
 ):
-    """As DeepSpeed's engine (``communication_data_type()``: the given type, else fp16 or
-    bf16 when enabled, else fp32): the same config sums the same bytes over the ranks."""
+    """As DeepSpeed's engine for bf16 (``communication_data_type()``: the given type, else
+    bf16 when enabled): the same config sums the same bytes over the ranks. fp16 sums in
+    fp32 unless asked (flatzero divides after the sum, DeepSpeed before it)."""
     config = {**B, "zero_optimization": {"stage": 2}, **precision}
     if comm is not None:
         config["communication_data_type"] = comm

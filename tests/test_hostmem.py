@@ -41,8 +41,9 @@ def test_huge_pages_can_be_declined(monkeypatch):
 
 def test_mapped_buffers_are_advised_for_huge_pages_from_a_huge_page_boundary(monkeypatch):
     """A large ``mapped_host`` buffer (an asynchronous save's snapshot) starts on a 2 MiB
-    boundary, is advised for huge pages over its whole 2 MiB pages before anything touches
-    it, and holds what is written to it; a small one and a declined one are not advised."""
+    boundary, is kept from forked children and advised for huge pages over its whole 2 MiB
+    pages before anything touches it, and holds what is written to it; a small one and a
+    declined one are kept from children but not advised for huge pages."""
     import flatzero.hostmem as hostmem
 
     calls = []
@@ -59,14 +60,16 @@ def test_mapped_buffers_are_advised_for_huge_pages_from_a_huge_page_boundary(mon
     t = mapped_host(nbytes)
     assert t.dtype == torch.uint8 and t.shape == (nbytes,)
     assert t.data_ptr() % (2 * 2**20) == 0
-    assert calls == [(t.data_ptr(), 8 * 2**20, hostmem._MADV_HUGEPAGE)]
+    huge = [c for c in calls if c[2] == hostmem._MADV_HUGEPAGE]
+    assert huge == [(t.data_ptr(), 8 * 2**20, hostmem._MADV_HUGEPAGE)]
+    assert [c[2] for c in calls] == [hostmem._MADV_DONTFORK, hostmem._MADV_HUGEPAGE]
     values = torch.arange(nbytes, dtype=torch.int64).remainder(251).to(torch.uint8)
     t.copy_(values)
     assert torch.equal(t, values)
     small, declined = mapped_host(4096), mapped_host(nbytes, huge_pages=False)
     assert small.shape == (4096,) and declined.shape == (nbytes,)
     assert small.data_ptr() % 4096 == 0 and declined.data_ptr() % 4096 == 0
-    assert len(calls) == 1
+    assert [c[2] for c in calls[2:]] == [hostmem._MADV_DONTFORK] * 2  # no huge pages
 
 
 @pytest.mark.parametrize("tier", ["cpu", "offload"])
@@ -182,3 +185,23 @@ def test_inner_optimizer_state_of_host_shards_is_on_huge_pages(optimizer, option
         assert torch.equal(state, reference.state[plain][key])
         if _LINUX:
             assert state.data_ptr() % (2 * _MIB) == 0, key
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_DONTFORK is Linux's")
+def test_a_forked_child_gets_no_copy_of_a_mapped_buffer():
+    """The child of a fork (a DataLoader worker) does not have the buffer mapped: reading it
+    there faults, where the parent reads it fine."""
+    import ctypes
+    import faulthandler
+    import os
+    import signal
+
+    t = mapped_host(9 * 2**20)
+    t[0] = 7
+    pid = os.fork()
+    if pid == 0:  # the child: a segmentation fault ends it (quietly)
+        faulthandler.disable()
+        os._exit(ctypes.c_ubyte.from_address(t.data_ptr()).value)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV
+    assert t[0].item() == 7

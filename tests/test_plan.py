@@ -639,5 +639,9 @@ def test_plan_cli_table_and_json(tmp_path, capsys):
     # stage 1 reduces once per step whatever the accumulation; 2 nodes: a NIC carries 1/4
     assert step["reduce_scatter_bytes"] == step["all_gather_bytes"] * 2  # fp32 vs bf16
     assert step["network_bytes"] == (step["reduce_scatter_bytes"] + step["all_gather_bytes"]) // 4
+    assert main([*argv[:-2], "--reduce-dtype", "bf16", "--json", str(out)]) == 0
+    capsys.readouterr()
+    summed_in_bf16 = json.loads(out.read_text())["step"]
+    assert summed_in_bf16["reduce_scatter_bytes"] == step["all_gather_bytes"]  # bf16 both ways
     assert main(["plan", "--model", "no-such-model"]) == 2
     assert "neither" in capsys.readouterr().err

@@ -340,12 +340,14 @@ def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, A
             # cancels, one window's noise more counts): a second view, reported beside
             "lost_paired_s_median": statistics.median(paired),
             "lost_paired_s_all": paired,
-            # against the windows without a save right before and after it (drift cancels
-            # to first order): the estimate the target is judged on, with an interval
+            # against the windows without a save right before and after it, interpolated
+            # (drift cancels to first order): the estimate judged on, with an interval
             "lost_bracketed_s_median": statistics.median(around),
             "lost_bracketed_s_interval": [low, high],
             "lost_bracketed_interval_coverage": coverage,
             "lost_bracketed_s_all": around,
+            "order_all": order(key),
+            "no_save_order_all": order(f"none@{block}"),
             "lost_s_min": min(lost_s),
             "lost_s_all": lost_s,
             "call_s_all": slowest(key, "call_s"),
@@ -366,11 +368,14 @@ def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, A
         row["lost_paired_vs_sync"] = (
             row["lost_paired_s_median"] / sync["lost_paired_s_median"] if sync else None
         )
+        # this method's median and its interval over the synchronous save's median (a
+        # point: the ratio's interval holds this method's uncertainty, not sync's)
         sync_lost = sync["lost_bracketed_s_median"] if sync else None
-        row["lost_bracketed_vs_sync"] = row["lost_bracketed_s_median"] / sync_lost if sync else None
-        row["lost_bracketed_vs_sync_interval"] = (
-            [x / sync_lost for x in row["lost_bracketed_s_interval"]] if sync else None
-        )
+        usable = sync_lost is not None and sync_lost > 0
+        ratios = [x / sync_lost for x in row["lost_bracketed_s_interval"]] if usable else None
+        median = row["lost_bracketed_s_median"]
+        row["lost_bracketed_vs_sync"] = median / sync_lost if usable else None
+        row["lost_bracketed_vs_sync_interval"] = ratios
     return {"step_s_median": statistics.median(steps), "rows": rows}
 
 
@@ -465,12 +470,12 @@ def _report_save(args: argparse.Namespace, spec: CheckpointSpec, ranks: list[dic
             f"{median:>26}"
             f"{around:>22}{first:>19}"
         )
-    coverage = min(r["lost_bracketed_interval_coverage"] for r in summary["rows"])
+    coverage = min((r["lost_bracketed_interval_coverage"] for r in summary["rows"]), default=0)
     print(
         "lost: the window (save, steps, wait) minus the mean window without a save; paired: "
-        "minus the same round's; bracketed: minus the mean of the windows without a save "
-        f"right before and after it, [a {coverage:.0%} interval for its median]; medians over "
-        "rounds; / sync: over the synchronous save's"
+        "minus the same round's; bracketed: minus the windows without a save right before "
+        f"and after it, interpolated, [a {coverage:.0%} interval for its median]; medians "
+        "over rounds; / sync: over the synchronous save's median"
     )
     return result
 

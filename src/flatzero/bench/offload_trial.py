@@ -15,7 +15,9 @@ after it, after the first step and after the last (each after ``gc`` and
 of every step (``PHASES``; the heap is trimmed and the mark reset at each phase's start),
 so that the optimizer step's peak, where offload's host memory is all live, stands apart
 from backward's (on a host-only machine the autograd temporaries of the model's own
-compute are host memory too).
+compute are host memory too). The steps' seconds leave the trims out but include the
+page faults of the memory each phase takes back after one: not a measure of step time
+(``--what step`` is).
 For flatzero the engine's ``offload_host_bytes()`` (what its optimizer allocated, from the
 tensors) is recorded too; the parent sets those beside the formula of ``flatzero plan``.
 

@@ -50,10 +50,12 @@ def median_interval(values: Sequence[float], confidence: float = 0.9) -> tuple[f
 
 
 def bracketed(order: Sequence[int], walls: Sequence[float], base: dict[int, float]) -> list[float]:
-    """Each window's seconds minus the mean of the baseline windows run right before and
-    right after it (``base``: run order -> seconds; one side where the other is missing):
-    a slow drift of the machine's speed cancels to first order, where a mean over the
-    whole run keeps it and a single neighbour keeps half of it.
+    """Each window's seconds minus the baseline at its place in the run: the baseline
+    windows run right before and right after it (``base``: run order -> seconds),
+    interpolated linearly in run order (the one side where the other is missing). A slow
+    drift of the machine's speed cancels to first order, where a mean over the whole run
+    keeps it. Windows between the same two baseline windows share them, so their
+    differences are not fully independent.
 
     Raises:
         ValueError: ``base`` is empty.
@@ -62,8 +64,12 @@ def bracketed(order: Sequence[int], walls: Sequence[float], base: dict[int, floa
         raise ValueError("no baseline windows")
     out = []
     for at, wall in zip(order, walls, strict=True):
-        before = [o for o in base if o < at]
-        after = [o for o in base if o > at]
-        near = ([max(before)] if before else []) + ([min(after)] if after else [])
-        out.append(wall - sum(base[o] for o in near) / len(near))
+        before = max((o for o in base if o < at), default=None)
+        after = min((o for o in base if o > at), default=None)
+        if before is None or after is None:
+            expected = base[after if before is None else before]
+        else:
+            weight = (at - before) / (after - before)
+            expected = base[before] + weight * (base[after] - base[before])
+        out.append(wall - expected)
     return out

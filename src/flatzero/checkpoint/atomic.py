@@ -23,6 +23,7 @@ import ctypes
 import errno
 import logging
 import os
+import secrets
 import shutil
 import sys
 import threading
@@ -33,6 +34,7 @@ from pathlib import Path
 from .format import LATEST, TMP_PREFIX
 
 __all__ = [
+    "REMOVING",
     "REPLACED",
     "exchange",
     "fault_point",
@@ -47,6 +49,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+REMOVING = f"{TMP_PREFIX}.removing-"
+"""Prefix of a directory being deleted in the background (``remove_in_background``). No tag
+starts with a dot, so no save's temporary directory ``.tmp-<tag>-<nonce>`` has it: whatever
+has it is garbage, and a save removes it at any age."""
 
 REPLACED = "-replaced-"
 """Infix of the name an overwritten tag is renamed aside to when the exchange is not
@@ -166,25 +173,33 @@ _removals_lock = threading.Lock()
 
 
 def remove_in_background(path: Path) -> None:
-    """Delete the directory ``path`` (already under a ``.tmp-`` name, which loaders ignore)
-    in a thread of its own, and return.
+    """Rename the directory ``path`` (a checkpoint no ``latest`` names, or an old copy
+    under a ``.tmp-`` name) to a ``REMOVING`` name, which frees its name at once and which
+    loaders and recovery ignore, then delete it in a thread of its own, and return.
 
     Deleting gigabytes can take the disk's time but no CPU: on a file system mounted with
     ``discard`` (usual on cloud VMs) each freed extent is trimmed before ``unlink`` returns
     (0.70 s wall and 0.00 CPU-s for a 5 GiB file on the development VM), so a save that
-    replaces a tag or prunes old checkpoints no longer waits for it. The thread is not a
-    daemon (a process that ends finishes the removal first); a crash leaves a ``.tmp-``
-    directory that a later save removes (``remove_stale_tmp``)."""
+    replaces a tag or prunes old checkpoints does not wait for it. The thread is not a
+    daemon (a process that ends normally finishes the deletion first;
+    ``engine.destroy()`` waits for it); a kill leaves the ``REMOVING`` directory, which
+    the next save removes whatever its age (``remove_stale_tmp``)."""
+    doomed = path.with_name(f"{REMOVING}{secrets.token_hex(4)}")
+    try:
+        os.rename(path, doomed)
+    except OSError as error:  # deleted under its own name then
+        logger.debug("could not rename %s before deleting it: %s", path, error)
+        doomed = path
     thread = threading.Thread(
         target=shutil.rmtree,
-        args=(path,),
+        args=(doomed,),
         kwargs={"ignore_errors": True},
-        name=f"flatzero-remove-{path.name}",
+        name=f"flatzero-remove-{doomed.name}",
     )
-    with _removals_lock:
+    with _removals_lock:  # started within: wait_for_removals never joins an unstarted one
         _removals[:] = [t for t in _removals if t.is_alive()]
+        thread.start()
         _removals.append(thread)
-    thread.start()
 
 
 def wait_for_removals() -> None:
@@ -223,7 +238,8 @@ def remove_stale_tmp(
         if not entry.name.startswith(TMP_PREFIX) or entry.name == keep:
             continue
         try:
-            if now - entry.stat().st_mtime < min_age_s or protected(entry):
+            doomed = entry.name.startswith(REMOVING)  # garbage at any age
+            if not doomed and (now - entry.stat().st_mtime < min_age_s or protected(entry)):
                 continue
             if entry.is_dir():
                 shutil.rmtree(entry)

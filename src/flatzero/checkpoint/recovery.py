@@ -19,7 +19,7 @@ import logging
 import os
 from pathlib import Path
 
-from .atomic import REPLACED, fsync_dir
+from .atomic import REMOVING, REPLACED, fsync_dir
 from .format import META, TMP_PREFIX, CheckpointMeta, read_latest
 
 __all__ = ["complete_meta", "copy_of_lost", "lost_copy", "restore_lost", "saved_time"]
@@ -57,6 +57,8 @@ def _copies(root: Path) -> dict[str, list[tuple[float, Path]]]:
     with contextlib.suppress(OSError):
         for entry in root.iterdir():
             if not entry.name.startswith(TMP_PREFIX) or not entry.is_dir():
+                continue
+            if entry.name.startswith(REMOVING):  # being deleted: never a copy to restore
                 continue
             meta = complete_meta(entry)
             if meta is not None:

@@ -456,9 +456,7 @@ def _prune(root: Path, keep_last: int, keep: set[str]) -> None:
     for tag in tags[: max(0, len(tags) - keep_last)]:
         if tag in keep:
             continue
-        doomed = root / tmp_dir_name(tag, "pruned-" + secrets.token_hex(3))
-        (root / tag).rename(doomed)  # disappears as a whole, then is deleted
-        remove_in_background(doomed)
+        remove_in_background(root / tag)  # disappears as a whole, then is deleted
         logger.info("removed old checkpoint %s", root / tag)
 
 

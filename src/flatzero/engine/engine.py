@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint.atomic import wait_for_removals
 from ..optim import ZeroOptimizer
 from .checkpointing import EngineCheckpoints
 from .config import EngineConfig
@@ -284,11 +285,13 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
         return self.train(False)
 
     def destroy(self) -> None:
-        """Wait for an asynchronous save still being written (``wait_for_save``), then
-        remove the gradient hooks from the params (the engine cannot train after; the
-        module stays usable). Calling it again does nothing."""
+        """Wait for an asynchronous save still being written (``wait_for_save``) and for
+        old checkpoints still being deleted (``atomic.wait_for_removals``), then remove the
+        gradient hooks from the params (the engine cannot train after; the module stays
+        usable). Calling it again does nothing."""
         if not self._destroyed:
             self.wait_for_save()
+            wait_for_removals()
             self._destroyed = True
             self.optimizer.close()
 

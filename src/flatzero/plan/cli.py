@@ -61,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--stage", type=int, default=2, choices=[1, 2])
+    parser.add_argument(
+        "--reduce-dtype",
+        default="fp32",
+        choices=sorted(DTYPES),
+        help="the dtype gradients are summed in (ZeroConfig.reduce_dtype, default fp32; a "
+        "DeepSpeed config without communication_data_type sums bf16 training in bf16)",
+    )
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     parser.add_argument("--bucket-numel", type=count(1, 2**40), default=DEFAULT_BUCKET_NUMEL)
     parser.add_argument(
@@ -171,6 +178,7 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         host=host,
         dtype=DTYPES[args.dtype],
         stage=args.stage,
+        reduce_dtype=DTYPES[args.reduce_dtype],
         optimizer=args.optimizer,
         bucket_numel=args.bucket_numel,
         params_on="checkpoint" if args.params_on == "meta" else args.params_on,

@@ -51,6 +51,16 @@ def _read_top_keys(top: Section) -> _TopKeys:
     )
 
 
+def _default_reduce_dtype(training: torch.dtype | None) -> torch.dtype:
+    """The dtype gradients are summed over the ranks in when ``communication_data_type``
+    is unset: bf16 for bf16 training, as DeepSpeed's engine (the same config moves the same
+    bytes); fp32 otherwise. With fp16 DeepSpeed sums in fp16 too, but it divides each
+    rank's loss-scaled gradient by the world size first; flatzero divides once after the
+    sum, so an fp16 sum would overflow N times sooner and back the loss scale off more:
+    ``"communication_data_type": "fp16"`` asks for it."""
+    return torch.bfloat16 if training == torch.bfloat16 else torch.float32
+
+
 def _refuse_and_list(top: Section) -> None:
     """Top-level keys asking for features flatzero lacks are errors; the rest without
     effect are listed (unknown ones too: DeepSpeed ignores them)."""
@@ -118,9 +128,7 @@ def parse_config(config: Any, *, world_size: int) -> EngineConfig:
         zero_optimizer=ZeroConfig(
             stage=max(1, zero.stage),
             max_grad_norm=keys.gradient_clipping,
-            # DeepSpeed's default: gradients are summed in the training dtype (bf16 with
-            # bf16.enabled, fp16 with fp16.enabled), fp32 otherwise
-            reduce_dtype=keys.reduce_dtype or precision.torch_dtype or torch.float32,
+            reduce_dtype=keys.reduce_dtype or _default_reduce_dtype(precision.torch_dtype),
             grad_accum_dtype=grad_accum_dtype,
             loss_scale=precision.loss_scale,
             offload_optimizer=offload,
