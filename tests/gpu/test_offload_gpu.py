@@ -63,3 +63,47 @@ def test_offload_on_cuda_streams(case, monkeypatch):
     for name, value in plain_masters.items():
         torch.testing.assert_close(masters[name], value, rtol=1e-4, atol=1e-5, msg=name)
     opt.close()
+
+
+def test_offload_host_memory_is_the_formula_on_cuda():
+    """Issue 25's item 4 where the host holds only offload's memory: on CUDA the resident
+    set a ZeroOptimizer with offload gains, from before it is built (the model and the CUDA
+    context already up, the heap trimmed) to the high-water mark of three steps after it
+    (the mark reset once it is built), is its
+    ``offload_host_bytes()`` (master, pinned gradient shard, AdamW state: 16 bytes a
+    param) within 10 %. (On the CPU-only VM the device's memory is host memory too, so
+    the same check there includes gloo's buffers and autograd's gradients.)"""
+    from flatzero import FlattenConfig
+    from flatzero.bench.procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    width, layers = 2048, 12  # 100.7M params: 1.6 GB of offloaded host memory
+    model = torch.nn.Sequential(
+        *(torch.nn.Linear(width, width, dtype=torch.bfloat16, device=device) for _ in range(layers))
+    )
+    x = torch.randn(8, width, dtype=torch.bfloat16, device=device)
+    torch.cuda.synchronize(device)
+    trim_host_memory()
+    before = rss_bytes()
+    opt = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        stage=2,
+        lr=1e-4,
+        flatten_config=FlattenConfig(device=str(device), progress=False),
+        offload_optimizer=OffloadConfig(pin_memory=True),
+    )
+    trim_host_memory()  # what init used and freed is not the steps' peak
+    reset_peak_rss()
+    for _ in range(3):
+        opt.backward(model(x).float().pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize(device)
+    gained = peak_rss_bytes() - before
+    formula = opt.offload_host_bytes()
+    assert formula is not None and formula.pinned == formula.grads
+    assert formula.total >= 16 * sum(p.numel() for p in model.parameters())
+    assert 0.9 * formula.total <= gained <= 1.1 * formula.total, (gained, formula)
+    opt.close()
