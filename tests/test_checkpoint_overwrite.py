@@ -61,6 +61,7 @@ def replace_and_die(root: str, point: str, exchange: bool, out: str) -> None:
 
     set_fault_hook(die)
     save_checkpoint(root, opt, tag="t", config=SaveConfig(overwrite=True))
+    atomic.wait_for_removals()  # a point in the deletion's thread is reached before exit
     os._exit(0)  # not reached
 
 
@@ -104,6 +105,27 @@ def test_exchange_keeps_the_tag_complete_at_every_instant(tmp_path):
     _, opt = make()
     save_checkpoint(root, opt, tag="u", config=SaveConfig(stale_tmp_age_s=0))
     assert sorted(p.name for p in root.iterdir()) == ["latest", "t", "u"]
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_killed_while_deleting_the_replaced_copy(tmp_path, exchange):
+    """Killed in the thread that deletes the old copy (before it deleted anything): the
+    tag is the new checkpoint, the old one sits, complete, under a ``.tmp-.removing-``
+    name that neither loading nor recovery takes for a copy of ``t``, and the next save
+    removes it though it is younger than ``stale_tmp_age_s``."""
+    if exchange:
+        assert atomic._renameat2() is not None, "this test needs Linux's renameat2"
+    root, new = crash_while_replacing(tmp_path, "removing", exchange=exchange)
+    assert (root / "t" / "meta.json").is_file() and read_latest(root) == "t"
+    (doomed,) = [p for p in root.iterdir() if p.name.startswith(".tmp-")]
+    assert doomed.name.startswith(atomic.REMOVING) and (doomed / "meta.json").is_file()
+    saved_step, params = loaded(root)
+    assert saved_step == 2
+    assert_same(params, new)
+    _, opt = make()
+    save_checkpoint(root, opt, tag="u")  # the default stale_tmp_age_s: an hour
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "t", "u"]
+    assert loaded(root, "t")[0] == 2
 
 
 def test_killed_between_renames_loads_the_complete_copy(tmp_path, caplog):

@@ -190,16 +190,17 @@ def remove_in_background(path: Path) -> None:
     except OSError as error:  # deleted under its own name then
         logger.debug("could not rename %s before deleting it: %s", path, error)
         doomed = path
-    thread = threading.Thread(
-        target=shutil.rmtree,
-        args=(doomed,),
-        kwargs={"ignore_errors": True},
-        name=f"flatzero-remove-{doomed.name}",
-    )
+    thread = threading.Thread(target=_remove, args=(doomed,), name=f"flatzero-remove-{doomed.name}")
     with _removals_lock:  # started within: wait_for_removals never joins an unstarted one
         _removals[:] = [t for t in _removals if t.is_alive()]
         thread.start()
         _removals.append(thread)
+
+
+def _remove(path: Path) -> None:
+    """(A removal's thread.) Delete ``path``, whatever fails on the way."""
+    fault_point("removing", 0)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def wait_for_removals() -> None:
