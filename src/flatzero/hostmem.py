@@ -90,8 +90,8 @@ def mapped_host(nbytes: int, *, huge_pages: bool = True) -> torch.Tensor:
     and advised for huge pages (``huge_pages`` and ``nbytes`` of ``_MIN_BYTES`` or more).
 
     For a buffer that is filled again and again (an asynchronous save's snapshot): on the
-    development VM a first copy of 5 GiB into it took 3.8-4.8 s on 2 MiB pages against
-    9.3-14.9 s on 4 KiB pages, and an ``O_DIRECT`` write of it 0.027 CPU-s against 0.12
+    development VM a first copy of 5 GiB into it took 3.8-6.9 s on 2 MiB pages against
+    8.7-14.9 s on 4 KiB pages, and an ``O_DIRECT`` write of it 0.03 CPU-s against 0.12
     (the kernel pins 512 times fewer pages), with less of the training's compute lost
     meanwhile (docs/checkpoints.md)."""
     huge = huge_pages and nbytes >= _MIN_BYTES and _madvise() is not None
