@@ -29,13 +29,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+from .launched import exit_now, report_ranks
 from .procmem import cpu_seconds, peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
 
 __all__ = ["DOORS", "MARKER", "door_config", "main", "must_write_bytes"]
@@ -196,32 +195,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.door == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed's first import
     import torch
-    import torch.distributed as dist
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    try:
+    def measure() -> dict[str, Any]:
         mine = _limit(args) if args.door == "limit" else _door(args)
-        mine |= {
-            "rank": rank,
+        return mine | {
             "threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         }
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, mine)
-        if rank == 0:
-            record = {"door": args.door, "world_size": world, "ranks": gathered}
-            sys.stdout.write(MARKER + json.dumps(record) + "\n")
-            sys.stdout.flush()
-    finally:
-        dist.destroy_process_group()
-    return 0
+
+    return report_ranks(MARKER, args.door, measure)
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip the interpreter's teardown: gloo's and OpenMP's threads sometimes abort it
-    # ("terminate called without an active exception") after the result is out.
-    os._exit(code)
+    exit_now(main())

@@ -31,13 +31,12 @@ import contextlib
 import dataclasses
 import functools
 import io
-import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+from .launched import exit_now, report_ranks
 from .procmem import cpu_seconds, peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
 
 __all__ = ["DOORS", "MARKER", "main", "offload_config"]
@@ -180,25 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed's first import
     import torch
-    import torch.distributed as dist
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        mine = _rank(args) | {"rank": rank, "threads": torch.get_num_threads()}
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, mine)
-        if rank == 0:
-            record = {"door": args.door, "world_size": world, "ranks": gathered}
-            sys.stdout.write(MARKER + json.dumps(record) + "\n")
-            sys.stdout.flush()
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return report_ranks(
+        MARKER, args.door, lambda: _rank(args) | {"threads": torch.get_num_threads()}
+    )
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # gloo's and OpenMP's threads sometimes abort the interpreter's teardown
+    exit_now(main())
