@@ -3,55 +3,24 @@ asynchronous saver allocates (world size 1, in this process), and the plan shows
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from flatzero import FlattenConfig, ZeroOptimizer
-from flatzero.bench.step import MODELS
 from flatzero.checkpoint import SaveConfig, save_checkpoint
 from flatzero.checkpoint.async_save import _snapshots, release_snapshot, wait_for_save
 from flatzero.checkpoint.save import _layout_names
 from flatzero.checkpoint.writer import model_extras
 from flatzero.cli import main
-from flatzero.models import build_model
 from flatzero.plan.memory_model import async_snapshot_bytes
-from flatzero.plan.model_source import ModelSource
-from flatzero.plan.planner import PlanSpec, make_plan
-
-BUCKET = 4096  # elements: several buckets
+from plan_fixtures import OPTIMIZERS, stepped_tiny, tiny_plan
 
 
-@pytest.mark.parametrize(("optimizer", "torch_optimizer", "kwargs"), [
-    ("adamw", torch.optim.AdamW, {}),
-    ("sgd", torch.optim.SGD, {"momentum": 0.9}),
-])  # fmt: skip
+@OPTIMIZERS
 def test_plan_async_snapshot_equals_what_the_saver_allocates(
     tmp_path, optimizer, torch_optimizer, kwargs
 ):
-    config = MODELS["tiny"]()
-    model = build_model(config, device="cpu", dtype=torch.bfloat16, seed=0)
-    opt = ZeroOptimizer(
-        model,
-        torch_optimizer,
-        stage=2,
-        flatten_config=FlattenConfig(bucket_numel=BUCKET, progress=False),
-        lr=1e-3,
-        **kwargs,
-    )
+    config, model, opt = stepped_tiny(torch_optimizer, kwargs)
     try:
-        ids = torch.randint(0, config.vocab_size, (1, 8))
-        model(ids, labels=ids).loss.backward()
-        opt.step()  # the optimizer state exists from the first step on
-        plan = make_plan(
-            PlanSpec(
-                model=ModelSource("tiny", config),
-                gpus_per_node=1,
-                gpu=None,
-                optimizer=optimizer,
-                bucket_numel=BUCKET,
-                async_save=True,
-            )
-        )
+        plan = tiny_plan(config, optimizer, async_save=True)
         assert plan.layout.groups[0].shard_numel == opt.flat.groups[0].layout.shard_numel
         save_checkpoint(tmp_path, opt, tag="a", asynchronous=True)
         wait_for_save(opt)

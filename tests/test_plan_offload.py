@@ -3,49 +3,18 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-
-from flatzero import FlattenConfig, OffloadConfig, ZeroOptimizer
-from flatzero.bench.step import MODELS
+from flatzero import OffloadConfig
 from flatzero.cli import main
-from flatzero.models import build_model
-from flatzero.plan.model_source import ModelSource
-from flatzero.plan.planner import PlanSpec, make_plan
-
-BUCKET = 4096  # elements: several buckets
+from plan_fixtures import OPTIMIZERS, stepped_tiny, tiny_plan
 
 
-@pytest.mark.parametrize(("optimizer", "torch_optimizer", "kwargs"), [
-    ("adamw", torch.optim.AdamW, {}),
-    ("sgd", torch.optim.SGD, {"momentum": 0.9}),
-])  # fmt: skip
+@OPTIMIZERS
 def test_plan_offload_bytes_equal_what_the_optimizer_allocates(optimizer, torch_optimizer, kwargs):
-    config = MODELS["tiny"]()
-    model = build_model(config, device="cpu", dtype=torch.bfloat16, seed=0)
-    opt = ZeroOptimizer(
-        model,
-        torch_optimizer,
-        stage=2,
-        flatten_config=FlattenConfig(bucket_numel=BUCKET, progress=False),
-        offload_optimizer=OffloadConfig(threads=1),
-        lr=1e-3,
-        **kwargs,
+    config, _, opt = stepped_tiny(
+        torch_optimizer, kwargs, offload_optimizer=OffloadConfig(threads=1)
     )
     try:
-        ids = torch.randint(0, config.vocab_size, (1, 8))
-        model(ids, labels=ids).loss.backward()
-        opt.step()  # the optimizer state exists from the first step on
-        plan = make_plan(
-            PlanSpec(
-                model=ModelSource("tiny", config),
-                gpus_per_node=1,
-                gpu=None,
-                optimizer=optimizer,
-                bucket_numel=BUCKET,
-                offload_optimizer=True,
-            )
-        )
+        plan = tiny_plan(config, optimizer, offload_optimizer=True)
         assert plan.layout.groups[0].shard_numel == opt.flat.groups[0].layout.shard_numel
         assert plan.offload_host == opt.offload_host_bytes()
     finally:
