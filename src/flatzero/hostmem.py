@@ -94,11 +94,11 @@ def mapped_host(nbytes: int, *, huge_pages: bool = True) -> torch.Tensor:
     8.7-14.9 s on 4 KiB pages, and an ``O_DIRECT`` write of it 0.03 CPU-s against 0.12
     (the kernel pins 512 times fewer pages), with less of the training's compute lost
     meanwhile (docs/checkpoints.md)."""
-    huge = huge_pages and nbytes >= _MIN_BYTES and _madvise() is not None
+    madvise = _madvise()
+    huge = huge_pages and nbytes >= _MIN_BYTES and madvise is not None
     private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     length = max(1, nbytes + (_HUGE_PAGE if huge else 0))
     raw = torch.frombuffer(mmap.mmap(-1, length, flags=private), dtype=torch.uint8)
-    madvise = _madvise()
     if madvise is not None:  # advice only: failure is harmless
         madvise(raw.data_ptr(), length, _MADV_DONTFORK)
     if not huge:

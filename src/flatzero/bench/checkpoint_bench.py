@@ -329,8 +329,9 @@ def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, A
             continue
         lost_s, base = lost(key, block)
         steps += [b / spec.steps for b in base]
-        paired = [w - b for w, b in zip(slowest(key, "wall_s"), base, strict=True)]
-        around = bracketed(order(key), slowest(key, "wall_s"), baseline(block))
+        walls = slowest(key, "wall_s")
+        paired = [w - b for w, b in zip(walls, base, strict=True)]
+        around = bracketed(order(key), walls, baseline(block))
         low, high, coverage = median_interval(around)
         row = {
             "method": method,
@@ -351,7 +352,7 @@ def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, A
             "lost_s_min": min(lost_s),
             "lost_s_all": lost_s,
             "call_s_all": slowest(key, "call_s"),
-            "wall_s_all": slowest(key, "wall_s"),
+            "wall_s_all": walls,
             "no_save_wall_s_all": base,
             "steps_s_all": slowest_steps(key),
         }

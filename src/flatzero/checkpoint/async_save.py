@@ -155,8 +155,9 @@ class Staging:
         if not self._chunks:
             self.landed.set()
 
-    def _copy_chunks(self) -> None:
-        """Copy chunks no thread has taken yet, one ``memmove`` each (the GIL released)."""
+    def copy_host(self) -> None:
+        """Copy the host chunks no thread has taken yet, one ``memmove`` each (the GIL
+        released): the background thread and the fence both call it."""
         while True:
             with self._lock:
                 if self._taken == len(self._chunks):
@@ -168,10 +169,6 @@ class Staging:
                 self._copied += 1
                 if self._copied == len(self._chunks):
                     self.landed.set()
-
-    def copy_host(self) -> None:
-        """(The background thread.) Copy the host chunks not yet taken."""
-        self._copy_chunks()
 
     def wait_device_copies(self) -> None:
         """Block the calling thread until the device copies have landed (each device made
@@ -187,7 +184,7 @@ class Staging:
         ones being copied."""
         for device, event in self.device_events:
             accel.current_stream(device).wait_event(event)
-        self._copy_chunks()
+        self.copy_host()
         self.landed.wait()  # the chunks the background thread is copying
 
 
