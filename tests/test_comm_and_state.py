@@ -6,14 +6,17 @@ from __future__ import annotations
 import builtins
 import dataclasses
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
+import flatzero.comm as comm
 from flatzero import FlattenConfig
 from flatzero.checkpoint.optimizer_state import capture
-from flatzero.comm import all_gather_buckets_from_own_slices
+from flatzero.comm import all_gather_buckets_from_own_slices, all_gather_into
 from flatzero.control import raise_if_any_failed
 from flatzero.launch import run_ranks
 from flatzero.optim import GroupState, ShardedOptimizerState, ZeroOptimizer
@@ -57,6 +60,59 @@ def test_all_gather_buckets_from_own_slices_fills_every_bucket():
     out = run_ranks(_gather_worker, 2, timeout_s=60)
     expected = [[0.0] * 3 + [1.0] * 3, [10.0] * 3 + [11.0] * 3]
     assert out == [expected, expected]
+
+
+def _broadcast_gather_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """``all_gather_into`` on gloo in host memory, with torch's all-gather made to fail:
+    the whole group (own slice in place, sync and async, a shard that is not a view), a
+    subgroup of every rank but 0 (group ranks differ from global ones), a 2-D output."""
+    out: dict[str, Any] = {}
+    refused = mock.patch.object(comm, "_all_gather_single", side_effect=AssertionError("used"))
+    rest = dist.new_group(list(range(1, world_size)))
+    with refused:
+        for name, async_op in (("sync", False), ("async", True)):
+            bucket = torch.full((5 * world_size,), -1.0, dtype=torch.bfloat16)
+            own = bucket[rank * 5 : (rank + 1) * 5]
+            own.fill_(rank + 1)
+            work = all_gather_into(bucket, own, None, async_op=async_op)
+            if async_op:
+                work.wait()
+            out[name] = bucket.float().tolist()
+        full = torch.zeros(7 * world_size, dtype=torch.float32)
+        all_gather_into(full, torch.full((7,), 10.0 + rank), None)
+        out["copied"] = full.tolist()
+        grid = torch.zeros(world_size, 3, dtype=torch.float64)
+        all_gather_into(grid, torch.full((3,), float(rank), dtype=torch.float64), None)
+        out["2d"] = grid.tolist()
+        if rank > 0:
+            sub = torch.zeros(4 * (world_size - 1), dtype=torch.int64)
+            all_gather_into(sub, torch.full((4,), rank), rest, async_op=True).wait()
+            out["rest"] = sub.tolist()
+    # A strided output is not the broadcasts' to fill: torch's all-gather takes it.
+    strided = torch.zeros(2 * world_size, 2)[:, 0]
+    out["strided_refused"] = False
+    try:
+        with refused:
+            all_gather_into(strided, torch.full((2,), float(rank)), None)
+    except AssertionError:
+        out["strided_refused"] = True
+    return out
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_all_gather_on_gloo_is_in_place_broadcasts(world_size):
+    """gloo's all-gather stages the whole output in a temporary (one more bucket of host
+    memory per call, and a copy): on host memory ``all_gather_into`` broadcasts each rank's
+    slice in place instead, with the same result."""
+    for rank, out in enumerate(run_ranks(_broadcast_gather_worker, world_size, timeout_s=90)):
+        ranks = range(world_size)
+        expected = [float(r + 1) for r in ranks for _ in range(5)]
+        assert out["sync"] == expected and out["async"] == expected, rank
+        assert out["copied"] == [10.0 + r for r in ranks for _ in range(7)], rank
+        assert out["2d"] == [[float(r)] * 3 for r in ranks], rank
+        if rank > 0:
+            assert out["rest"] == [r for r in ranks[1:] for _ in range(4)], rank
+        assert out["strided_refused"], rank
 
 
 def _optimizer() -> tuple[nn.Module, ZeroOptimizer]:

@@ -549,6 +549,17 @@ def test_calibration_sizes_are_the_jobs_bucket_and_master_shard():
     }
 
 
+def test_without_an_accelerator_deepspeed_concatenates_in_host_memory():
+    """On CPUs only DeepSpeed's device path is its CPU accelerator's: the reason says so
+    (no free device memory figure to compare)."""
+    plan = make_plan(
+        PlanSpec(model=_source("llama"), gpus_per_node=2, gpu=None, bucket_numel=BUCKET)
+    )
+    path, why = plan.deepspeed_019
+    assert path == "deepspeed_device"
+    assert why.startswith("no accelerator") and "GiB free" not in why
+
+
 def _plan_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -287,8 +287,13 @@ def _deepspeed_methods(
     ws = spec.world_size
     work = _work(layout)
     flat = max(deepspeed_padded_numel(n, ws) for n in numels) * elt
-    free = 2**62 if spec.gpu is None else _free(spec, work.param_bytes)
-    path, why = deepspeed_path(free, flat)
+    if spec.gpu is None:
+        path, why = (
+            "deepspeed_device",
+            ("no accelerator (DS_ACCELERATOR=cpu): torch.cat in host memory, peak 2x the model"),
+        )
+    else:
+        path, why = deepspeed_path(_free(spec, work.param_bytes), flat)
     placement = 0.0
     if spec.gpu is not None and spec.params_on != "device":
         placement = placement_time(work.param_bytes, rates)

@@ -1,0 +1,108 @@
+"""gloo's all-gather against one in-place broadcast per rank, in host memory.
+
+Each rank holds ``BUCKETS`` bf16 buckets of ``2**26`` elements (128 MiB) and fills its
+own slice; then, alternating the two ways ``REPEATS`` times in one launch, all buckets
+are gathered asynchronously as a step's end does (``comm.all_gather_buckets_from_own_slices``):
+- ``all_gather_into_tensor``: torch's gloo all-gather of each bucket;
+- ``broadcasts``: ``comm.all_gather_into``'s path on gloo, each rank's slice broadcast in
+  place from its owner.
+Per way: the slowest rank's seconds, and rank 0's resident-set high-water mark above the
+resident set before (heap trimmed, mark reset; ``/proc/self/status``). Every result is
+checked against the expected values. Run it under torchrun:
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 \
+        benchmarks/probes/gloo_all_gather.py
+
+Prints a table and one JSON line.
+"""
+
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from flatzero.bench.procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
+from flatzero.comm import all_gather_into
+
+BUCKETS = 5
+NUMEL = 2**26
+REPEATS = 4
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    numel = NUMEL - NUMEL % world
+    piece = numel // world
+    buckets = [torch.zeros(numel, dtype=torch.bfloat16) for _ in range(BUCKETS)]
+    own = [b[rank * piece : (rank + 1) * piece] for b in buckets]
+
+    def torch_gather() -> list:
+        pairs = zip(buckets, own, strict=True)
+        return [dist.all_gather_into_tensor(b, o, async_op=True) for b, o in pairs]
+
+    def broadcasts() -> list:
+        pairs = zip(buckets, own, strict=True)
+        return [all_gather_into(b, o, None, async_op=True) for b, o in pairs]
+
+    ways = {"all_gather_into_tensor": torch_gather, "broadcasts": broadcasts}
+    seconds: dict[str, list[float]] = {name: [] for name in ways}
+    peaks: dict[str, list[int]] = {name: [] for name in ways}
+    for repeat in range(REPEATS):
+        for name, launch in ways.items():
+            for b in buckets:
+                b.zero_()
+            for o in own:
+                o.fill_(rank + 1 + repeat)
+            trim_host_memory()
+            dist.barrier()
+            reset_peak_rss()
+            before = rss_bytes()
+            t0 = time.perf_counter()
+            for work in launch():
+                work.wait()
+            elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+            peaks[name].append(peak_rss_bytes() - before)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            seconds[name].append(float(elapsed))
+            expected = torch.arange(1, world + 1).repeat_interleave(piece) + repeat
+            for b in buckets:
+                if not torch.equal(b, expected.to(torch.bfloat16)):
+                    raise AssertionError(f"{name} gathered wrong values")
+    if rank == 0:
+        mib = 2**20
+        print(
+            f"{world} ranks, {BUCKETS} bf16 buckets of {numel * 2 / mib:.0f} MiB, "
+            f"{REPEATS} alternations"
+        )
+        print(f"{'way':<24} {'seconds (median)':>16} {'all':>28} {'peak RSS + MiB (max)':>21}")
+        for name in ways:
+            runs = " ".join(f"{s:.3f}" for s in seconds[name])
+            print(
+                f"{name:<24} {statistics.median(seconds[name]):>16.3f} {runs:>28} "
+                f"{max(peaks[name]) / mib:>21.0f}"
+            )
+        ratio = statistics.median(seconds["broadcasts"]) / statistics.median(
+            seconds["all_gather_into_tensor"]
+        )
+        print(f"broadcasts / all_gather_into_tensor: {ratio:.3f}x")
+        print(
+            json.dumps(
+                {
+                    "probe": "gloo_all_gather",
+                    "world_size": world,
+                    "bucket_bytes": numel * 2,
+                    "buckets": BUCKETS,
+                    "seconds": seconds,
+                    "peak_rss_gain_bytes": peaks,
+                    "broadcasts_over_all_gather": ratio,
+                }
+            )
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
