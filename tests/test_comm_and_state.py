@@ -84,22 +84,42 @@ def _broadcast_gather_worker(rank: int, world_size: int) -> dict[str, Any]:
         grid = torch.zeros(world_size, 3, dtype=torch.float64)
         all_gather_into(grid, torch.full((3,), float(rank), dtype=torch.float64), None)
         out["2d"] = grid.tolist()
-        if rank > 0:
+        if rank > 0 and world_size > 2:
             sub = torch.zeros(4 * (world_size - 1), dtype=torch.int64)
             all_gather_into(sub, torch.full((4,), rank), rest, async_op=True).wait()
             out["rest"] = sub.tolist()
-    # A strided output is not the broadcasts' to fill: torch's all-gather takes it.
-    strided = torch.zeros(2 * world_size, 2)[:, 0]
-    out["strided_refused"] = False
+    # One broadcast per rank, in place: nothing else is issued.
+    broadcasts = []
+    original = dist.broadcast
+
+    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        broadcasts.append(tensor.data_ptr())
+        return original(tensor, *args, **kwargs)
+
+    bucket = torch.zeros(3 * world_size)
+    with refused, mock.patch.object(dist, "broadcast", counted):
+        all_gather_into(bucket, bucket[rank * 3 : (rank + 1) * 3], None)
+    out["broadcast_ptrs"] = [p - bucket.data_ptr() for p in broadcasts]
+    # A strided output or shards of another dtype are not the broadcasts' to fill:
+    # torch's all-gather takes them.
+    out["refused"] = []
+    for name, output, shard in (
+        ("strided", torch.zeros(2 * world_size, 2)[:, 0], torch.full((2,), float(rank))),
+        ("dtype", torch.zeros(2 * world_size), torch.full((2,), rank, dtype=torch.float64)),
+    ):
+        try:
+            with refused:
+                all_gather_into(output, shard, None)
+        except AssertionError:
+            out["refused"].append(name)
     try:
-        with refused:
-            all_gather_into(strided, torch.full((2,), float(rank)), None)
-    except AssertionError:
-        out["strided_refused"] = True
+        all_gather_into(torch.zeros(5), torch.zeros(2), None)
+    except ValueError as e:
+        out["unequal"] = str(e)
     return out
 
 
-@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_all_gather_on_gloo_is_in_place_broadcasts(world_size):
     """gloo's all-gather stages the whole output in a temporary (one more bucket of host
     memory per call, and a copy): on host memory ``all_gather_into`` broadcasts each rank's
@@ -110,9 +130,11 @@ def test_all_gather_on_gloo_is_in_place_broadcasts(world_size):
         assert out["sync"] == expected and out["async"] == expected, rank
         assert out["copied"] == [10.0 + r for r in ranks for _ in range(7)], rank
         assert out["2d"] == [[float(r)] * 3 for r in ranks], rank
-        if rank > 0:
+        if rank > 0 and world_size > 2:
             assert out["rest"] == [r for r in ranks[1:] for _ in range(4)], rank
-        assert out["strided_refused"], rank
+        assert out["broadcast_ptrs"] == [3 * 4 * r for r in ranks], rank  # float32 pieces
+        assert out["refused"] == ["strided", "dtype"], rank
+        assert "not " + str(world_size) + " ranks x 2" in out["unequal"], rank
 
 
 def _optimizer() -> tuple[nn.Module, ZeroOptimizer]:

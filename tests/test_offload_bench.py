@@ -60,6 +60,7 @@ def test_offload_init_and_memory_figures_from_launch_records():
             "peak_rss_bytes": 10**9 + 2 * gain, "optimizer": door, "inner_optimizer": "x",
             "model_bytes": 2 * 10**6,
             "offload_host_bytes": {"master": 1, "grads": 1, "state": 2, "pinned": 0},
+            "held_gradient_peak_bytes": 2**19,
         }  # fmt: skip
         if phases:  # each phase's high-water mark, per step
             rank["peak_rss_phase_bytes"] = {
@@ -79,11 +80,15 @@ def test_offload_init_and_memory_figures_from_launch_records():
     (row,) = memory["rows"]
     assert row["rss_gain_bytes"] == 2**20 and row["launches"] == 2
     assert row["formula"]["total"] == row["formula"]["master"] * 4  # AdamW: 4 + 8 + 4 bytes
-    assert "RSS / plan" in offload_bench._memory_table(memory)
+    assert "less held / exp" in offload_bench._memory_table(memory)
     formula = row["formula"]["total"]
+    expected = formula + row["other_bytes"]
     assert row["phase_peak_gain_bytes"] == {"forward": 2**20, "backward": 3 * 2**20, "step": 2**21}
     assert row["step_peak_over_formula"] == 2**21 / formula
     assert row["backward_peak_over_formula"] == 3 * 2**20 / formula
+    assert row["backward_peak_over_formula_plus_other"] == 3 * 2**20 / expected
+    assert row["held_gradient_peak_bytes"] == 2**19
+    assert row["backward_peak_less_held_over_formula_plus_other"] == (3 * 2**20 - 2**19) / expected
     # launch records from before the phases were recorded: the whole-span peak alone
     old = [launch(d, 0, s, 2**20, phases=False) for d, s in (("flatzero", 1.0),)]
     (row,) = offload_bench._memory(args, {"launches": old}, None)["rows"]

@@ -17,13 +17,16 @@ Prints a table and one JSON line.
 """
 
 import json
+import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
+from flatzero.bench.machine import describe_host
 from flatzero.bench.procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
+from flatzero.bench.provenance import utc_timestamp
 from flatzero.comm import all_gather_into
 
 BUCKETS = 5
@@ -32,6 +35,8 @@ REPEATS = 4
 
 
 def main() -> None:
+    load_before = os.getloadavg()
+    date = utc_timestamp()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     numel = NUMEL - NUMEL % world
@@ -92,6 +97,10 @@ def main() -> None:
             json.dumps(
                 {
                     "probe": "gloo_all_gather",
+                    "command": "python -m torch.distributed.run --standalone "
+                    f"--nproc-per-node {world} benchmarks/probes/gloo_all_gather.py",
+                    "date": date,
+                    "machine": describe_host(load_before),
                     "world_size": world,
                     "bucket_bytes": numel * 2,
                     "buckets": BUCKETS,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .devices import collective_device
+from .devices import backend_of, collective_device, device_backends
 
 __all__ = [
     "all_gather_buckets_from_own_slices",
@@ -150,13 +150,9 @@ class _Works:
 
 
 def _host_collectives_on_gloo(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
-    """Whether ``tensor`` is in host memory and ``group`` runs host collectives on gloo
-    (``get_backend_config``: ``"gloo"`` or ``"cpu:gloo,cuda:nccl"``)."""
-    if tensor.device.type != "cpu":
-        return False
-    config = dist.get_backend_config(group)
-    backends = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
-    return backends.get("cpu", config) == "gloo"
+    """Whether ``tensor`` is in host memory and gloo runs ``group``'s host collectives
+    (``"gloo"``, ``"cpu:gloo,cuda:nccl"``, ...: ``devices.device_backends``)."""
+    return tensor.device.type == "cpu" and device_backends(backend_of(group)).get("cpu") == "gloo"
 
 
 def _all_gather_by_broadcasts(
@@ -166,9 +162,8 @@ def _all_gather_by_broadcasts(
     ``output`` in place: gloo's all-gather receives into a temporary as large as
     ``output`` and then copies it out, so every call costs one more ``output`` of host
     memory (two in flight on gloo's two threads) and a copy of it; the broadcasts move
-    the same bytes with neither (2.5-3.5x faster for five 128 MiB buckets on 2 and 3
-    ranks, ``benchmarks/probes/gloo_all_gather.py``)."""
-    pieces = output.view(-1).split(shard.numel())
+    the same bytes with neither (``benchmarks/probes/gloo_all_gather.py``)."""
+    pieces = output.view(world_size_of(group), -1).unbind(0)
     own = pieces[rank_of(group)]
     if shard.data_ptr() != own.data_ptr():
         own.copy_(shard.reshape(-1))
@@ -187,16 +182,32 @@ def all_gather_into(
 ):
     """All-gather equal ``shard``s into ``output`` (``shard`` may be a view of ``output``'s
     own slice): rank ``r``'s ``shard`` lands in the ``r``-th ``shard.numel()`` elements.
-    With ``async_op``, returns a work with ``wait()`` (None at world size 1)."""
-    if world_size_of(group) == 1:
+    With ``async_op``, returns a work with ``wait()`` (None at world size 1).
+
+    Host tensors on gloo are gathered by in-place broadcasts (``_all_gather_by_broadcasts``)
+    when ``output`` and ``shard`` are contiguous and of one dtype, else by torch's
+    all-gather, as device tensors always are.
+
+    Raises:
+        ValueError: ``output`` does not hold exactly world size ``shard``s.
+    """
+    world = world_size_of(group)
+    if world == 1:
         if shard.data_ptr() != output.data_ptr():
             output.copy_(shard)
         return None
+    if world > 1 and output.numel() != world * shard.numel():
+        raise ValueError(
+            f"all_gather_into: the output holds {output.numel()} elements, not {world} ranks "
+            f"x {shard.numel()} (the shard): every rank must pass equal shards"
+        )
     if (
-        _host_collectives_on_gloo(output, group)
+        world > 1
+        and shard.numel() > 0
         and output.is_contiguous()
+        and shard.is_contiguous()
         and shard.dtype == output.dtype
-        and shard.numel() * world_size_of(group) == output.numel()
+        and _host_collectives_on_gloo(output, group)
     ):
         return _all_gather_by_broadcasts(output, shard, group, async_op)
     return _all_gather_single(output, shard, group=group, async_op=async_op)

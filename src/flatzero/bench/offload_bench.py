@@ -451,7 +451,9 @@ def _memory(
             else None
         )
         allocated = [r["offload_host_bytes"] for r in ranks]
+        held = statistics.median(r.get("held_gradient_peak_bytes", 0) for r in ranks)
         gain = statistics.median(gains)
+        expected = formula.total + other
         rows.append(
             {
                 "world_size": ws,
@@ -464,7 +466,7 @@ def _memory(
                 "rss_gain_bytes_all": gains,
                 "peak_gain_bytes": statistics.median(peaks),
                 "rss_over_formula": gain / formula.total,
-                "rss_over_formula_plus_other": gain / (formula.total + other),
+                "rss_over_formula_plus_other": gain / expected,
                 "peak_over_formula": statistics.median(peaks) / formula.total,
                 "phase_peak_gain_bytes": phase_peaks,
                 **{
@@ -473,6 +475,16 @@ def _memory(
                     else None
                     for phase in ("step", "backward")
                 },
+                **{
+                    f"{phase}_peak_over_formula_plus_other": phase_peaks[phase] / expected
+                    if phase_peaks
+                    else None
+                    for phase in ("step", "backward")
+                },
+                "held_gradient_peak_bytes": held,
+                "backward_peak_less_held_over_formula_plus_other": (
+                    (phase_peaks["backward"] - held) / expected if phase_peaks else None
+                ),
                 "launches": len(mine),
             }
         )
@@ -482,9 +494,9 @@ def _memory(
 def _memory_table(part: dict[str, Any]) -> str:
     gib = 2**30
     head = (
-        f"{'ranks':>5} {'plan: master + state + grads = total GiB':>42} {'allocated GiB':>13} "
-        f"{'RSS +GiB':>8} {'RSS / plan':>10} {'step peak +GiB':>14} {'/ plan':>6} "
-        f"{'backward peak +GiB':>18} {'/ plan':>6}"
+        f"{'ranks':>5} {'plan: master + state + grads = total GiB':>42} {'+ other':>7} "
+        f"{'allocated':>9} {'RSS +GiB':>8} {'/ exp':>6} {'step peak +':>11} {'/ exp':>6} "
+        f"{'backward peak +':>15} {'/ exp':>6} {'held grads':>10} {'less held / exp':>15}"
     )
     lines = [head, "-" * len(head)]
     for r in part["rows"]:
@@ -495,22 +507,28 @@ def _memory_table(part: dict[str, Any]) -> str:
         )
         phase = r.get("phase_peak_gain_bytes")
         peaks = (
-            f"{phase['step'] / gib:>14.2f} {r['step_peak_over_formula']:>6.3f} "
-            f"{phase['backward'] / gib:>18.2f} {r['backward_peak_over_formula']:>6.3f}"
+            f"{phase['step'] / gib:>11.2f} {r['step_peak_over_formula_plus_other']:>6.3f} "
+            f"{phase['backward'] / gib:>15.2f} {r['backward_peak_over_formula_plus_other']:>6.3f} "
+            f"{r['held_gradient_peak_bytes'] / gib:>10.2f} "
+            f"{r['backward_peak_less_held_over_formula_plus_other']:>15.3f}"
             if phase
-            else f"{r['peak_gain_bytes'] / gib:>14.2f} {r['peak_over_formula']:>6.3f} "
-            f"{'(whole span: no phases recorded)':>25}"
+            else f"{r['peak_gain_bytes'] / gib:>11.2f} (whole span: no phases recorded)"
         )
         lines.append(
-            f"{r['world_size']:>5} {plan:>42} {r['allocated']['total'] / gib:>13.2f} "
-            f"{r['rss_gain_bytes'] / gib:>8.2f} {r['rss_over_formula']:>10.3f} {peaks}"
+            f"{r['world_size']:>5} {plan:>42} {r['other_bytes'] / gib:>7.2f} "
+            f"{r['allocated']['total'] / gib:>9.2f} {r['rss_gain_bytes'] / gib:>8.2f} "
+            f"{r['rss_over_formula_plus_other']:>6.3f} {peaks}"
         )
     lines.append(
-        "RSS +: a rank's resident set after its steps (gc + malloc_trim) minus before "
-        "flatzero.initialize (the model built); step / backward peak +: the high-water mark "
-        "of the steps' optimizer step (offload's host memory all live) / backward phases "
-        "(with the autograd temporaries of the model's own compute, host memory on a "
-        "machine without an accelerator) minus the same; median over launches and ranks"
+        "GiB per rank. plan: flatzero plan's offload host bytes; + other: the reducer's "
+        "staging slots and the buckets' padding (device memory, here host memory too); "
+        "exp: plan + other. RSS +: a rank's resident set after its steps (gc + malloc_trim) "
+        "minus before flatzero.initialize (the model built); step / backward peak +: the "
+        "high-water mark of the steps' optimizer step (offload's host memory all live) / "
+        "backward phases (with the memory of the model's own compute, host memory on a "
+        "machine without an accelerator) minus the same; held grads: the most bytes of "
+        "autograd's gradients the reducer held waiting for their chunks "
+        "(ZeroOptimizer.held_gradient_peak_bytes); median over launches and ranks"
     )
     return "\n".join(lines)
 

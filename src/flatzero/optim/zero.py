@@ -346,6 +346,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         buffers = {t.data_ptr(): t.nbytes for t in [*self._grads, *self.flat_grad_buffers]}
         return sum(buffers.values()) + self._reducer.staging_bytes
 
+    def held_gradient_peak_bytes(self) -> int:
+        """Most bytes of autograd's own gradients this rank held at once, each waiting for
+        the last gradient of its reduction chunk (stage 2 over several ranks, since the
+        optimizer was built; 0 where gradients are written on arrival). Device memory,
+        beside ``gradient_bytes()``: host memory on a machine without an accelerator."""
+        return int(getattr(self._reducer, "held_peak", 0))
+
     # ---------------------------------------------------------------------- the step
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale (fp16); ``loss`` itself without loss scaling."""
