@@ -30,3 +30,21 @@ def test_plan_shows_offload_host_memory_only_when_asked(capsys):
     # 0.426B params over 2 ranks: 4 B master + 8 B AdamW state + 4 B gradient a shard element.
     assert "optimizer offload (offload_optimizer: cpu)" in text
     assert "peak per rank                    3.18" in text
+
+
+def test_plan_adds_autograd_largest_gradient_in_backward(capsys):
+    """The backward moment ``flatzero plan`` adds is the largest gradient autograd makes for
+    the model (in the params' dtype), as a plain backward pass shows."""
+    import torch
+
+    from flatzero.bench.step import MODELS
+    from flatzero.models import build_model
+
+    config = MODELS["tiny"]()
+    model = build_model(config, device="cpu", dtype=torch.bfloat16, seed=0)
+    ids = torch.randint(0, config.vocab_size, (1, 8))
+    model(ids, labels=ids).loss.backward()
+    largest = max(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+    assert tiny_plan(config, "adamw").largest_gradient == largest
+    assert main(["plan", "--model", "llama-0.4b", "--gpu", "none"]) == 0
+    assert "+ in backward, a moment          0.24" in capsys.readouterr().out  # lm_head

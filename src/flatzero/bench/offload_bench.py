@@ -482,8 +482,11 @@ def _memory(
                     for phase in ("step", "backward")
                 },
                 "held_gradient_peak_bytes": held,
-                "backward_peak_less_held_over_formula_plus_other": (
-                    (phase_peaks["backward"] - held) / expected if phase_peaks else None
+                "largest_gradient_bytes": plan.largest_gradient,
+                "backward_peak_over_plan": (
+                    phase_peaks["backward"] / (expected + plan.largest_gradient)
+                    if phase_peaks
+                    else None
                 ),
                 "launches": len(mine),
             }
@@ -496,7 +499,8 @@ def _memory_table(part: dict[str, Any]) -> str:
     head = (
         f"{'ranks':>5} {'plan: master + state + grads = total GiB':>42} {'+ other':>7} "
         f"{'allocated':>9} {'RSS +GiB':>8} {'/ exp':>6} {'step peak +':>11} {'/ exp':>6} "
-        f"{'backward peak +':>15} {'/ exp':>6} {'held grads':>10} {'less held / exp':>15}"
+        f"{'backward peak +':>15} {'/ exp':>6} {'held':>5} {'+ largest grad':>14} "
+        f"{'/ exp + lg':>10}"
     )
     lines = [head, "-" * len(head)]
     for r in part["rows"]:
@@ -509,8 +513,8 @@ def _memory_table(part: dict[str, Any]) -> str:
         peaks = (
             f"{phase['step'] / gib:>11.2f} {r['step_peak_over_formula_plus_other']:>6.3f} "
             f"{phase['backward'] / gib:>15.2f} {r['backward_peak_over_formula_plus_other']:>6.3f} "
-            f"{r['held_gradient_peak_bytes'] / gib:>10.2f} "
-            f"{r['backward_peak_less_held_over_formula_plus_other']:>15.3f}"
+            f"{r['held_gradient_peak_bytes'] / gib:>5.2f} "
+            f"{r['largest_gradient_bytes'] / gib:>14.2f} {r['backward_peak_over_plan']:>10.3f}"
             if phase
             else f"{r['peak_gain_bytes'] / gib:>11.2f} (whole span: no phases recorded)"
         )
@@ -526,9 +530,11 @@ def _memory_table(part: dict[str, Any]) -> str:
         "minus before flatzero.initialize (the model built); step / backward peak +: the "
         "high-water mark of the steps' optimizer step (offload's host memory all live) / "
         "backward phases (with the memory of the model's own compute, host memory on a "
-        "machine without an accelerator) minus the same; held grads: the most bytes of "
-        "autograd's gradients the reducer held waiting for their chunks "
-        "(ZeroOptimizer.held_gradient_peak_bytes); median over launches and ranks"
+        "machine without an accelerator) minus the same; held: the most bytes of "
+        "autograd's gradients the reducer held at once (ZeroOptimizer."
+        "held_gradient_peak_bytes); + largest grad: what flatzero plan adds in backward, "
+        "autograd's largest gradient (made whole before the reducer copies it out); "
+        "median over launches and ranks"
     )
     return "\n".join(lines)
 

@@ -40,6 +40,7 @@ __all__ = [
     "deepspeed_init_memory",
     "flatzero_init_memory",
     "itemsize",
+    "largest_gradient_bytes",
     "model_states",
     "offload_host_memory",
     "staging_bytes",
@@ -211,6 +212,16 @@ def model_states(
         grad_flat=flat,
         grad_staging=staging,
         optimizer=tensors * shard + scalars * _SCALAR_BYTES * len(layout.groups),
+    )
+
+
+def largest_gradient_bytes(layout: Layout) -> int:
+    """Bytes of the largest trainable param's gradient, in its dtype: autograd makes each
+    gradient whole before the reducer's hook copies it out and frees it, so backward
+    holds at least the largest one for a moment beside the model states (device memory;
+    host memory on a machine without an accelerator). Activations are not counted."""
+    return max(
+        (slot.numel * itemsize(g.dtype) for g in layout.groups for slot in g.slots), default=0
     )
 
 

@@ -25,6 +25,7 @@ from .memory_model import (
     deepspeed_init_memory,
     flatzero_init_memory,
     itemsize,
+    largest_gradient_bytes,
     model_states,
     offload_host_memory,
 )
@@ -198,6 +199,8 @@ class Plan:
             holds no master shard nor optimizer state where a GPU holds the rest.
         async_snapshot: host bytes per rank an asynchronous save keeps
             (``memory_model.async_snapshot_bytes``), whether ``spec.async_save`` or not.
+        largest_gradient: bytes of the largest param's gradient, which backward holds for a
+            moment beside ``states`` (``memory_model.largest_gradient_bytes``).
     """
 
     spec: PlanSpec
@@ -213,6 +216,7 @@ class Plan:
     host_ram_bytes: int
     offload_host: OffloadHostBytes | None = None
     async_snapshot: int = 0
+    largest_gradient: int = 0
 
 
 def tiers_for(spec: PlanSpec) -> tuple[str, ...]:
@@ -462,4 +466,5 @@ def make_plan(spec: PlanSpec) -> Plan:
         host_ram_bytes=spec.host_ram_bytes or spec.host.memory_bytes,
         offload_host=offload_host,
         async_snapshot=async_snapshot_bytes(layout, optimizer=spec.optimizer),
+        largest_gradient=largest_gradient_bytes(layout),
     )

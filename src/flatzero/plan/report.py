@@ -60,6 +60,8 @@ def _memory_lines(plan: Plan) -> list[str]:
         f"  fp32 master shard          {_gib(s.master):>10}",
         f"  optimizer ({spec.optimizer:<8})       {_gib(s.optimizer):>10}",
         f"  model states               {_gib(s.total):>10}   on {where}",
+        f"  + in backward, a moment    {_gib(plan.largest_gradient):>10}   (autograd's largest "
+        "gradient, made whole before the reducer copies it out; activations not counted)",
     ]
     if spec.gpu is not None:
         fits = "fit" if s.total <= plan.free_bytes else "DO NOT FIT"
@@ -245,6 +247,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "total": plan.states.total,
         },
         "async_save_snapshot_bytes": plan.async_snapshot,
+        "largest_gradient_bytes": plan.largest_gradient,
         "free_bytes": plan.free_bytes,
         "auto": dataclasses.asdict(plan.decision),
         "deepspeed_019": {"path": plan.deepspeed_019[0], "reason": plan.deepspeed_019[1]},
