@@ -4,7 +4,9 @@ Usage: python benchmarks/plot_offload.py OUT.png RESULT.json [RESULT.json ...]
 
 kernel: ms per AdamW step per method and thread count; step: ms per whole step per method
 and world size; init: init seconds per door and world size (median over launches, the
-launches as dots).
+launches as dots); memory: per world size, what the plan states (offload's host bytes,
+the staging and padding, backward's moment: autograd's largest gradient) stacked, beside
+the resident set measured settled and at the step's and backward's peaks.
 """
 
 from __future__ import annotations
@@ -87,12 +89,46 @@ def _init(ax, part: dict) -> None:
     ax.set_title(f"init with offload, {part['model']}", fontsize=9)
 
 
+def _memory(ax, part: dict) -> None:
+    gib = 2**30
+    rows = part["rows"]
+    xs = range(len(rows))
+    plan = [r["formula"]["total"] / gib for r in rows]
+    other = [r["other_bytes"] / gib for r in rows]
+    moment = [r.get("largest_gradient_bytes", 0) / gib for r in rows]
+    ax.bar([x - 0.3 for x in xs], plan, 0.2, label="plan: offload host bytes")
+    ax.bar([x - 0.3 for x in xs], other, 0.2, bottom=plan, label="+ staging, padding")
+    below = [a + b for a, b in zip(plan, other, strict=True)]
+    ax.bar([x - 0.3 for x in xs], moment, 0.2, bottom=below, label="+ backward's moment")
+    phases = [("settled", lambda r: r["rss_gain_bytes"])] + [
+        (f"{p} peak", lambda r, p=p: r["phase_peak_gain_bytes"][p]) for p in ("step", "backward")
+    ]
+    for i, (name, value) in enumerate(phases):
+        bars = ax.bar([x - 0.1 + 0.2 * i for x in xs], [value(r) / gib for r in rows], 0.2,
+                      label=f"RSS {name}")  # fmt: skip
+        ax.bar_label(bars, fmt="%.2f", fontsize=6)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([f"{r['world_size']} rank(s)" for r in rows])
+    ax.set_ylabel("GiB per rank")
+    ax.legend(fontsize=6)
+    ax.set_title(f"host memory with offload, {part['model']}", fontsize=9)
+
+
 def main(out: str, paths: list[str]) -> None:
     parts = []
     for path in paths:
         with open(path) as f:
             result = json.load(f)
-        for name, draw in (("kernel", _kernel), ("step", _step), ("init", _init)):
+        for name, draw in (
+            ("kernel", _kernel),
+            ("step", _step),
+            ("init", _init),
+            ("memory", _memory),
+        ):
+            if name == "memory" and not all(
+                r.get("phase_peak_gain_bytes") for r in result.get(name, {}).get("rows", [{}])
+            ):
+                continue  # recorded before the phases were: nothing to draw per phase
             if name in result:
                 parts.append((draw, result[name]))
     fig, axes = plt.subplots(1, len(parts), figsize=(4.2 * len(parts), 3.8), squeeze=False)
