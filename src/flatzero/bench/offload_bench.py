@@ -411,7 +411,16 @@ def _memory(
     args: argparse.Namespace, init: dict[str, Any] | None, ext_dir: str | None
 ) -> dict[str, Any]:
     """The ``memory`` part: per world size, the plan's formula against the bytes flatzero's
-    optimizer allocated and the RSS its launches gained (median over launches)."""
+    optimizer allocated and the RSS its launches gained (median over launches).
+
+    Each row's ratios: ``*_over_formula`` to the offload host bytes alone;
+    ``*_over_formula_plus_other`` to those plus ``other_bytes`` (the reducer's staging
+    slots and the buckets' padding, which the plan counts with the device's model states:
+    host memory here); ``backward_peak_over_plan`` to everything ``flatzero plan`` states
+    the rank holds in backward, i.e. also ``largest_gradient_bytes`` (autograd's largest
+    gradient, ``memory_model.largest_gradient_bytes``). ``held_gradient_peak_bytes``: the
+    reducer's own record of the most gradient bytes it held at once
+    (``ZeroOptimizer.held_gradient_peak_bytes``)."""
     from ..plan.memory_model import offload_host_memory
     from ..plan.model_source import resolve_model
     from ..plan.planner import PlanSpec, make_plan

@@ -163,7 +163,7 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
         zero = getattr(engine, "optimizer", optimizer)
         host = getattr(zero, "offload_host_bytes", lambda: None)()
         out["offload_host_bytes"] = None if host is None else dataclasses.asdict(host)
-        out["held_gradient_peak_bytes"] = getattr(zero, "held_gradient_peak_bytes", int)()
+        out["held_gradient_peak_bytes"] = zero.held_gradient_peak_bytes()
         out["inner_optimizer"] = type(getattr(zero, "inner", zero)).__name__
         report = getattr(engine, "init_report", None)
         if report is not None:

@@ -217,9 +217,15 @@ def model_states(
 
 def largest_gradient_bytes(layout: Layout) -> int:
     """Bytes of the largest trainable param's gradient, in its dtype: autograd makes each
-    gradient whole before the reducer's hook copies it out and frees it, so backward
-    holds at least the largest one for a moment beside the model states (device memory;
-    host memory on a machine without an accelerator). Activations are not counted."""
+    gradient whole before flatzero takes it (stage 2: the reducer's hook copies it out and
+    frees it; stage 1: it is added into the param's view of the flat gradient buffer), so
+    backward holds at least the largest one for a moment beside the model states (device
+    memory; host memory on a machine without an accelerator).
+
+    A lower bound: a tied param's gradient lives from its first use's backward to its
+    last one's and is summed there, and a fused expert tensor's backward stacks its
+    experts' gradients, so either can hold about twice its size for a moment.
+    Activations are not counted."""
     return max(
         (slot.numel * itemsize(g.dtype) for g in layout.groups for slot in g.slots), default=0
     )

@@ -200,7 +200,7 @@ class Plan:
         async_snapshot: host bytes per rank an asynchronous save keeps
             (``memory_model.async_snapshot_bytes``), whether ``spec.async_save`` or not.
         largest_gradient: bytes of the largest param's gradient, which backward holds for a
-            moment beside ``states`` (``memory_model.largest_gradient_bytes``).
+            moment beside ``states``, at least (``memory_model.largest_gradient_bytes``).
     """
 
     spec: PlanSpec

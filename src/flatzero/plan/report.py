@@ -61,14 +61,14 @@ def _memory_lines(plan: Plan) -> list[str]:
         f"  optimizer ({spec.optimizer:<8})       {_gib(s.optimizer):>10}",
         f"  model states               {_gib(s.total):>10}   on {where}",
         f"  + in backward, a moment    {_gib(plan.largest_gradient):>10}   (autograd's largest "
-        "gradient, made whole before the reducer copies it out; activations not counted)",
+        "gradient, at least)",
     ]
     if spec.gpu is not None:
-        fits = "fit" if s.total <= plan.free_bytes else "DO NOT FIT"
+        fits = "fit" if s.total + plan.largest_gradient <= plan.free_bytes else "DO NOT FIT"
         lines.append(
             f"  free at init               {_gib(plan.free_bytes):>10}   of "
             f"{_gib(spec.gpu.memory_bytes)} ({_gib(spec.reserved_bytes)} reserved): model "
-            f"states {fits} (activations not counted)"
+            f"states and that gradient {fits} (activations not counted)"
         )
     return lines
 
