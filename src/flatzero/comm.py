@@ -20,6 +20,7 @@ __all__ = [
     "all_reduce_min",
     "check_same_everywhere",
     "describe_differences",
+    "on_host_gloo",
     "rank_of",
     "reduce_scatter_into",
     "world_size_of",
@@ -149,10 +150,12 @@ class _Works:
         return True
 
 
-def _host_collectives_on_gloo(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
-    """Whether ``tensor`` is in host memory and gloo runs ``group``'s host collectives
-    (``"gloo"``, ``"cpu:gloo,cuda:nccl"``, ...: ``devices.device_backends``)."""
-    return tensor.device.type == "cpu" and device_backends(backend_of(group)).get("cpu") == "gloo"
+def on_host_gloo(device: torch.device, group: dist.ProcessGroup | None) -> bool:
+    """Whether gloo runs ``group``'s collectives of tensors on ``device``: host memory on a
+    group whose host backend is gloo (``"gloo"``, ``"cpu:gloo,cuda:nccl"``, ...:
+    ``devices.device_backends``). gloo's all-gather and reduce-scatter stage the whole
+    tensor in temporaries of their own; flatzero broadcasts and reduces in place there."""
+    return device.type == "cpu" and device_backends(backend_of(group)).get("cpu") == "gloo"
 
 
 def _all_gather_by_broadcasts(
@@ -207,7 +210,7 @@ def all_gather_into(
         and output.is_contiguous()
         and shard.is_contiguous()
         and shard.dtype == output.dtype
-        and _host_collectives_on_gloo(output, group)
+        and on_host_gloo(output.device, group)
     ):
         return _all_gather_by_broadcasts(output, shard, group, async_op)
     return _all_gather_single(output, shard, group=group, async_op=async_op)

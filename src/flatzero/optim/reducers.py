@@ -27,7 +27,7 @@ from torch.autograd import Variable
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
-from ..comm import rank_of, reduce_scatter_into, world_size_of
+from ..comm import on_host_gloo, rank_of, reduce_scatter_into, world_size_of
 from ..control import control_group
 from ..devices import collective_device
 from ..flatten.alloc import allocate_agreed
@@ -556,7 +556,8 @@ class Stage1Reducer(GradReducer):
     replaced ``.grad`` by another tensor (its values are copied in). Otherwise (fp32
     accumulation of bf16/fp16 params) the hooks add each gradient into the buffer as it
     arrives and free ``.grad``. ``finish()`` reduce-scatters each bucket of the flat buffer
-    into the fp32 gradient shard.
+    into the fp32 gradient shard (fp32 straight from the buffer, except on gloo in host
+    memory; the others chunk by chunk through the staging slots, summed onto each owner).
 
     At world size 1 a flat buffer in fp32 *is* its group's gradient shard (same layout),
     so there is nothing to copy.
@@ -626,6 +627,10 @@ class Stage1Reducer(GradReducer):
         self._detached = False
         self._dirty = False
         self._clean = True
+        self._scatter_in_place = not on_host_gloo(flat.groups[0].device, self.pg)
+        """fp32 buckets reduce-scatter straight from the buffer, except on gloo in host
+        memory, whose reduce-scatter copies the whole bucket into a temporary first: there
+        they go through the staging slots like the others."""
         self._register(self._hook_args)
 
     def _attach(self) -> None:
@@ -668,7 +673,11 @@ class Stage1Reducer(GradReducer):
             return
         for index in self.order:
             src = self.bucket_grads[index]
-            if src.dtype == torch.float32 and self.pool.dtype == torch.float32:
+            if (
+                self._scatter_in_place
+                and src.dtype == torch.float32
+                and self.pool.dtype == torch.float32
+            ):
                 shard = self.buckets[index].shard_view
                 work = reduce_scatter_into(shard, src, self.pg, async_op=True)
                 self.pool.inflight.append(InFlight(work))

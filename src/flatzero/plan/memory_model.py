@@ -142,6 +142,7 @@ def staging_bytes(
     reduce_staging_bytes: int = DEFAULT_REDUCE_STAGING_BYTES,
     reduce_dtype: str = "float32",
     backward_passes: int = 1,
+    host_gloo: bool = False,
 ) -> int:
     """Bytes of staging slots the reducer holds after the first step.
 
@@ -150,8 +151,9 @@ def staging_bytes(
     once every slot is in use, so the pool ends with as many slots as chunks were staged
     in the first accumulation window, at most the budget's. Stage 2 stages every chunk of
     every bucket in each of the window's ``backward_passes``; stage 1 only the chunks of
-    buckets it must convert (params not in fp32, or ``reduce_dtype`` not fp32). World
-    size 1 stages nothing.
+    buckets it must convert (params not in fp32, or ``reduce_dtype`` not fp32), and every
+    chunk with ``host_gloo`` (buckets in host memory on gloo, whose reduce-scatter would
+    stage the whole bucket itself: ``comm.on_host_gloo``). World size 1 stages nothing.
     """
     if layout.world_size == 1:
         return 0
@@ -167,7 +169,7 @@ def staging_bytes(
         staged = sum(
             per_bucket[id(b)]
             for g, b in buckets
-            if g.dtype != "float32" or reduce_dtype != "float32"
+            if host_gloo or g.dtype != "float32" or reduce_dtype != "float32"
         )
     return min(slots, staged) * chunk * size
 
@@ -181,9 +183,11 @@ def model_states(
     reduce_staging_bytes: int = DEFAULT_REDUCE_STAGING_BYTES,
     reduce_dtype: str = "float32",
     backward_passes: int = 1,
+    host_gloo: bool = False,
 ) -> ModelStates:
     """The bytes of ``ModelStates`` for one rank of ``layout`` (every rank holds the same);
-    ``backward_passes`` per accumulation window (see ``staging_bytes``)."""
+    ``backward_passes`` per accumulation window, ``host_gloo``: the buckets are in host
+    memory on gloo (see ``staging_bytes``)."""
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 or 2, got {stage!r}")
     if optimizer not in OPTIMIZER_STATES:
@@ -203,6 +207,7 @@ def model_states(
         reduce_staging_bytes=reduce_staging_bytes,
         reduce_dtype=reduce_dtype,
         backward_passes=backward_passes,
+        host_gloo=host_gloo,
     )
     tensors, scalars = OPTIMIZER_STATES[optimizer]
     return ModelStates(

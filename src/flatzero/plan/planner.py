@@ -431,6 +431,7 @@ def make_plan(spec: PlanSpec) -> Plan:
         staging_buffers=spec.staging_buffers,
         reduce_dtype=spec.reduce_dtype,
         backward_passes=spec.grad_accum,
+        host_gloo=spec.gpu is None,
     )
     rates = node_rates(
         spec.gpu,
