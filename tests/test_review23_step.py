@@ -147,7 +147,12 @@ def _adamw_reference(world_size: int, steps: int = 3) -> dict[str, torch.Tensor]
 
 def _item4(rank: int, world_size: int) -> dict[str, Any]:
     out = {}
-    for stage, dtype in ((2, torch.float32), (2, torch.bfloat16), (1, torch.bfloat16)):
+    for stage, dtype in (
+        (2, torch.float32),
+        (2, torch.bfloat16),
+        (1, torch.bfloat16),
+        (1, torch.float32),  # on gloo in host memory: through the slots too
+    ):
         key = f"stage{stage}_{str(dtype)[6:]}"
         out[key] = {
             "chunked": _train_wide(rank, stage, dtype, BUDGET),
@@ -159,7 +164,7 @@ def _item4(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def _check_item4(results: list[dict[str, Any]]) -> None:
-    for key in ("stage2_float32", "stage2_bfloat16", "stage1_bfloat16"):
+    for key in ("stage2_float32", "stage2_bfloat16", "stage1_bfloat16", "stage1_float32"):
         for rank, result in enumerate(results):
             chunked, whole = result[key]["chunked"], result[key]["whole"]
             # The buckets in fp32 are larger than the budget; staging never exceeds it.
