@@ -70,3 +70,20 @@ def test_a_rank_sees_the_environment_at_the_launch_and_its_share_of_the_cores(
 def test_an_error_on_one_rank_is_raised_with_its_traceback(start_method) -> None:
     with pytest.raises(RuntimeError, match=r"rank 1 failed:[\s\S]*bad input on rank 1"):
         run_ranks(_fails_on_rank_1, 2)
+
+
+def _late_group_worker(rank: int, world_size: int) -> list[int]:
+    """Ranks 2 and 3 make a group of their own well after ranks 0 and 1 returned."""
+    if rank < 2:
+        return []
+    import time
+
+    time.sleep(1.0)
+    late = dist.new_group([2, 3], use_local_synchronization=True)
+    return dist.get_process_group_ranks(late)
+
+
+def test_rank_zero_outlives_every_rank_using_its_store() -> None:
+    """Rank 0 hosts the store process groups are made through: ranks that finish first
+    (one data-parallel subgroup) must not take it down under ranks still making groups."""
+    assert run_ranks(_late_group_worker, 4, timeout_s=60) == [[], [], [2, 3], [2, 3]]

@@ -97,11 +97,23 @@ def _rank_main(
         )
         try:
             out = fn(rank, world_size, *args)
+            _wait_for_every_rank(backend)
         finally:
             dist.destroy_process_group()
         results.put((rank, True, out))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
+
+
+def _wait_for_every_rank(backend: str) -> None:
+    """Return once every rank's ``fn`` has returned. Rank 0 hosts the store process groups
+    are made through: a rank that finished first (one data-parallel subgroup) must not
+    take it down under ranks still creating groups. A host collective where the backend
+    has one, else a barrier (NCCL, on the current device)."""
+    if "cpu" in device_backends(backend):
+        dist.all_reduce(torch.zeros(1))
+    else:
+        dist.barrier()
 
 
 def _collect(procs: list[Any], results: Any) -> tuple[dict[int, Any], dict[int, str]]:
