@@ -19,13 +19,12 @@ Prints a table and one JSON line.
 import json
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
+from collective_probe import measure, print_table
 
 from flatzero.bench.machine import describe_host
-from flatzero.bench.procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
 from flatzero.bench.provenance import utc_timestamp
 from flatzero.comm import all_gather_into
 
@@ -44,13 +43,15 @@ def main() -> None:
     buckets = [torch.zeros(numel, dtype=torch.bfloat16) for _ in range(BUCKETS)]
     own = [b[rank * piece : (rank + 1) * piece] for b in buckets]
 
-    def torch_gather() -> list:
+    def torch_gather() -> None:
         pairs = zip(buckets, own, strict=True)
-        return [dist.all_gather_into_tensor(b, o, async_op=True) for b, o in pairs]
+        for work in [dist.all_gather_into_tensor(b, o, async_op=True) for b, o in pairs]:
+            work.wait()
 
-    def broadcasts() -> list:
+    def broadcasts() -> None:
         pairs = zip(buckets, own, strict=True)
-        return [all_gather_into(b, o, None, async_op=True) for b, o in pairs]
+        for work in [all_gather_into(b, o, None, async_op=True) for b, o in pairs]:
+            work.wait()
 
     ways = {"all_gather_into_tensor": torch_gather, "broadcasts": broadcasts}
     seconds: dict[str, list[float]] = {name: [] for name in ways}
@@ -61,34 +62,19 @@ def main() -> None:
                 b.zero_()
             for o in own:
                 o.fill_(rank + 1 + repeat)
-            trim_host_memory()
-            dist.barrier()
-            reset_peak_rss()
-            before = rss_bytes()
-            t0 = time.perf_counter()
-            for work in launch():
-                work.wait()
-            elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
-            peaks[name].append(peak_rss_bytes() - before)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            seconds[name].append(float(elapsed))
+            elapsed, peak = measure(launch)
+            seconds[name].append(elapsed)
+            peaks[name].append(peak)
             expected = torch.arange(1, world + 1).repeat_interleave(piece) + repeat
             for b in buckets:
                 if not torch.equal(b, expected.to(torch.bfloat16)):
                     raise AssertionError(f"{name} gathered wrong values")
     if rank == 0:
-        mib = 2**20
-        print(
-            f"{world} ranks, {BUCKETS} bf16 buckets of {numel * 2 / mib:.0f} MiB, "
+        title = (
+            f"{world} ranks, {BUCKETS} bf16 buckets of {numel * 2 / 2**20:.0f} MiB, "
             f"{REPEATS} alternations"
         )
-        print(f"{'way':<24} {'seconds (median)':>16} {'all':>28} {'peak RSS + MiB (max)':>21}")
-        for name in ways:
-            runs = " ".join(f"{s:.3f}" for s in seconds[name])
-            print(
-                f"{name:<24} {statistics.median(seconds[name]):>16.3f} {runs:>28} "
-                f"{max(peaks[name]) / mib:>21.0f}"
-            )
+        print_table(title, seconds, peaks)
         ratio = statistics.median(seconds["broadcasts"]) / statistics.median(
             seconds["all_gather_into_tensor"]
         )

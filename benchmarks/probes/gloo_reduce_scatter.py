@@ -20,13 +20,12 @@ Prints a table and one JSON line.
 import json
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
+from collective_probe import measure, print_table
 
 from flatzero.bench.machine import describe_host
-from flatzero.bench.procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
 from flatzero.bench.provenance import utc_timestamp
 
 NUMEL = 2**26
@@ -77,32 +76,18 @@ def main() -> None:
     for _ in range(REPEATS):
         for name, run in ways.items():
             shard.zero_()
-            trim_host_memory()
-            dist.barrier()
-            reset_peak_rss()
-            before = rss_bytes()
-            t0 = time.perf_counter()
-            run()
-            elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
-            peaks[name].append(peak_rss_bytes() - before)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            seconds[name].append(float(elapsed))
+            elapsed, peak = measure(run)
+            seconds[name].append(elapsed)
+            peaks[name].append(peak)
             results[name] = shard.clone()
     largest = float((results["reduce_scatter_tensor"] - results["chunked reduces"]).abs().max())
     if largest > 1e-4:
         raise AssertionError(f"the two ways differ by {largest}")
     if rank == 0:
-        mib = 2**20
-        print(
-            f"{world} ranks, one fp32 bucket of {numel * 4 / mib:.0f} MiB, {REPEATS} alternations"
+        title = (
+            f"{world} ranks, one fp32 bucket of {numel * 4 / 2**20:.0f} MiB, {REPEATS} alternations"
         )
-        print(f"{'way':<24} {'seconds (median)':>16} {'all':>28} {'peak RSS + MiB (max)':>21}")
-        for name in ways:
-            runs = " ".join(f"{s:.3f}" for s in seconds[name])
-            print(
-                f"{name:<24} {statistics.median(seconds[name]):>16.3f} {runs:>28} "
-                f"{max(peaks[name]) / mib:>21.0f}"
-            )
+        print_table(title, seconds, peaks)
         ratio = statistics.median(seconds["chunked reduces"]) / statistics.median(
             seconds["reduce_scatter_tensor"]
         )
