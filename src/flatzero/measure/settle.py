@@ -8,7 +8,9 @@ import argparse
 __all__ = ["add_settle_argument"]
 
 
-def add_settle_argument(parser: argparse.ArgumentParser, text: str) -> None:
+def add_settle_argument(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, text: str
+) -> None:
     """``--settle-s``: seconds (float, default 0: back to back) to wait before writing new
     memory, so that the machine has taken freed memory back, as at a job's start; ``text``
     is its help."""

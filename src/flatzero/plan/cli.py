@@ -33,99 +33,125 @@ _GPU_FIELDS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``flatzero plan`` options."""
-    parser.add_argument(
+    """The ``flatzero plan`` options, in groups: the model, the cluster, the training job,
+    init and the output."""
+    _add_model_arguments(parser.add_argument_group("model"))
+    _add_cluster_arguments(parser.add_argument_group("cluster"))
+    _add_training_arguments(parser.add_argument_group("training"))
+    _add_init_arguments(parser.add_argument_group("init"))
+    _add_output_arguments(parser.add_argument_group("output"))
+
+
+def _add_model_arguments(group: argparse._ArgumentGroup) -> None:
+    """Which model: a preset or a config, and changes to its shape."""
+    group.add_argument(
         "--model",
         required=True,
         help="a zoo preset (llama-3-8b, qwen3-30b-a3b), a benchmark model "
         "(qwen3-moe-narrow-unfused, ...), a config.json or a model directory holding one",
     )
-    parser.add_argument("--layers", type=count(1, 100_000), help="replace num_hidden_layers")
-    parser.add_argument(
+    group.add_argument("--layers", type=count(1, 100_000), help="replace num_hidden_layers")
+    group.add_argument(
         "--expert-layout",
         choices=["fused", "unfused"],
         help="MoE expert weights as transformers 5.x (fused) or 4.x stores them",
     )
-    parser.add_argument("--no-lm-head", action="store_true", help="the base model (AutoModel)")
-    parser.add_argument("--nodes", type=count(1, MAX_WORLD_SIZE), default=1)
-    parser.add_argument("--gpus-per-node", type=count(1, 1024), default=8)
-    parser.add_argument("--gpu", default="h100", help=f"{', '.join(GPUS)}, or none (CPUs only)")
+    group.add_argument("--no-lm-head", action="store_true", help="the base model (AutoModel)")
+
+
+def _add_cluster_arguments(group: argparse._ArgumentGroup) -> None:
+    """The cluster's shape and the figures of its GPUs and hosts."""
+    group.add_argument("--nodes", type=count(1, MAX_WORLD_SIZE), default=1)
+    group.add_argument("--gpus-per-node", type=count(1, 1024), default=8)
+    group.add_argument("--gpu", default="h100", help=f"{', '.join(GPUS)}, or none (CPUs only)")
     for flag in _GPU_FIELDS:
-        parser.add_argument(
+        group.add_argument(
             f"--{flag.replace('_', '-')}", type=float, help="override this figure of --gpu"
         )
-    parser.add_argument("--host", default="dgx-h100", help=f"host figures: {', '.join(HOSTS)}")
-    parser.add_argument("--host-ram-gib", type=float, help="host RAM per node (GiB)")
-    parser.add_argument(
+    group.add_argument("--host", default="dgx-h100", help=f"host figures: {', '.join(HOSTS)}")
+    group.add_argument("--host-ram-gib", type=float, help="host RAM per node (GiB)")
+    group.add_argument(
         "--host-bandwidth", type=float, help="host copy bandwidth per node (GB/s), e.g. measured"
     )
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    parser.add_argument("--stage", type=int, default=2, choices=[1, 2])
-    parser.add_argument(
+
+
+def _add_training_arguments(group: argparse._ArgumentGroup) -> None:
+    """The training job: dtypes, ZeRO stage, optimizer and its offload, buckets, saves."""
+    group.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    group.add_argument("--stage", type=int, default=2, choices=[1, 2])
+    group.add_argument(
         "--reduce-dtype",
         default="fp32",
         choices=sorted(DTYPES),
         help="the dtype gradients are summed in (ZeroConfig.reduce_dtype, default fp32; a "
         "DeepSpeed config without communication_data_type sums bf16 training in bf16)",
     )
-    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
-    parser.add_argument("--bucket-numel", type=count(1, 2**40), default=DEFAULT_BUCKET_NUMEL)
-    parser.add_argument(
-        "--params-on",
-        default="host",
-        choices=[*PARAMS_ON, "meta"],
-        help="where params are when init starts (meta = meta device plus a "
-        "safetensors checkpoint, the same as checkpoint)",
-    )
-    parser.add_argument("--grouping", default="one", choices=GROUPINGS)
-    parser.add_argument("--tier", default="auto", help="the tier to request (default: auto)")
-    parser.add_argument(
-        "--reserved-gib",
-        type=float,
-        default=1.0,
-        help="device memory per rank not free at init (CUDA context, NCCL)",
-    )
-    parser.add_argument(
+    group.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
+    group.add_argument("--bucket-numel", type=count(1, 2**40), default=DEFAULT_BUCKET_NUMEL)
+    group.add_argument(
         "--grad-accum", type=count(1, 1_000_000), default=1, help="micro-batches per step"
     )
-    parser.add_argument(
-        "--calibrate",
-        action="store_true",
-        help="measure this machine's host rates first, writing new memory at this job's "
-        "sizes (a bucket, the master shard) with one process per rank of a node, and use them",
-    )
-    add_settle_argument(
-        parser, "with --calibrate: sleep before each write of new memory (10: cold on a VM)"
-    )
-    parser.add_argument(
-        "--no-host-huge-pages",
-        dest="host_huge_pages",
-        action="store_false",
-        help="plan FlattenConfig(host_huge_pages=False): host buffers from torch's allocator",
-    )
-    parser.add_argument(
-        "--calibration", help="use rates measured by flatzero info --measure --json FILE"
-    )
-    parser.add_argument(
+    group.add_argument(
         "--offload-optimizer",
         default="none",
         choices=["none", "cpu"],
         help="optimizer offload (offload_optimizer.device): cpu puts the master shard, the "
         "optimizer state and a gradient shard in host memory, and the plan states its bytes",
     )
-    parser.add_argument(
-        "--async-save",
-        action="store_true",
-        help="checkpoints saved asynchronously (flatzero.async_save): the plan shows the host "
-        "copy each rank keeps",
-    )
-    parser.add_argument(
+    group.add_argument(
         "--no-pin-memory",
         dest="pin_memory",
         action="store_false",
         help="with --offload-optimizer cpu: offload_optimizer.pin_memory false",
     )
-    parser.add_argument(
+    group.add_argument(
+        "--async-save",
+        action="store_true",
+        help="checkpoints saved asynchronously (flatzero.async_save): the plan shows the host "
+        "copy each rank keeps",
+    )
+
+
+def _add_init_arguments(group: argparse._ArgumentGroup) -> None:
+    """Init: where the params start, the tier, memory not free, and the host's rates."""
+    group.add_argument(
+        "--params-on",
+        default="host",
+        choices=[*PARAMS_ON, "meta"],
+        help="where params are when init starts (meta = meta device plus a "
+        "safetensors checkpoint, the same as checkpoint)",
+    )
+    group.add_argument("--grouping", default="one", choices=GROUPINGS)
+    group.add_argument("--tier", default="auto", help="the tier to request (default: auto)")
+    group.add_argument(
+        "--reserved-gib",
+        type=float,
+        default=1.0,
+        help="device memory per rank not free at init (CUDA context, NCCL)",
+    )
+    group.add_argument(
+        "--no-host-huge-pages",
+        dest="host_huge_pages",
+        action="store_false",
+        help="plan FlattenConfig(host_huge_pages=False): host buffers from torch's allocator",
+    )
+    group.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine's host rates first, writing new memory at this job's "
+        "sizes (a bucket, the master shard) with one process per rank of a node, and use them",
+    )
+    add_settle_argument(
+        group, "with --calibrate: sleep before each write of new memory (10: cold on a VM)"
+    )
+    group.add_argument(
+        "--calibration", help="use rates measured by flatzero info --measure --json FILE"
+    )
+
+
+def _add_output_arguments(group: argparse._ArgumentGroup) -> None:
+    """Where the plan goes: a table, or JSON."""
+    group.add_argument(
         "--json",
         nargs="?",
         const="-",
