@@ -15,14 +15,14 @@ from torch import nn
 import test_review23_step as step_tests  # tests/ is on sys.path (rootdir of this package)
 from flatzero import FlattenConfig
 from flatzero.optim import LossScaleConfig, ZeroConfig, ZeroOptimizer
-from flatzero.testing import emulated
+from flatzero.testing.emulated import kernels
 
 from .harness import launch, this_device
 
 
 def _host_copies(kind: str, copies: list) -> object:
     """Wrap the emulator's copy routine to record copies that cross host and device."""
-    original = emulated._copy_bytes
+    original = kernels.copy_bytes
 
     def recording(dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.device.type != src.device.type:
@@ -30,7 +30,7 @@ def _host_copies(kind: str, copies: list) -> object:
         original(dst, src)
 
     if kind == "emu":
-        emulated._copy_bytes = recording
+        kernels.copy_bytes = recording
     return original
 
 
@@ -62,7 +62,7 @@ def _worker(rank: int, world_size: int, kind: str) -> dict:
                 with step_tests._host_syncs() as seen:
                     opt.step()
             finally:
-                emulated._copy_bytes = original
+                kernels.copy_bytes = original
         seen["copies"] = copies
         seen["norm"] = opt.last_grad_norm
         out[name] = seen

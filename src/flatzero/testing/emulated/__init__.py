@@ -1,0 +1,26 @@
+"""An emulated accelerator: a pure-Python PrivateUse1 backend over CPU memory.
+
+flatzero's device half (the device, upload, sharded and offload tiers, the out-of-memory
+ladder, peak device memory, streams and events, collectives on device tensors) has to run
+where there is no GPU, in CI. :func:`install` registers a backend that torch treats as an
+accelerator like any other (``torch.device("emu", 0)``, ``torch.get_device_module("emu")``,
+``init_process_group("cpu:gloo,emu:emu-gloo")``), one job per module: ``state`` (the
+device, its capacity and counters), ``storage`` (CPU bytes underneath), ``kernels`` and
+``fallback`` (the ops), ``streams``, ``device_module``, ``collectives`` (gloo over CPU
+aliases) and ``registration``.
+
+Known limits (do not read more into a test on it): every op is synchronous, so a missing
+stream wait is never caught; there is no pinned host memory (``pin_memory()`` raises once
+the emulated device is the process's accelerator); reserved == allocated (no caching
+allocator); each op costs ~40x its CPU time.
+"""
+
+from .registration import install
+from .state import EmulatedDevice, EmulationUnavailable, installed
+
+__all__ = [
+    "EmulatedDevice",
+    "EmulationUnavailable",
+    "install",
+    "installed",
+]
