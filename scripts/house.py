@@ -4,7 +4,9 @@ A *room* is a top-level module (``flatzero/comm.py`` is ``comm``) or a subpackag
 everything under it (``flatzero/flatten/`` is ``flatten``); the package's own
 ``__init__.py`` is the room ``flatzero``. Every room stands on one floor. An import may go
 to a room on the same floor or on a floor below, never up, and no chain of imports may come
-back to where it started, neither between modules nor between rooms.
+back to where it started, neither between modules nor between rooms. Inside a subpackage
+the modules stand on floors of their own (``INNER_FLOORS``), under the same rule, so the
+layering inside a room is seen too; a room without an entry is checked for circles only.
 
 Every import counts, wherever it is written: at the top of a module, inside a function
 (a lazy import is a dependency that is only paid later), under ``if TYPE_CHECKING:`` (a
@@ -86,6 +88,52 @@ ROOMS: dict[str, str] = {
 }
 """What each room owns, one line each."""
 
+INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    # room: ((floor, modules), ...) from the ground up; a module is named inside its room
+    # ("driver" is flatzero.flatten.driver, "emulated.state" is
+    # flatzero.testing.emulated.state) and the room's own __init__.py is "__init__".
+    "flatten": (
+        ("pieces", ("alloc", "buffers", "threads", "faults", "source")),
+        ("tiers", ("tiers", "registry")),
+        ("choice and driver", ("choice", "driver")),
+        ("api", ("api", "__init__")),
+    ),
+    "plan": (
+        ("figures", ("hardware", "memory_model", "model_source", "decision")),
+        ("rates", ("calibration", "traffic", "rates", "time_model")),
+        ("planner", ("planner",)),
+        ("output", ("report", "cli", "__init__")),
+    ),
+    "measure": (
+        ("measures", ("baselines", "limits", "settle")),
+        ("package", ("__init__",)),
+    ),
+    "models": (
+        ("shapes", ("config", "layers", "_params", "stats")),
+        ("modules", ("transformer", "materialize", "safetensors_io")),
+        ("architectures", ("llama", "qwen3_moe")),
+        ("zoo", ("zoo", "bench_models", "__init__")),
+    ),
+    "testing": (
+        ("state", ("emulated.state",)),
+        ("memory and streams", ("emulated.storage", "emulated.streams")),
+        (
+            "ops, device module, collectives",
+            (
+                "emulated.kernels",
+                "emulated.fallback",
+                "emulated.device_module",
+                "emulated.collectives",
+            ),
+        ),
+        ("registration", ("emulated.registration", "emulated", "__init__")),
+    ),
+}
+"""The floors inside a subpackage, for the rooms that have them: an import between two
+modules of the room may go to the same inner floor or below, never up. A room not listed
+(``optim``, ``checkpoint``, ``engine``, ``bench`` today) is checked for circles only;
+giving it floors is one entry here."""
+
 TOOLS = ("bench", "testing")
 """Rooms that nothing on the product's path imports (``PRODUCT``), whatever the floors say."""
 
@@ -104,7 +152,8 @@ PRODUCT = (
 """The product's path: the rooms a user's training or ``flatzero plan`` runs."""
 
 ALLOWED_UP: dict[tuple[str, str], str] = {}
-"""Upward arrows accepted, as ``(importer, imported)`` modules, each with its reason."""
+"""Upward arrows accepted, as ``(importer, imported)`` modules, each with its reason (between
+rooms, or inside a room with ``INNER_FLOORS``)."""
 
 
 @dataclass(frozen=True)
@@ -297,14 +346,93 @@ def upward(found: Iterable[Arrow]) -> list[Arrow]:
     ]
 
 
+def inner_name(module: str) -> str:
+    """``module`` named inside its room (``flatzero.flatten.driver`` -> ``driver``; a room's
+    own ``__init__.py`` is ``__init__``)."""
+    room = room_of(module)
+    prefix = f"{PACKAGE}.{room}"
+    return "__init__" if module == prefix else module.removeprefix(prefix + ".")
+
+
+def inner_floor_of(
+    module: str, inner: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]] = INNER_FLOORS
+) -> int | None:
+    """The inner floor number of ``module`` in its room (0 is the ground); None when its
+    room has no inner floors or does not place it."""
+    for number, (_name, names) in enumerate(inner.get(room_of(module), ())):
+        if inner_name(module) in names:
+            return number
+    return None
+
+
+def inner_upward(
+    found: Iterable[Arrow],
+    inner: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]] = INNER_FLOORS,
+) -> list[Arrow]:
+    """The arrows inside a room that climb to a higher inner floor of it."""
+    out = []
+    for a in found:
+        if room_of(a.source) != room_of(a.target):
+            continue
+        source, target = inner_floor_of(a.source, inner), inner_floor_of(a.target, inner)
+        if source is not None and target is not None and target > source:
+            out.append(a)
+    return out
+
+
+def inner_problems(
+    found: list[Arrow],
+    names: Iterable[str],
+    allowed: Mapping[tuple[str, str], str] = ALLOWED_UP,
+    inner: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]] = INNER_FLOORS,
+) -> list[str]:
+    """Everything wrong with the floors inside the rooms ``inner`` lists, one line each."""
+    out = []
+    names = sorted(names)
+    rooms = {room_of(n) for n in names}
+    out.extend(
+        f"INNER_FLOORS names {room!r}, which is no room" for room in inner if room not in rooms
+    )
+    for room, floors in inner.items():
+        here = {inner_name(n) for n in names if room_of(n) == room}
+        listed = [m for _floor, on_floor in floors for m in on_floor]
+        out.extend(
+            f"module {m!r} of room {room!r} has no inner floor: add it to "
+            f"INNER_FLOORS[{room!r}] in {_HERE}"
+            for m in sorted(here - set(listed))
+        )
+        out.extend(
+            f"INNER_FLOORS[{room!r}] lists {m!r}, which is no module of {room!r}"
+            for m in listed
+            if m not in here
+        )
+        out.extend(
+            f"INNER_FLOORS[{room!r}] lists {m!r} twice"
+            for m in sorted({m for m in listed if listed.count(m) > 1})
+        )
+    if out:
+        return out
+    for a in inner_upward(found, inner):
+        if (a.source, a.target) not in allowed:
+            floors = inner[room_of(a.source)]
+            out.append(
+                f"{a.source} (inner floor {floors[inner_floor_of(a.source, inner)][0]!r}) "
+                f"imports {a.target} (inner floor {floors[inner_floor_of(a.target, inner)][0]!r})"
+                f" at line {a.line} ({a.kind}): an arrow up inside {room_of(a.source)!r}"
+            )
+    return out
+
+
 def problems(
     found: list[Arrow],
     names: Iterable[str],
     allowed: Mapping[tuple[str, str], str] = ALLOWED_UP,
+    inner: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]] = INNER_FLOORS,
 ) -> list[str]:
     """Everything wrong with the house of modules ``names`` whose imports are ``found``, one
-    line each (empty when it is in order)."""
+    line each (empty when it is in order); ``inner`` gives the floors inside rooms."""
     out = []
+    names = list(names)
     rooms = sorted({room_of(name) for name in names})
     for room in rooms:
         if not any(room in r for _n, r in FLOORS):
@@ -328,10 +456,11 @@ def problems(
                 f"{a.target} (floor {FLOORS[floor_of(room_of(a.target))][0]!r}) at line "
                 f"{a.line} ({a.kind}): an arrow up"
             )
+    out.extend(inner_problems(found, names, allowed, inner))
     for a in found:
         if room_of(a.source) in PRODUCT and room_of(a.target) in TOOLS:
             out.append(f"{a.source} (product) imports {a.target} (a tool) at line {a.line}")
-    present = {(a.source, a.target) for a in upward(found)}
+    present = {(a.source, a.target) for a in [*upward(found), *inner_upward(found, inner)]}
     for pair in allowed:
         if pair not in present:
             out.append(f"ALLOWED_UP lists {pair[0]} -> {pair[1]}, which no longer climbs: drop it")

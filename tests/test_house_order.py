@@ -2,8 +2,9 @@
 
 Every module's imports, read with ``ast`` (at the top, inside functions, under
 ``TYPE_CHECKING``): no circle between modules or between rooms (a top-level module or a
-subpackage), no arrow up a floor but those ``house.ALLOWED_UP`` lists with a reason, and
-nothing on the product's path imports ``bench`` or ``testing``. The checker is itself
+subpackage), no arrow up a floor but those ``house.ALLOWED_UP`` lists with a reason, none up
+an inner floor of a subpackage (``house.INNER_FLOORS``), and nothing on the product's path
+imports ``bench`` or ``testing``. The checker is itself
 checked: violations planted in a copy of the package's text are all found.
 """
 
@@ -36,6 +37,16 @@ def test_every_room_has_one_floor_and_one_line(sources):
     assert set(house.PRODUCT) | set(house.TOOLS) <= set(on_floors)
     for importer, imported in house.ALLOWED_UP:
         assert house.ALLOWED_UP[importer, imported].strip(), "an allowed arrow needs its reason"
+
+
+def test_every_module_of_a_room_with_inner_floors_has_one(sources):
+    names = _names(sources)
+    for room, floors in house.INNER_FLOORS.items():
+        assert room in house.ROOMS, room
+        listed = [m for _floor, on_floor in floors for m in on_floor]
+        assert len(listed) == len(set(listed)), f"a module on two inner floors of {room}"
+        here = {house.inner_name(n) for n in names if house.room_of(n) == room}
+        assert set(listed) == here, room
 
 
 def test_the_house_is_in_order(sources):
@@ -128,4 +139,70 @@ def test_an_allowed_arrow_that_no_longer_climbs_is_reported(sources):
     problems = house.problems(found, _names(sources), {**house.ALLOWED_UP, **stale})
     assert problems == [
         "ALLOWED_UP lists flatzero.layout -> flatzero.engine, which no longer climbs: drop it"
+    ]
+
+
+def test_planted_inner_violations_are_caught(sources):
+    # an arrow up inside a room, lazy: a piece of the flatten asks the tier choice
+    found = _plant(sources, "flatzero.flatten.threads", "def f():\n    from .choice import x\n")
+    assert any(
+        p.startswith("flatzero.flatten.threads (inner floor 'pieces') imports ")
+        and "flatzero.flatten.choice (inner floor 'choice and driver')" in p
+        and p.endswith("(lazy): an arrow up inside 'flatten'")
+        for p in found
+    ), found
+    # an arrow up inside a nested package, under TYPE_CHECKING
+    found = _plant(
+        sources,
+        "flatzero.testing.emulated.storage",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .kernels import IMPLS\n",
+    )
+    assert any(
+        "flatzero.testing.emulated.storage (inner floor" in p
+        and "(typing): an arrow up inside 'testing'" in p
+        for p in found
+    ), found
+    # a new module of a room with inner floors, on none of them
+    found = _plant(sources, "flatzero.plan.newmodule", "from . import hardware\n")
+    assert found == [
+        "module 'newmodule' of room 'plan' has no inner floor: "
+        "add it to INNER_FLOORS['plan'] in scripts/house.py"
+    ]
+    # an arrow up inside a room accepted by ALLOWED_UP, and reported once it no longer climbs
+    planted = dict(sources)
+    planted["flatzero.flatten.threads"] += "def f():\n    from .choice import x\n"
+    allowed = {("flatzero.flatten.threads", "flatzero.flatten.choice"): "planted"}
+    assert house.problems(house.arrows(planted), _names(planted), allowed) == []
+    stale = house.problems(house.arrows(sources), _names(sources), allowed)
+    assert stale == [
+        "ALLOWED_UP lists flatzero.flatten.threads -> flatzero.flatten.choice, which no "
+        "longer climbs: drop it"
+    ]
+
+
+def test_a_room_gets_inner_floors_with_one_entry():
+    planted = {
+        "flatzero.__init__": "",
+        "flatzero.optim.__init__": "from .zero import Z\n",
+        "flatzero.optim.zero": "from .config import C\n",
+        "flatzero.optim.config": "",
+    }
+    found, names = house.arrows(planted), _names(planted)
+    assert house.inner_problems(found, names, inner={}) == []  # no entry: circles only
+    ordered = {"optim": (("data", ("config",)), ("optimizer", ("zero", "__init__")))}
+    assert house.inner_problems(found, names, inner=ordered) == []
+    upside_down = {"optim": (("data", ("zero",)), ("top", ("config", "__init__")))}
+    assert house.inner_problems(found, names, inner=upside_down) == [
+        "flatzero.optim.zero (inner floor 'data') imports flatzero.optim.config (inner floor "
+        "'top') at line 1 (top): an arrow up inside 'optim'"
+    ]
+    wrong = {
+        "optim": (("data", ("config", "gone")), ("top", ("__init__",))),
+        "nowhere": (),
+    }
+    assert house.inner_problems(found, names, inner=wrong) == [
+        "INNER_FLOORS names 'nowhere', which is no room",
+        "module 'zero' of room 'optim' has no inner floor: "
+        "add it to INNER_FLOORS['optim'] in scripts/house.py",
+        "INNER_FLOORS['optim'] lists 'gone', which is no module of 'optim'",
     ]
