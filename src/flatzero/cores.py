@@ -5,23 +5,7 @@ DeepSpeed issue #7677: eight ranks of a node each flattened on the CPU with ever
 of it, whatever ``OMP_NUM_THREADS`` says: on the host, what bounds a fresh bucket or
 master shard is the first touch of its pages (a page fault per page), which spreads over
 threads, and the upload tiers fill pinned staging buffers that the GPU drains faster than
-one thread's memcpy.
-
-The share (``core_share``), with no launcher's variable as its source:
-
-- cores: the CPUs of this process's affinity mask (``os.sched_getaffinity``) and the
-  cgroup CPU quota (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us / cpu.cfs_period_us``;
-  the tightest of the process's cgroup and its ancestors), in cores;
-- ranks: one all-gather, over the group's control group, of each rank's host identity
-  (host name and kernel boot id) and affinity mask. ``ranks_on_host`` counts the ranks
-  with this rank's identity; ``ranks_sharing_cores`` those of them whose affinity
-  overlaps this rank's (all of them unless the launcher pinned ranks to cores);
-- ``threads = max(1, min(affinity_cores // ranks_sharing_cores,
-  floor(quota / ranks_on_host)))`` (the quota term only where there is a quota). When
-  every rank may run on every core this is ``usable_cores() // ranks_on_host``.
-
-The launchers' own counts (``LOCAL_WORLD_SIZE``, ``LOCAL_SIZE``, ...) are only compared
-with the count and logged when they differ.
+one thread's memcpy. How the share is counted: [Note: a rank's core share].
 """
 
 from __future__ import annotations
@@ -265,6 +249,24 @@ def _gather(item: tuple[str, int], group: dist.ProcessGroup | None) -> list[tupl
     return [i for i in items if i is not None]
 
 
+# [Note: a rank's core share]
+# The share (``core_share``), with no launcher's variable as its source:
+#
+# - cores: the CPUs of this process's affinity mask (``os.sched_getaffinity``) and the
+#   cgroup CPU quota (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us / cpu.cfs_period_us``;
+#   the tightest of the process's cgroup and its ancestors), in cores;
+# - ranks: one all-gather, over the group's control group, of each rank's host identity
+#   (host name and kernel boot id) and affinity mask. ``ranks_on_host`` counts the ranks
+#   with this rank's identity; ``ranks_sharing_cores`` those of them whose affinity
+#   overlaps this rank's (all of them unless the launcher pinned ranks to cores);
+# - ``threads = max(1, min(affinity_cores // ranks_sharing_cores,
+#   floor(quota / ranks_on_host)))`` (the quota term only where there is a quota). When
+#   every rank may run on every core this is ``usable_cores() // ranks_on_host``.
+#
+# The launchers' own counts (``LOCAL_WORLD_SIZE``, ``LOCAL_SIZE``, ...) are only compared
+# with the count and logged when they differ.
+
+
 def _share(cores: int, quota: float | None, on_host: int, sharing: int) -> int:
     """Threads for one rank: its cores over the ranks sharing them, and the quota over
     the ranks on the host; at least 1."""
@@ -289,8 +291,8 @@ def _cross_check(share: CoreShare, launcher: tuple[str, int] | None) -> None:
 
 
 def core_share(group: dist.ProcessGroup | None) -> CoreShare:
-    """This rank's share of its host's cores among the ranks of ``group`` (module
-    docstring). Collective: one all-gather on ``group``'s control group (none without a
+    """This rank's share of its host's cores among the ranks of ``group`` ([Note: a rank's
+    core share]). Collective: one all-gather on ``group``'s control group (none without a
     process group).
     """
     cpus = _affinity()

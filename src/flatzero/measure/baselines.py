@@ -2,52 +2,10 @@
 
 Two algorithms, both written here from a reading of DeepSpeed's source (no code copied),
 so that ``flatzero bench init`` can time them against flatzero in the same process tree:
-
-``flatten_torch_cat`` — DeepSpeed 0.19.x (after PR #7828), the loop over
-``optimizer.param_groups`` in ``DeepSpeedZeroOptimizer.__init__``
-(``deepspeed/runtime/zero/stage_1_and_2.py``):
-
-1. the group's trainable params (``is_optimized_parameter`` in
-   ``deepspeed/runtime/utils.py``: ``requires_grad`` and ``numel() > 0``), in the order
-   the optimizer holds them (registration order; ``round_robin_gradients`` is off by
-   default so no reordering);
-2. the group's padded size: ``alignment = nccl_start_alignment_factor (2) * world_size``
-   elements, no per-param padding (``parameter_alignment`` is off by default);
-3. ``empty_cache()`` then ``accelerator.available_memory()`` (CUDA: free bytes from NVML,
-   CPU: ``psutil.virtual_memory().available``); the group is flattened on the device when
-   that is at least the padded group's bytes, else it takes the host path below;
-4. device path: ``flatten_dense_tensors_aligned`` → ``align_dense_tensors`` appends one
-   zero tensor of the padding, and ``self.flatten`` (torch's ``_flatten_dense_tensors``,
-   one ``torch.cat``) builds the whole group's buffer while every original param is still
-   alive (peak: 2x the group);
-5. ``_update_model_bit16_weights``: ``p.data = flat.narrow(0, offset, numel).view(shape)``
-   for each param (shapes kept as meta tensors), which frees the originals;
-6. ``get_data_parallel_partitions``: ``world_size`` consecutive slices of the flat buffer
-   (``numel // world_size`` each, the remainder spread over the first ranks);
-7. ``single_partition_of_fp32_groups``: this rank's slice
-   ``.detach().clone().to(device, dtype=float32)`` (a clone in the param dtype, then a
-   cast: two copies for bf16/fp16, one for fp32).
-
-``flatten_legacy_cpu`` — DeepSpeed before PR #7828 (read in 0.14.0, same file and
-function): per param ``param.cpu_data = param.data.cpu()`` and
-``param.data = torch.empty(1).to(param.device)`` (a 1-element fp32 placeholder), then
-``empty_cache()``; meta tensors of the shapes; ``flatten_dense_tensors_aligned(...,
-use_cpu_data=True)`` (``torch.cat`` on the host); ``del param.cpu_data``;
-``flattened_buffer.to(current_device_name())``; ``_update_model_bit16_weights`` then
-rebinds with ``self.unflatten`` (torch's ``_unflatten_dense_tensors``) and
-``p.data = q.data``; partitions and the master as in steps 6–7 (written there as
-``.to(device).clone().float().detach()``, the same two copies). DeepSpeed 0.19.x keeps this
-as its fallback when free memory is short; ``flatten_torch_cat`` uses it then too.
-
-On a CPU-only machine the "device" is the CPU. DeepSpeed's ``.cpu()`` and ``.to("cpu")``
-are then no-ops, so by default (``emulate_transfers=True``) the legacy path performs them
-as real copies (``clone``) so that it moves the bytes it moves on a GPU machine
-(device→host, cat, host→device: 3x the group); pass ``emulate_transfers=False`` to get
-exactly what DeepSpeed does on its CPU accelerator.
-
-Both functions work in place: afterwards every trainable param is a view of its group's
-flat buffer, exactly as after ``deepspeed.initialize``. Partitioning is pure computation on
-``rank``/``world_size``: no process group is needed.
+``flatten_torch_cat`` ([Note: DeepSpeed 0.19.x's flatten]) and ``flatten_legacy_cpu``
+([Note: DeepSpeed's legacy CPU flatten]). Both work in place: afterwards every trainable
+param is a view of its group's flat buffer, exactly as after ``deepspeed.initialize``.
+Partitioning is pure computation on ``rank``/``world_size``: no process group is needed.
 """
 
 from __future__ import annotations
@@ -408,6 +366,33 @@ def _run(
     )
 
 
+# [Note: DeepSpeed 0.19.x's flatten]
+# ``flatten_torch_cat`` — DeepSpeed 0.19.x (after PR #7828), the loop over
+# ``optimizer.param_groups`` in ``DeepSpeedZeroOptimizer.__init__``
+# (``deepspeed/runtime/zero/stage_1_and_2.py``):
+#
+# 1. the group's trainable params (``is_optimized_parameter`` in
+#    ``deepspeed/runtime/utils.py``: ``requires_grad`` and ``numel() > 0``), in the order
+#    the optimizer holds them (registration order; ``round_robin_gradients`` is off by
+#    default so no reordering);
+# 2. the group's padded size: ``alignment = nccl_start_alignment_factor (2) * world_size``
+#    elements, no per-param padding (``parameter_alignment`` is off by default);
+# 3. ``empty_cache()`` then ``accelerator.available_memory()`` (CUDA: free bytes from NVML,
+#    CPU: ``psutil.virtual_memory().available``); the group is flattened on the device when
+#    that is at least the padded group's bytes, else it takes the host path below;
+# 4. device path: ``flatten_dense_tensors_aligned`` → ``align_dense_tensors`` appends one
+#    zero tensor of the padding, and ``self.flatten`` (torch's ``_flatten_dense_tensors``,
+#    one ``torch.cat``) builds the whole group's buffer while every original param is still
+#    alive (peak: 2x the group);
+# 5. ``_update_model_bit16_weights``: ``p.data = flat.narrow(0, offset, numel).view(shape)``
+#    for each param (shapes kept as meta tensors), which frees the originals;
+# 6. ``get_data_parallel_partitions``: ``world_size`` consecutive slices of the flat buffer
+#    (``numel // world_size`` each, the remainder spread over the first ranks);
+# 7. ``single_partition_of_fp32_groups``: this rank's slice
+#    ``.detach().clone().to(device, dtype=float32)`` (a clone in the param dtype, then a
+#    cast: two copies for bf16/fp16, one for fp32).
+
+
 def flatten_torch_cat(
     param_groups: Sequence[Sequence[nn.Parameter]],
     *,
@@ -417,7 +402,8 @@ def flatten_torch_cat(
     memory_check: bool = True,
     emulate_transfers: bool = True,
 ) -> BaselineResult:
-    """Flatten like DeepSpeed 0.19.x ZeRO-1/2: one ``torch.cat`` per group on the device.
+    """Flatten like DeepSpeed 0.19.x ZeRO-1/2: one ``torch.cat`` per group on the device
+    ([Note: DeepSpeed 0.19.x's flatten]).
 
     Args:
         param_groups: lists of params (one dtype per group); frozen and empty params are
@@ -429,7 +415,8 @@ def flatten_torch_cat(
             moved there first, outside the timed phases.
         memory_check: as DeepSpeed, fall back to the host path for a group when the
             device's free memory is below the group's padded size in bytes.
-        emulate_transfers: for the host fallback on a CPU device, see the module docstring.
+        emulate_transfers: for the host fallback on a CPU device, see
+            [Note: transfers on a CPU-only machine].
 
     Returns:
         Timings in seconds, bytes written, the flat buffers and master partitions.
@@ -437,6 +424,27 @@ def flatten_torch_cat(
     return _run(
         "torch_cat", param_groups, rank, world_size, device, emulate_transfers, memory_check
     )
+
+
+# [Note: DeepSpeed's legacy CPU flatten]
+# ``flatten_legacy_cpu`` — DeepSpeed before PR #7828 (read in 0.14.0, same file and
+# function): per param ``param.cpu_data = param.data.cpu()`` and
+# ``param.data = torch.empty(1).to(param.device)`` (a 1-element fp32 placeholder), then
+# ``empty_cache()``; meta tensors of the shapes; ``flatten_dense_tensors_aligned(...,
+# use_cpu_data=True)`` (``torch.cat`` on the host); ``del param.cpu_data``;
+# ``flattened_buffer.to(current_device_name())``; ``_update_model_bit16_weights`` then
+# rebinds with ``self.unflatten`` (torch's ``_unflatten_dense_tensors``) and
+# ``p.data = q.data``; partitions and the master as in steps 6–7 of
+# [Note: DeepSpeed 0.19.x's flatten] (written there as ``.to(device).clone().float()
+# .detach()``, the same two copies). DeepSpeed 0.19.x keeps this as its fallback when free
+# memory is short; ``flatten_torch_cat`` uses it then too.
+#
+# [Note: transfers on a CPU-only machine]
+# On a CPU-only machine the "device" is the CPU. DeepSpeed's ``.cpu()`` and ``.to("cpu")``
+# are then no-ops, so by default (``emulate_transfers=True``) the legacy path performs them
+# as real copies (``clone``) so that it moves the bytes it moves on a GPU machine
+# (device→host, cat, host→device: 3x the group); pass ``emulate_transfers=False`` to get
+# exactly what DeepSpeed does on its CPU accelerator.
 
 
 def flatten_legacy_cpu(
@@ -447,7 +455,8 @@ def flatten_legacy_cpu(
     device: torch.device | str | None = None,
     emulate_transfers: bool = True,
 ) -> BaselineResult:
-    """Flatten like DeepSpeed before PR #7828: every param to the host, cat there, copy back.
+    """Flatten like DeepSpeed before PR #7828: every param to the host, cat there, copy back
+    ([Note: DeepSpeed's legacy CPU flatten]).
 
     Args:
         param_groups: lists of params (one dtype per group); frozen and empty params are
