@@ -7,9 +7,9 @@ touch cuts the faults 512-fold. PyTorch offers this only through the process-wid
 ``THP_MEM_ALLOC_ENABLE`` variable read at start-up; here it is done per buffer.
 
 ``HugePageFactories`` does the same for the tensors an optimizer makes for its state
-(``torch.zeros_like`` of a host shard): a step reads and writes the whole of them, and on
-the development VM AdamW over 50M elements took 33 ms with its moments on 4 KiB pages
-against 27 ms on 2 MiB pages at one thread (TLB misses; docs/offload.md).
+(``torch.zeros_like`` of a host shard): a step reads and writes the whole of them, and
+huge pages spare it TLB misses (measured: docs/benchmarks.md, "Figures behind the code's
+docstrings").
 
 Staging buffers for uploads (``staging_buffer``) are page-locked by flatzero itself where
 the accelerator's runtime can register host memory, so that releasing them gives back
@@ -66,9 +66,9 @@ def empty_host(numel: int, dtype: torch.dtype, *, huge_pages: bool = True) -> to
 
     The result is a view starting on a 2 MiB boundary of a slightly larger buffer;
     it behaves like ``torch.empty(numel, dtype=dtype)`` in every other way. Whether huge
-    pages are written faster the first time depends on the machine: on bare metal they
-    save 511 of 512 page faults; on the development VM they were sometimes twice as slow
-    (docs/flattening.md). ``flatzero info --measure`` measures both.
+    pages are written faster the first time depends on the machine: they save 511 of 512
+    page faults, and a VM may still write them slower (docs/benchmarks.md).
+    ``flatzero info --measure`` measures both.
     """
     nbytes = numel * dtype.itemsize
     madvise = _madvise() if huge_pages else None
@@ -89,11 +89,10 @@ def mapped_host(nbytes: int, *, huge_pages: bool = True) -> torch.Tensor:
     page-locked pages would otherwise be copied at the fork), starting on a 2 MiB boundary
     and advised for huge pages (``huge_pages`` and ``nbytes`` of ``_MIN_BYTES`` or more).
 
-    For a buffer that is filled again and again (an asynchronous save's snapshot): on the
-    development VM a first copy of 5 GiB into it took 3.8-6.9 s on 2 MiB pages against
-    8.7-14.9 s on 4 KiB pages, and an ``O_DIRECT`` write of it 0.03 CPU-s against 0.12
-    (the kernel pins 512 times fewer pages), with less of the training's compute lost
-    meanwhile (docs/checkpoints.md)."""
+    For a buffer that is filled again and again (an asynchronous save's snapshot): on huge
+    pages a first copy into it faults 512 times fewer pages and an ``O_DIRECT`` write of it
+    has the kernel pin 512 times fewer pages, with less of the training's compute lost
+    meanwhile (measured: docs/benchmarks.md; docs/checkpoints.md)."""
     madvise = _madvise()
     huge = huge_pages and nbytes >= _MIN_BYTES and madvise is not None
     private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS

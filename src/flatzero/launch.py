@@ -43,8 +43,8 @@ def preload_rank_processes(modules: Sequence[str] = ("torch", "flatzero")) -> No
     """Start every later ``run_ranks`` rank from a fork server that imported ``modules``.
 
     The server starts at the next launch, with ``modules`` imported once; each rank is a
-    fork of it, so a launch costs no interpreter start or torch import (~3 CPU-seconds per
-    rank on a 2-core VM). What a rank sees is unchanged: the caller's environment at the
+    fork of it, so a launch costs no interpreter start or torch import (per rank; measured:
+    docs/benchmarks.md). What a rank sees is unchanged: the caller's environment at the
     launch (``run_ranks`` sends it), its own process group, nothing initialized by the
     server beyond the imports. Call it before the first launch (later calls change
     nothing once the server runs).

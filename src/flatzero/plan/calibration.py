@@ -1,29 +1,9 @@
 """This machine's measured rates, for the planner: ``flatzero info --measure``.
 
-``measure()`` times, with ``measure.limits`` and the allocators the job uses:
-
-- host memcpy with one thread and with every core (``limits.memcpy_seconds``);
-- writing new host memory, page faults included (so on a VM this also measures the host
-  backing the guest's pages), with both allocators an init uses:
-
-  - flatzero's (``hostmem.empty_host``: 2 MiB pages where the OS allows), by a copy of
-    the same dtype at the size of one bucket (filling a bucket) and by a bf16 -> fp32 cast
-    at the size of the master shard, one thread and every core;
-  - torch's own (``torch.empty``: what ``torch.cat``, ``clone`` and ``.to`` allocate, so
-    DeepSpeed's buffers), the same copy and cast with every core.
-
-  Each pass writes a buffer of its own after sleeping ``settle_s`` (cold or warm, below);
-- with CUDA: a device-to-device copy and a pinned upload (``limits.device_copy_seconds``,
-  ``limits.pinned_h2d_seconds``);
-- the per-tensor cost of each flatten method: ``flatten_parameters`` (``cpu`` tier) and the
-  two DeepSpeed algorithms of ``measure.baselines`` on many tiny tensors, whose bytes are
-  negligible.
-
-Measure at the sizes the job allocates and in the regime it runs in: on the development VM
-the two allocators differ by 2x, the rate of 2 MiB pages depends on the buffer's size, and
-memory freed a few seconds earlier is still backed and written several times faster
-(docs/plan.md). The result is a ``Calibration``; ``to_dict``/``from_dict`` store it as JSON
-for ``flatzero plan --calibration FILE``.
+``measure()`` times host copies, writes into new host memory with both allocators an init
+uses, device copies where there is a device, and the per-tensor cost of each flatten
+method ([Note: what measure() times]). The result is a ``Calibration``;
+``to_dict``/``from_dict`` store it as JSON for ``flatzero plan --calibration FILE``.
 """
 
 from __future__ import annotations
@@ -389,6 +369,32 @@ def measure_new_memory(
     }
 
 
+# [Note: what measure() times]
+# ``measure()`` times, with ``measure.limits`` and the allocators the job uses:
+#
+# - host memcpy with one thread and with every core (``limits.memcpy_seconds``);
+# - writing new host memory, page faults included (so on a VM this also measures the host
+#   backing the guest's pages), with both allocators an init uses:
+#
+#   - flatzero's (``hostmem.empty_host``: 2 MiB pages where the OS allows), by a copy of
+#     the same dtype at the size of one bucket (filling a bucket) and by a bf16 -> fp32 cast
+#     at the size of the master shard, one thread and every core;
+#   - torch's own (``torch.empty``: what ``torch.cat``, ``clone`` and ``.to`` allocate, so
+#     DeepSpeed's buffers), the same copy and cast with every core.
+#
+#   Each pass writes a buffer of its own after sleeping ``settle_s`` (cold or warm);
+# - with CUDA: a device-to-device copy and a pinned upload (``limits.device_copy_seconds``,
+#   ``limits.pinned_h2d_seconds``);
+# - the per-tensor cost of each flatten method: ``flatten_parameters`` (``cpu`` tier) and the
+#   two DeepSpeed algorithms of ``measure.baselines`` on many tiny tensors, whose bytes are
+#   negligible.
+#
+# Measure at the sizes the job allocates and in the regime it runs in: the two allocators'
+# rates differ, the rate of 2 MiB pages depends on the buffer's size, and memory freed a few
+# seconds earlier is still backed and written faster than cold memory (figures:
+# docs/benchmarks.md, "Figures behind the code's docstrings"; docs/plan.md).
+
+
 def measure(
     nbytes: int = 512 * 2**20,
     *,
@@ -398,7 +404,7 @@ def measure(
     settle_s: float = 0.0,
     tensors: int = 2000,
 ) -> Calibration:
-    """Measure this machine (see the module docstring): copies of ``nbytes``, new memory
+    """Measure this machine ([Note: what measure() times]): copies of ``nbytes``, new memory
     filled ``fill_bytes`` (a bucket) and cast ``cast_bytes`` (a master shard; default
     ``nbytes``) at a time by ``ranks`` processes at once (``measure_new_memory``). Takes a
     few seconds, plus ``settle_s`` before each of the 18 passes that write new memory."""
