@@ -1,32 +1,8 @@
 """Predicted init time of one rank, per flatzero tier and per DeepSpeed path.
 
 Each method's time is its bytes per link (``traffic``) divided by the rank's rate on that
-link (``rates.Rates``), plus a per-tensor cost, combined as the code runs them:
-
-- ``device``: the bucket copies run asynchronously on the GPU while the host does the
-  per-tensor work: ``max(copies, tensors)``, then the master (a cast of this rank's slices).
-- ``host`` / ``sharded``: host fill, upload and all-gather of consecutive buckets overlap
-  (a ring of staging slots, a side stream): ``max(fill, upload, all-gather, tensors)``,
-  then the master. A checkpoint source is read at the rank's share of the disk.
-- ``offload``: a bucket's params go to a host image before its upload starts:
-  ``d2h + max(fill, upload, tensors)``, then the master.
-- ``cpu``: every bucket and the master are new host memory from flatzero's allocator: the
-  buckets at the rate of copying into it, the master at the rate of casting into it (a
-  bf16 -> fp32 cast on a CPU without bf16 instructions is compute-bound), plus the
-  per-tensor work (one thread of control, nothing overlaps).
-- DeepSpeed ``deepspeed_device``: one ``torch.cat`` of each group on the GPU, the master
-  partition (a clone, then an fp32 copy) and DeepSpeed's per-tensor work.
-- DeepSpeed ``deepspeed_legacy``: every param to pageable host memory, ``torch.cat`` into
-  new host memory with every core of the node shared by all its ranks, the flat buffer back
-  to the GPU, then the master. Threads fighting over cores are not modeled: that is where
-  the 2,244 CPU-minutes of DeepSpeed #7677 went (docs/plan.md).
-- ``placement``: DeepSpeed's engine first moves params that are in host memory to the GPU
-  (``module.to``, pageable), every rank the whole model.
-
-Copies on a GPU are counted in bytes copied (a device copy rate already counts each byte
-once though it is read and written); a cast is counted in fp32 bytes written at the cast
-rate. On a machine without a GPU every DeepSpeed "device" buffer is new host memory from
-torch's allocator, so device rates are that allocator's (``rates.node_rates``).
+link (``rates.Rates``), plus a per-tensor cost, combined as the code runs them ([Note: how
+each method's time combines]; [Note: copies and casts counted]).
 """
 
 from __future__ import annotations
@@ -92,6 +68,34 @@ class InitTime:
     def __post_init__(self) -> None:
         if self.seconds < 0:
             raise ValueError(f"InitTime.seconds must be >= 0, got {self.seconds}")
+
+
+# [Note: how each method's time combines]
+# - ``device``: the bucket copies run asynchronously on the GPU while the host does the
+#   per-tensor work: ``max(copies, tensors)``, then the master (a cast of this rank's slices).
+# - ``host`` / ``sharded``: host fill, upload and all-gather of consecutive buckets overlap
+#   (a ring of staging slots, a side stream): ``max(fill, upload, all-gather, tensors)``,
+#   then the master. A checkpoint source is read at the rank's share of the disk.
+# - ``offload``: a bucket's params go to a host image before its upload starts:
+#   ``d2h + max(fill, upload, tensors)``, then the master.
+# - ``cpu``: every bucket and the master are new host memory from flatzero's allocator: the
+#   buckets at the rate of copying into it, the master at the rate of casting into it (a
+#   bf16 -> fp32 cast on a CPU without bf16 instructions is compute-bound), plus the
+#   per-tensor work (one thread of control, nothing overlaps).
+# - DeepSpeed ``deepspeed_device``: one ``torch.cat`` of each group on the GPU, the master
+#   partition (a clone, then an fp32 copy) and DeepSpeed's per-tensor work.
+# - DeepSpeed ``deepspeed_legacy``: every param to pageable host memory, ``torch.cat`` into
+#   new host memory with every core of the node shared by all its ranks, the flat buffer back
+#   to the GPU, then the master. Threads fighting over cores are not modeled: that is where
+#   the 2,244 CPU-minutes of DeepSpeed #7677 went (docs/plan.md).
+# - ``placement``: DeepSpeed's engine first moves params that are in host memory to the GPU
+#   (``module.to``, pageable), every rank the whole model.
+#
+# [Note: copies and casts counted]
+# Copies on a GPU are counted in bytes copied (a device copy rate already counts each byte
+# once though it is read and written); a cast is counted in fp32 bytes written at the cast
+# rate. On a machine without a GPU every DeepSpeed "device" buffer is new host memory from
+# torch's allocator, so device rates are that allocator's (``rates.node_rates``).
 
 
 def _master_seconds(work: Work, rates: Rates, *, on_host: bool) -> float:
