@@ -1,23 +1,11 @@
 """Bytes one rank moves during init, by kind and by link.
 
 ``flatzero_bytes`` counts exactly what ``InitReport.bytes_moved`` counts (the keys of
-``report.ReportBuilder.bytes_moved``), computed from the layout instead of by running:
-
-- a direct fill (``device``, ``cpu``) copies every param of every bucket into it
-  (``flatten.tiers.DirectTier``), kind by source and destination (``tiers.copy_kind``);
-- an upload fill (``host``, ``sharded``) copies the params of its range (a whole bucket,
-  or this rank's slice in ``sharded``) into staging (``host_copy``; on a CPU the bucket is
-  the staging), uploads the whole range padding included (``h2d``, GPU only) and, in
-  ``sharded``, all-gathers the rest of the bucket (``all_gather``: bytes received);
-- ``offload`` first copies a bucket's params to a host image (``d2h`` on a GPU), then
-  uploads as ``host`` does;
-- the master copy reads this rank's slice of every bucket (``host_copy`` when the master is
-  in host memory, else ``device_copy``; bytes of the slices in the params' dtype).
-
-``deepspeed_bytes`` counts what ``measure.baselines`` counts for DeepSpeed's two paths
-(``BaselineResult.flatten_bytes`` and ``master_bytes``: bytes written by copies).
-
-``links`` turns kinds into links (HBM, PCIe, host memory, NVLink, network).
+``report.ReportBuilder.bytes_moved``), computed from the layout instead of by running
+([Note: flatzero's bytes by kind]). ``deepspeed_bytes`` counts what ``measure.baselines``
+counts for DeepSpeed's two paths (``BaselineResult.flatten_bytes`` and ``master_bytes``:
+bytes written by copies). ``links`` turns kinds into links (HBM, PCIe, host memory, NVLink,
+network).
 """
 
 from __future__ import annotations
@@ -54,6 +42,19 @@ def _copy_kind(src: str, dst: str) -> str:
 def _param_elements(group: GroupLayout, bucket: int, lo: int, hi: int) -> int:
     """Elements of params (not padding) inside ``[lo, hi)`` of ``bucket``."""
     return hi - lo - sum(end - start for start, end in group.gaps(bucket, lo, hi))
+
+
+# [Note: flatzero's bytes by kind]
+# - a direct fill (``device``, ``cpu``) copies every param of every bucket into it
+#   (``flatten.tiers.DirectTier``), kind by source and destination (``tiers.copy_kind``);
+# - an upload fill (``host``, ``sharded``) copies the params of its range (a whole bucket,
+#   or this rank's slice in ``sharded``) into staging (``host_copy``; on a CPU the bucket is
+#   the staging), uploads the whole range padding included (``h2d``, GPU only) and, in
+#   ``sharded``, all-gathers the rest of the bucket (``all_gather``: bytes received);
+# - ``offload`` first copies a bucket's params to a host image (``d2h`` on a GPU), then
+#   uploads as ``host`` does;
+# - the master copy reads this rank's slice of every bucket (``host_copy`` when the master is
+#   in host memory, else ``device_copy``; bytes of the slices in the params' dtype).
 
 
 def _fill(
