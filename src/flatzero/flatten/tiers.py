@@ -4,23 +4,8 @@ A tier fills an already allocated bucket buffer and returns a ``Fill`` telling w
 the copy has completed; the driver (``flatten.driver``) allocates, agrees with the other
 ranks, rebinds params once their bucket is complete, and falls back to the next tier
 down when memory runs out. Tiers never rebind a param to a partially filled bucket.
-
-| tier    | source of the bucket            | path                                          |
-|---------|---------------------------------|-----------------------------------------------|
-| device  | params on the target device     | ``_foreach_copy_`` into the bucket            |
-| cpu     | params in host memory, no GPU   | ``_foreach_copy_`` into a host bucket         |
-| host    | params in host memory, 1 rank   | host fill of staging chunks, async upload     |
-| sharded | params in host memory, N ranks  | upload of this rank's slice, all-gather       |
-| offload | params on the device, no room   | bucket by bucket: params to a host image, the |
-|         |                                 | image uploaded as ``host`` does               |
-
-A tier's steps per bucket: ``prepare`` (before allocation: ``offload`` moves the bucket's
-params out of the way), then, when allocation still fails, ``make_room`` (``offload``
-moves the next bucket's params out too), then ``fill``, and for ``sharded`` at world size
-> 1 ``gather`` (the all-gather), which the driver issues only once every rank filled its
-slice and the next bucket's upload is queued, so that the two overlap. Staging memory
-(pinned on an accelerator) is a few slots of at most 64 MiB, released when the flatten
-call ends (``close``).
+The tiers: [Note: the tiers' sources and paths]; their steps: [Note: a tier's steps per
+bucket].
 """
 
 from __future__ import annotations
@@ -224,6 +209,26 @@ def _zero_gaps(layout: GroupLayout, bucket: int, dest: torch.Tensor, lo: int, hi
     gaps = [dest[s - lo : e - lo] for s, e in layout.gaps(bucket, lo, hi)]
     if gaps:
         torch._foreach_zero_(gaps)
+
+
+# [Note: the tiers' sources and paths]
+# | tier    | source of the bucket            | path                                          |
+# |---------|---------------------------------|-----------------------------------------------|
+# | device  | params on the target device     | ``_foreach_copy_`` into the bucket            |
+# | cpu     | params in host memory, no GPU   | ``_foreach_copy_`` into a host bucket         |
+# | host    | params in host memory, 1 rank   | host fill of staging chunks, async upload     |
+# | sharded | params in host memory, N ranks  | upload of this rank's slice, all-gather       |
+# | offload | params on the device, no room   | bucket by bucket: params to a host image, the |
+# |         |                                 | image uploaded as ``host`` does               |
+#
+# [Note: a tier's steps per bucket]
+# A tier's steps per bucket: ``prepare`` (before allocation: ``offload`` moves the bucket's
+# params out of the way), then, when allocation still fails, ``make_room`` (``offload``
+# moves the next bucket's params out too), then ``fill``, and for ``sharded`` at world size
+# > 1 ``gather`` (the all-gather), which the driver issues only once every rank filled its
+# slice and the next bucket's upload is queued, so that the two overlap. Staging memory
+# (pinned on an accelerator) is a few slots of at most 64 MiB, released when the flatten
+# call ends (``close``).
 
 
 class DirectTier:
