@@ -5,8 +5,7 @@ everything under it (``flatzero/flatten/`` is ``flatten``); the package's own
 ``__init__.py`` is the room ``flatzero``. Every room stands on one floor. An import may go
 to a room on the same floor or on a floor below, never up, and no chain of imports may come
 back to where it started, neither between modules nor between rooms. Inside a subpackage
-the modules stand on floors of their own (``INNER_FLOORS``), under the same rule, so the
-layering inside a room is seen too; a room without an entry is checked for circles only.
+the modules stand on floors of their own (``INNER_FLOORS``) under the same rule.
 
 Every import counts, wherever it is written: at the top of a module, inside a function
 (a lazy import is a dependency that is only paid later), under ``if TYPE_CHECKING:`` (a
