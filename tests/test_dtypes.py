@@ -10,7 +10,6 @@ from torch import nn
 
 from flatzero import FlattenConfig, SafetensorsCheckpoint
 from flatzero.checkpoint import ExportConfig, export_checkpoint, save_checkpoint
-from flatzero.checkpoint.stfile import SafetensorsWriter, TensorEntry
 from flatzero.dtypes import (
     DTYPES,
     SAFETENSORS_DTYPES,
@@ -20,6 +19,8 @@ from flatzero.dtypes import (
     int_of_width,
 )
 from flatzero.optim import ZeroOptimizer
+from flatzero.storage.header import TensorEntry
+from flatzero.storage.writer import SafetensorsWriter
 
 F8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 

@@ -43,10 +43,10 @@ import torch
 from .. import accel
 from ..control import raise_if_any_failed
 from ..hostmem import StagingBuffer, mapped_host
+from ..storage.checksum import ChunkSums
+from ..storage.image import PAGE, FileImage, checksums, lay_out, padded
 from .atomic import fault_point
-from .checksum import ChunkSums
 from .format import FileRecord
-from .image import PAGE, FileImage, checksums, lay_out, padded
 
 __all__ = [
     "Hasher",

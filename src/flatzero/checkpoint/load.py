@@ -435,7 +435,7 @@ def _check_model_rest(reader: CheckpointReader, model: torch.nn.Module) -> None:
     meta: CheckpointMeta = reader.meta
     if meta.model_rest is None:
         return
-    from .stfile import open_safetensors
+    from ..storage.tensorfile import open_safetensors
 
     path = reader.path / meta.model_rest
     handle = open_safetensors(path)
@@ -454,7 +454,7 @@ def _check_model_rest(reader: CheckpointReader, model: torch.nn.Module) -> None:
 
 
 def _load_model_rest(reader: CheckpointReader, model: torch.nn.Module) -> None:
-    from .stfile import open_safetensors
+    from ..storage.tensorfile import open_safetensors
 
     path = reader.path / reader.meta.model_rest  # type: ignore[operator]
     handle = open_safetensors(path)

@@ -49,6 +49,7 @@ from ..control import (
     raise_if_any_failed,
     wait_for_host_work,
 )
+from ..storage.image import FileImage
 from .async_save import Hasher, Staging, collect_marks, mark, snapshot, start, wait_for_save
 from .atomic import (
     fault_point,
@@ -69,7 +70,6 @@ from .format import (
     rank_file_name,
     read_latest,
 )
-from .image import FileImage
 from .optimizer_state import CapturedState, capture
 from .recovery import copy_of_lost, restore_lost
 from .rng import capture_rng

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from .checksum import Checksummer, ChunkSums
-from .stfile import TensorEntry, header_bytes
+from .header import TensorEntry, header_bytes
 
 __all__ = ["PAGE", "FileImage", "lay_out", "padded", "write_image"]
 
