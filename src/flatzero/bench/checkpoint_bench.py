@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import LoadConfig, SaveConfig, load_checkpoint, save_checkpoint
-from ..checkpoint.async_save import release_snapshot, wait_for_save
+from ..checkpoint.checkpointer import release_snapshot, wait_for_save
 from ..config import FlattenConfig
 from ..launch import run_ranks
 from ..models import build_model, count_params

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..comm import all_gather_buckets_from_own_slices, all_reduce_max, world_size_of
 from ..control import control_group, wait_for_host_work
 from ..optim.state import GroupState, ShardedOptimizerState
-from .async_save import wait_for_save
+from .checkpointer import wait_for_save
 from .config import LoadConfig
 from .fallback import newest_valid, refused
 from .format import (
