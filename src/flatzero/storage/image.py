@@ -1,15 +1,15 @@
 """Safetensors files laid out in host memory, then written without the page cache.
 
-An asynchronous save (``checkpoint.async_save``) copies what a rank writes into one
-reusable host buffer. The copy is laid out as the files' data regions: per file, its
-tensors' bytes in file order, starting on a page boundary of the buffer (``FileImage``).
-The header is padded (with spaces, as safetensors pads) so that the data starts on a page
-boundary of the file too. Then the whole file can be written with ``O_DIRECT``: the disk reads the buffer by
+An asynchronous save (``checkpoint.async_save``) copies what a rank writes into one reusable
+host buffer. The copy is laid out as the files' data regions: per file, its tensors' bytes
+in file order, starting on a page boundary of the buffer (``FileImage``). The header is
+padded (with spaces, as safetensors pads) so that the data starts on a page boundary of the
+file too. Then the whole file can be written with ``O_DIRECT``: the disk reads the buffer by
 DMA, and no CPU copies the bytes into the page cache (the kernel's copy and its page
 allocation): a background write does not take the cores training steps use (measured in
 docs/benchmarks.md, "Writing without the page cache"). Where ``O_DIRECT`` is missing or
-refused (another OS, tmpfs on older kernels, some network file systems) the same writes
-go through the page cache.
+refused (another OS, tmpfs on older kernels, some network file systems) the same writes go
+through the page cache.
 
 The checksums of the chunks of every tensor are computed from the buffer (``checksums``)
 (``crc32c`` releases the GIL for large buffers, so the training thread runs meanwhile).
