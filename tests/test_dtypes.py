@@ -50,7 +50,7 @@ def _f8_values(dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", F8, ids=str)
-def test_f8_written_by_stfile_reads_back_through_safetensors_index(tmp_path, dtype):
+def test_f8_written_by_storage_writer_reads_back_through_storage_index(tmp_path, dtype):
     value = _f8_values(dtype)
     path = tmp_path / "f8.safetensors"
     with SafetensorsWriter(path, [TensorEntry("w", dtype, tuple(value.shape))]) as writer:
