@@ -36,7 +36,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # (floor, rooms), from the ground up
     ("data", ("_version", "dtypes", "layout", "config", "cli_types", "ports", "gcpause", "models")),
     ("device seam", ("accel",)),
-    ("placement", ("devices", "hostmem", "params", "safetensors_index")),
+    ("placement", ("devices", "hostmem", "params", "storage")),
     ("ranks", ("comm", "control")),
     ("host and memory", ("cores", "memory", "report", "measure")),
     ("flatten", ("flatten",)),
@@ -62,7 +62,7 @@ ROOMS: dict[str, str] = {
     "devices": "which device a rank uses; where a process group runs collectives",
     "hostmem": "host buffers (huge pages), staging buffers (pinned through the seam)",
     "params": "collect_param_groups: trainable params once each, names, options",
-    "safetensors_index": "a safetensors checkpoint's tensors by name, read by byte range",
+    "storage": "safetensors bytes: one header parser, writer, verified reads, host images",
     "comm": "collectives that work without a process group; checks of sameness across ranks",
     "control": "the gloo control group and what ranks agree on over it (any rank failed)",
     "cores": "this process's usable cores, a rank's share of them, init's thread count",

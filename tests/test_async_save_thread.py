@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from flatzero.checkpoint import async_save
+from flatzero.checkpoint import async_save, checkpointer
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux policies")
 
@@ -43,7 +43,7 @@ def policies_in_a_save(rank: int, ws: int, base: str) -> dict:
     step(model, opt, 0)
     set_fault_hook(record)
     save_checkpoint(base, opt, tag="a", asynchronous=True)
-    async_save.wait_for_save(opt)
+    checkpointer.wait_for_save(opt)
     set_fault_hook(None)
     return seen
 

@@ -181,7 +181,7 @@ def test_optimizer_state_of_another_class_is_refused(tmp_path: Path) -> None:
 
 
 def test_unreadable_rank_file_says_what_the_os_said(tmp_path: Path, monkeypatch) -> None:
-    from flatzero.checkpoint import stfile
+    from flatzero.storage import tensorfile
 
     path = tmp_path / "rank0.safetensors"
     path.write_bytes(b"\0" * 16)
@@ -189,9 +189,9 @@ def test_unreadable_rank_file_says_what_the_os_said(tmp_path: Path, monkeypatch)
     def denied(*_args: Any, **_kwargs: Any) -> Any:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(stfile, "open", denied, raising=False)  # root reads a chmod-0 file
+    monkeypatch.setattr(tensorfile, "open", denied, raising=False)  # root reads a chmod-0 file
     with pytest.raises(ValueError, match=r"cannot read .*rank0.safetensors: Permission denied"):
-        stfile.open_safetensors(path)
+        tensorfile.open_safetensors(path)
 
 
 def test_empty_param_group_is_refused_with_its_index() -> None:

@@ -15,8 +15,8 @@ import torch
 
 from flatzero import FlattenConfig
 from flatzero.checkpoint import load_checkpoint, load_flat_params, read_latest, save_checkpoint
-from flatzero.checkpoint.async_save import _snapshots, release_snapshot, wait_for_save
 from flatzero.checkpoint.atomic import set_fault_hook
+from flatzero.checkpoint.checkpointer import checkpointer_of, release_snapshot, wait_for_save
 from flatzero.launch import run_ranks
 from flatzero.optim import ZeroOptimizer
 
@@ -68,13 +68,13 @@ def async_saves(rank: int, ws: int, base: str) -> dict:
     save_checkpoint(root, opt, tag="a", asynchronous=True)
     writing = [t.name for t in threading.enumerate() if t.name.startswith("flatzero-save")]
     returned_before_published = not (root / "a").exists()
-    buffer = _snapshots[opt].data.data_ptr()
+    buffer = checkpointer_of(opt).snapshot.data.data_ptr()
     for i in (1, 2):  # train on while "a" is written: it must keep the state at the call
         step(model, opt, i)
     at_b = state(opt)
     save_checkpoint(root, opt, tag="b", asynchronous=True)  # waits for "a" first
     a_published_then = (root / "a" / "meta.json").is_file()
-    reused = _snapshots[opt].data.data_ptr() == buffer
+    reused = checkpointer_of(opt).snapshot.data.data_ptr() == buffer
     step(model, opt, 3)
     wait_for_save(opt)
     set_fault_hook(None)

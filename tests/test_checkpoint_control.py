@@ -227,7 +227,7 @@ def test_stage0_save_outlasts_the_process_group_timeout(tmp_path: Path) -> None:
     [(0, 4, 2), (3, 4, 2), (4, 4, 2), (9, 4, 2), (12, 4, 2), (13, 4, 2), (10, 3, 3), (7, 2, 1)],
 )
 def test_staging_plan_covers_the_bytes_in_order(nbytes: int, chunk: int, slots: int) -> None:
-    from flatzero.checkpoint.stfile import staging_plan
+    from flatzero.storage.writer import staging_plan
 
     ops = staging_plan(nbytes, chunk, slots)
     copies = [op for op in ops if op.kind == "copy"]
@@ -259,7 +259,7 @@ def test_staging_plan_covers_the_bytes_in_order(nbytes: int, chunk: int, slots: 
 
 
 def test_staging_plan_rejects_bad_sizes() -> None:
-    from flatzero.checkpoint.stfile import staging_plan
+    from flatzero.storage.writer import staging_plan
 
     for args in ((-1, 4), (4, 0)):
         with pytest.raises(ValueError, match="staging_plan needs"):
@@ -267,7 +267,8 @@ def test_staging_plan_rejects_bad_sizes() -> None:
 
 
 def _write(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    from flatzero.checkpoint.stfile import SafetensorsWriter, TensorEntry
+    from flatzero.storage.header import TensorEntry
+    from flatzero.storage.writer import SafetensorsWriter
 
     entries = [TensorEntry(n, t.dtype, tuple(t.shape)) for n, t in tensors]
     with SafetensorsWriter(path, entries, {"k": "v"}) as writer:
@@ -279,7 +280,7 @@ def _write(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, Any
 def test_staged_writes_are_byte_identical(tmp_path: Path, monkeypatch) -> None:
     from safetensors.torch import load_file
 
-    from flatzero.checkpoint import stfile
+    from flatzero.storage import writer as stwriter
 
     g = torch.Generator().manual_seed(3)
     tensors = [
@@ -293,16 +294,16 @@ def test_staged_writes_are_byte_identical(tmp_path: Path, monkeypatch) -> None:
     direct = _write(tmp_path / "direct.safetensors", tensors)
 
     copies: list[int] = []
-    real_plan = stfile.staging_plan
+    real_plan = stwriter.staging_plan
 
-    def plan(nbytes: int, chunk_bytes: int, slots: int = 2) -> list[stfile.ChunkOp]:
+    def plan(nbytes: int, chunk_bytes: int, slots: int = 2) -> list[stwriter.ChunkOp]:
         ops = real_plan(nbytes, chunk_bytes, slots)
         copies.append(sum(op.kind == "copy" for op in ops))
         return ops
 
-    monkeypatch.setattr(stfile, "_CHUNK_BYTES", 24)
-    monkeypatch.setattr(stfile, "staging_plan", plan)
-    monkeypatch.setattr(stfile, "_staged", lambda tensor: True)  # as if on a device
+    monkeypatch.setattr(stwriter, "_CHUNK_BYTES", 24)
+    monkeypatch.setattr(stwriter, "staging_plan", plan)
+    monkeypatch.setattr(stwriter, "_staged", lambda tensor: True)  # as if on a device
     staged = _write(tmp_path / "staged.safetensors", tensors)
 
     assert copies == [7, 5, 1, 1, 1]  # chunks of a, b, c, d, f ("e" has no bytes)
@@ -373,20 +374,20 @@ def _staged_on_fake_cuda(monkeypatch, fail_at_write: int | None = None):
     """Route CPU tensors through the streamed path of the staged writer with the seam's
     streams and pinning stubbed; returns the fake (its log: copies, writes, pins, unpins)
     and the ``non_blocking`` flag of every copy."""
-    from flatzero.checkpoint import stfile
+    from flatzero.storage import writer as stwriter
 
     cuda = _FakeCuda()
     cuda.install(monkeypatch)
     copies: list[bool] = []
     real_copy = torch.Tensor.copy_
-    monkeypatch.setattr(stfile, "_CHUNK_BYTES", 16)
-    monkeypatch.setattr(stfile, "_staged", lambda tensor: True)
-    monkeypatch.setattr(stfile, "_streamed", lambda tensor: True)
+    monkeypatch.setattr(stwriter, "_CHUNK_BYTES", 16)
+    monkeypatch.setattr(stwriter, "_staged", lambda tensor: True)
+    monkeypatch.setattr(stwriter, "_streamed", lambda tensor: True)
     monkeypatch.setattr(accel, "pin_host", lambda t: cuda.log.append(("pin", t.data_ptr())) or True)
     monkeypatch.setattr(accel, "unpin_host", lambda t: cuda.log.append(("unpin", t.data_ptr())))
     release = lambda: cuda.log.append(("release",))  # noqa: E731
     monkeypatch.setattr(torch.accelerator, "empty_host_cache", release)
-    real_emit = stfile.SafetensorsWriter._emit
+    real_emit = stwriter.SafetensorsWriter._emit
     writes = 0
 
     def emit(self, host: torch.Tensor, crc: int) -> int:
@@ -402,7 +403,7 @@ def _staged_on_fake_cuda(monkeypatch, fail_at_write: int | None = None):
         cuda.log.append(("copy", bytes(src.numpy())))
         return real_copy(self, src, non_blocking=non_blocking)
 
-    monkeypatch.setattr(stfile.SafetensorsWriter, "_emit", emit)
+    monkeypatch.setattr(stwriter.SafetensorsWriter, "_emit", emit)
     monkeypatch.setattr(torch.Tensor, "copy_", copy_)
     return cuda, copies
 

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from flatzero import FlattenConfig
 from flatzero.checkpoint import LoadConfig, load_checkpoint, save_checkpoint
-from flatzero.checkpoint.tensorfile import TensorFile
 from flatzero.launch import run_ranks
 from flatzero.optim import ZeroOptimizer
+from flatzero.storage.tensorfile import TensorFile
 
 DAMAGES = ("flipped", "truncated", "missing", "latest_missing")
 GOOD, BAD = "global_step1", "global_step2"
@@ -55,7 +55,7 @@ def damage(root: Path, how: str) -> None:
         with TensorFile(path) as f:
             info = f.info("g0.master")
         data = bytearray(path.read_bytes())
-        middle = info.begin + info.nbytes // 2  # a param's elements, not the padding
+        middle = info.offset + info.nbytes // 2  # a param's elements, not the padding
         for i in range(middle, middle + 16):
             data[i] ^= 0xA5
         path.write_bytes(bytes(data))

@@ -42,10 +42,10 @@ from flatzero.checkpoint import (
 from flatzero.checkpoint.deepspeed_import import import_deepspeed
 from flatzero.checkpoint.deepspeed_pickle import ZeroStage
 from flatzero.checkpoint.deepspeed_reader import read_deepspeed
-from flatzero.checkpoint.stfile import open_safetensors
 from flatzero.cli import main
 from flatzero.launch import run_ranks
 from flatzero.optim import ZeroConfig, ZeroOptimizer
+from flatzero.storage.tensorfile import open_safetensors
 
 K, M = 3, 2  # steps before the save, steps after it
 BATCH, SEQ, VOCAB, LR = 4, 10, 48, 3e-3

@@ -41,11 +41,11 @@ from flatzero.checkpoint import (
     save_checkpoint,
 )
 from flatzero.checkpoint.atomic import set_fault_hook
-from flatzero.checkpoint.tensorfile import TensorFile
 from flatzero.comm import rank_of
 from flatzero.launch import run_ranks
 from flatzero.models import LlamaConfig, build_model
 from flatzero.optim import ZeroConfig, ZeroOptimizer
+from flatzero.storage.tensorfile import TensorFile
 from tiny_configs import TINY_LLAMA
 
 K = 3  # steps before the save
@@ -346,7 +346,7 @@ def test_corrupt_data_found_by_checksum(damaged):
     with TensorFile(path) as f:
         info = f.info("g0.exp_avg")
     data = bytearray(path.read_bytes())
-    at = info.begin + info.nbytes // 2
+    at = info.offset + info.nbytes // 2
     data[at : at + 10] = bytes(10)
     path.write_bytes(bytes(data))
     expect_error_and_nothing_changed(damaged, "rank_00000-of-00004.safetensors.*checksum")

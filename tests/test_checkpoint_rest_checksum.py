@@ -18,7 +18,7 @@ from flatzero.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from flatzero.checkpoint.async_save import wait_for_save
+from flatzero.checkpoint.checkpointer import wait_for_save
 from flatzero.optim import ZeroOptimizer
 
 

@@ -8,9 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flatzero.checkpoint.checksum import ALGORITHMS, Checksummer, ChunkSums
-from flatzero.checkpoint.stfile import SafetensorsWriter, TensorEntry
-from flatzero.checkpoint.tensorfile import TensorFile, _bytes_of
+from flatzero.storage.checksum import ALGORITHMS, Checksummer, ChunkSums
+from flatzero.storage.header import TensorEntry
+from flatzero.storage.tensorfile import TensorFile, _bytes_of
+from flatzero.storage.writer import SafetensorsWriter
 
 CHUNK = 24  # bytes: 6 fp32 elements, 3 fp64 ones; small enough for partial chunks everywhere
 
@@ -82,7 +83,7 @@ def test_a_flipped_byte_is_refused_by_every_read_that_touches_its_chunk(file, tm
     damaged = tmp_path / "d.safetensors"
     data = bytearray(path.read_bytes())
     with TensorFile(path) as f:
-        begin = f.info("a").begin
+        begin = f.info("a").offset
     data[begin + at] ^= 0x40
     damaged.write_bytes(bytes(data))
     sums = sums_of(tensors["a"], "crc32")

@@ -10,7 +10,6 @@ from torch import nn
 
 from flatzero import FlattenConfig, SafetensorsCheckpoint
 from flatzero.checkpoint import ExportConfig, export_checkpoint, save_checkpoint
-from flatzero.checkpoint.stfile import SafetensorsWriter, TensorEntry
 from flatzero.dtypes import (
     DTYPES,
     SAFETENSORS_DTYPES,
@@ -20,6 +19,8 @@ from flatzero.dtypes import (
     int_of_width,
 )
 from flatzero.optim import ZeroOptimizer
+from flatzero.storage.header import TensorEntry
+from flatzero.storage.writer import SafetensorsWriter
 
 F8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -49,7 +50,7 @@ def _f8_values(dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", F8, ids=str)
-def test_f8_written_by_stfile_reads_back_through_safetensors_index(tmp_path, dtype):
+def test_f8_written_by_storage_writer_reads_back_through_storage_index(tmp_path, dtype):
     value = _f8_values(dtype)
     path = tmp_path / "f8.safetensors"
     with SafetensorsWriter(path, [TensorEntry("w", dtype, tuple(value.shape))]) as writer:

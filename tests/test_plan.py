@@ -47,7 +47,7 @@ from flatzero.plan.cli import add_arguments, spec_from_args
 from flatzero.plan.model_source import ModelSource, group_dicts, param_groups
 from flatzero.plan.planner import huge_pages_advice, new_memory_sizes
 from flatzero.plan.traffic import deepspeed_bytes, deepspeed_master_bytes, flatzero_bytes
-from flatzero.safetensors_index import SafetensorsCheckpoint
+from flatzero.storage.index import SafetensorsCheckpoint
 
 LLAMA = LlamaConfig(
     vocab_size=97,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from flatzero.checkpoint import SaveConfig, save_checkpoint
-from flatzero.checkpoint.async_save import _snapshots, release_snapshot, wait_for_save
-from flatzero.checkpoint.save import _layout_names
+from flatzero.checkpoint.checkpointer import checkpointer_of, release_snapshot, wait_for_save
+from flatzero.checkpoint.collect import layout_names
 from flatzero.checkpoint.writer import model_extras
 from flatzero.cli import main
 from flatzero.plan.memory_model import async_snapshot_bytes
@@ -24,11 +24,11 @@ def test_plan_async_snapshot_equals_what_the_saver_allocates(
         assert plan.layout.groups[0].shard_numel == opt.flat.groups[0].layout.shard_numel
         save_checkpoint(tmp_path, opt, tag="a", asynchronous=True)
         wait_for_save(opt)
-        assert _snapshots[opt].data.numel() == plan.async_snapshot
+        assert checkpointer_of(opt).snapshot.data.numel() == plan.async_snapshot
 
         # with RNG states and the model's frozen params and buffers (rank 0)
         model.register_buffer("stats", torch.arange(1001, dtype=torch.float32))  # persistent
-        rest = model_extras(model, _layout_names(opt.flat))[0]
+        rest = model_extras(model, layout_names(opt.flat))[0]
         assert "stats" in rest
         rest_bytes = sum(t.numel() * t.element_size() for t in rest.values())
         release_snapshot(opt)
@@ -36,7 +36,7 @@ def test_plan_async_snapshot_equals_what_the_saver_allocates(
         save_checkpoint(tmp_path, opt, tag="b", model=model, config=config_rng, asynchronous=True)
         wait_for_save(opt)
         rng_bytes = torch.get_rng_state().numel()
-        assert _snapshots[opt].data.numel() == async_snapshot_bytes(
+        assert checkpointer_of(opt).snapshot.data.numel() == async_snapshot_bytes(
             opt.flat.layout, optimizer=optimizer, rank_file_extra=rng_bytes, rest_bytes=rest_bytes
         )
     finally:

@@ -26,11 +26,12 @@ from safetensors.torch import save_file
 
 from device.harness import UnevenNet, host_copy, launch, this_device, unchanged
 from flatzero import FlattenConfig, accel, flatten_parameters
-from flatzero.checkpoint import stfile
 from flatzero.flatten import BucketFillError, driver, tiers
 from flatzero.flatten.source import CheckpointSource, TensorSource
 from flatzero.launch import run_ranks
 from flatzero.memory import DeviceOutOfMemoryError
+from flatzero.storage import writer as stwriter
+from flatzero.storage.header import TensorEntry
 from flatzero.testing import emulated
 
 BUCKET = 1024  # elements: UnevenNet makes 6 buckets of fp32 at 2 or 3 ranks
@@ -114,7 +115,7 @@ class _Recorder:
             return torch.empty(nbytes, dtype=torch.uint8)
 
         set_attr(tiers, "_streamed", lambda device: True)
-        set_attr(stfile, "_streamed", lambda tensor: True)
+        set_attr(stwriter, "_streamed", lambda tensor: True)
         set_attr(accel, "new_stream", lambda device: _Stream(log, "copy"))
         set_attr(accel, "current_stream", lambda device: self.current)
         set_attr(accel, "new_event", lambda device: _Event(log))
@@ -282,11 +283,11 @@ def test_review23_item7_flatzero_unpins_only_its_own_staging(monkeypatch, tmp_pa
         assert ring_slot in {e[1] for e in _kinds(recorder.log, "pin")}  # copies read pinned
 
     recorder.log.clear()
-    monkeypatch.setattr(stfile, "_staged", lambda tensor: True)
-    monkeypatch.setattr(stfile, "_CHUNK_BYTES", 16)
+    monkeypatch.setattr(stwriter, "_staged", lambda tensor: True)
+    monkeypatch.setattr(stwriter, "_CHUNK_BYTES", 16)
     data = torch.arange(13, dtype=torch.float32)
-    with stfile.SafetensorsWriter(
-        tmp_path / "x.safetensors", [stfile.TensorEntry("a", data.dtype, (13,))]
+    with stwriter.SafetensorsWriter(
+        tmp_path / "x.safetensors", [TensorEntry("a", data.dtype, (13,))]
     ) as writer:
         writer.write("a", data)
     _check_pins_released(recorder.log, slots=2)

@@ -19,8 +19,16 @@ from pathlib import Path
 import torch.distributed as dist
 
 from flatzero.bench.checkpoint_bench import CheckpointSpec, build, train_step
-from flatzero.checkpoint import SaveConfig, async_save, save, save_checkpoint, writer
-from flatzero.checkpoint.async_save import wait_for_save
+from flatzero.checkpoint import (
+    SaveConfig,
+    async_save,
+    atomic,
+    collect,
+    save,
+    save_checkpoint,
+    writer,
+)
+from flatzero.checkpoint.checkpointer import wait_for_save
 
 STAMPS: dict[str, float] = {}
 
@@ -60,14 +68,14 @@ def main() -> None:
     async_save.Staging.fence = fence
     stamped(writer, "write_image", "rank file written")
     stamped(async_save.Hasher, "sums", "checksums taken")
-    stamped(save, "_write_images", "files written")
+    stamped(save.Save, "_write_images", "files written")
     stamped(save, "mark", "marked")
     stamped(save, "collect_marks", "marks collected")
-    stamped(save, "_meta", "meta made")
-    stamped(save, "publish", "renamed")
+    stamped(collect.Collected, "meta", "meta made")
+    stamped(atomic.StagedDirectory, "publish", "renamed")
     stamped(save, "write_latest", "latest written")
     stamped(save, "_prune", "pruned")
-    stamped(save, "_publish_here", "published")
+    stamped(save.Save, "_publish_here", "published")
     config = SaveConfig(overwrite=True, keep_last=1)
     for index in range(saves + 1):
         STAMPS.clear()

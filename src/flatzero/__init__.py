@@ -11,7 +11,7 @@ from .loading import load_flat
 from .optim import LossScaleConfig, OffloadConfig, ZeroConfig, ZeroOptimizer
 from .patch import DeepSpeedPatch, patch_deepspeed
 from .report import InitReport
-from .safetensors_index import SafetensorsCheckpoint
+from .storage.index import SafetensorsCheckpoint
 
 __all__ = [
     "TIERS",

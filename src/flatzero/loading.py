@@ -20,7 +20,7 @@ from .config import FlattenConfig
 from .devices import resolve_device
 from .flatten import FlatParams, flatten_parameters
 from .params import rebind_param
-from .safetensors_index import SafetensorsCheckpoint
+from .storage.index import SafetensorsCheckpoint
 
 __all__ = ["allocate_rest", "load_flat", "materialize_rest"]
 

@@ -26,7 +26,7 @@ import torch
 
 from flatzero import accel
 from flatzero.checkpoint import load_checkpoint, save_checkpoint
-from flatzero.checkpoint.async_save import wait_for_save
+from flatzero.checkpoint.checkpointer import wait_for_save
 from test_optimizer_offload import Case, batch, build, make_model
 
 from .harness import this_device

@@ -51,13 +51,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import LoadConfig, SaveConfig, image, load_checkpoint, save_checkpoint
-from ..checkpoint.async_save import release_snapshot, wait_for_save
-from ..checkpoint.checksum import DEFAULT_ALGORITHM
+from ..checkpoint import LoadConfig, SaveConfig, load_checkpoint, save_checkpoint
+from ..checkpoint.checkpointer import release_snapshot, wait_for_save
 from ..config import FlattenConfig
 from ..launch import run_ranks
 from ..models import build_model, count_params
 from ..optim import ZeroOptimizer
+from ..storage import image
+from ..storage.checksum import DEFAULT_ALGORITHM
 from .init_bench import MODELS
 from .results import emit, result_head
 from .settings import BENCH_DTYPES, TrialsSpec, parse_methods, spec_from_args

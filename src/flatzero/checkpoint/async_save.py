@@ -16,11 +16,8 @@ waits for every mark (``collect_marks``) and publishes as a synchronous save doe
 checkpoint appears, and ``latest`` moves, only once every rank's file is complete: a kill
 during the background write leaves the previous checkpoint as it was.
 
-The next ``save_checkpoint``, ``load_checkpoint`` or ``engine.destroy()`` first waits for
-the previous save (``wait_for_save``): every rank joins its thread, then the ranks agree
-(one all-reduce on the control group), so an error in any rank's background write, or in
-rank 0's publishing, is raised there on every rank. A process that exits without waiting
-finishes the write first (the thread is not a daemon).
+The buffer and the pending save are the optimizer's ``checkpointer.Checkpointer``'s; the
+next save, load or ``wait_for_save`` waits for the pending one there.
 """
 
 from __future__ import annotations
@@ -33,20 +30,18 @@ import logging
 import os
 import threading
 import time
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import accel
-from ..control import raise_if_any_failed
-from ..hostmem import StagingBuffer, mapped_host
+from ..storage.checksum import ChunkSums
+from ..storage.image import PAGE, FileImage, checksums, lay_out, padded
 from .atomic import fault_point
-from .checksum import ChunkSums
+from .checkpointer import Checkpointer
 from .format import FileRecord
-from .image import PAGE, FileImage, checksums, lay_out, padded
 
 __all__ = [
     "Hasher",
@@ -54,11 +49,8 @@ __all__ = [
     "collect_marks",
     "lower_priority",
     "mark",
-    "release_snapshot",
     "snapshot",
     "snapshot_nbytes",
-    "start",
-    "wait_for_save",
 ]
 
 logger = logging.getLogger(__name__)
@@ -76,38 +68,10 @@ _POLL_S = 0.02
 """Seconds between rank 0's looks for the other ranks' marks."""
 
 
-@dataclasses.dataclass
-class _Pending:
-    """A background save of one optimizer: its thread, what it saves, how it ended."""
-
-    thread: threading.Thread
-    path: Path
-    group: Any
-    error: BaseException | None = None
-
-
-_snapshots: weakref.WeakKeyDictionary[Any, StagingBuffer] = weakref.WeakKeyDictionary()
-_pending: weakref.WeakKeyDictionary[Any, _Pending] = weakref.WeakKeyDictionary()
-
-
 def snapshot_nbytes(data_nbytes: Sequence[int]) -> int:
     """Bytes of the snapshot buffer for files of ``data_nbytes`` data bytes each: each
     file's data rounded up to the page (``image.padded``). ``flatzero plan`` shows it."""
     return sum(padded(n) for n in data_nbytes)
-
-
-def _allocate(nbytes: int, pin: bool) -> StagingBuffer:
-    """``nbytes`` (a multiple of ``PAGE``) of page-aligned host memory, page-locked if
-    ``pin`` and possible. A mapping of its own on huge pages (``hostmem.mapped_host``), so
-    that its pages stay with it, faulted in once, from the first save to the last."""
-    host = mapped_host(nbytes)
-    if pin and accel.pin_host(host):
-        return StagingBuffer(host, pinned=True, registered=True)
-    if pin:
-        cached = accel.pinned_empty(nbytes)
-        if cached is not None:
-            return StagingBuffer(cached[:nbytes], pinned=True)
-    return StagingBuffer(host, pinned=False)
 
 
 class Staging:
@@ -219,13 +183,13 @@ def _copy_from_device(
 
 
 def snapshot(
-    optimizer: Any,
+    checkpointer: Checkpointer,
     files: Sequence[tuple[str, Sequence[tuple[str, torch.Tensor]], dict[str, str] | None]],
     *,
     deferrable: Sequence[bool],
 ) -> tuple[list[FileImage], Staging]:
     """``files`` (per file: its name, its tensors in order and its metadata) laid out in
-    ``optimizer``'s reusable host buffer as the files' data (``image.lay_out``), and the
+    ``checkpointer``'s reusable host buffer as the files' data (``image.lay_out``), and the
     copies into it that are still to land (``Staging``): device tensors' (on a side stream,
     into a page-locked buffer) and, for each file with ``deferrable`` true (tensors that
     only the optimizer's step or a load changes), host tensors'. The other host tensors are
@@ -238,11 +202,7 @@ def snapshot(
     sizes = [padded(sum(t.numel() * t.element_size() for _, t in ts)) for _, ts, _ in files]
     total = max(PAGE, sum(sizes))
     on_device = {t.device for _, ts, _ in files for _, t in ts if accel.is_accelerator(t.device)}
-    buffer = _snapshots.get(optimizer)
-    if buffer is None or buffer.data.numel() < total or (on_device and not buffer.pinned):
-        release_snapshot(optimizer)
-        buffer = _allocate(total, pin=bool(on_device))
-        _snapshots[optimizer] = buffer
+    buffer = checkpointer.buffer(total, pin=bool(on_device))
     images = []
     later: list[tuple[torch.Tensor, torch.Tensor]] = []
     from_device: dict[torch.device, tuple[list, list]] = {}
@@ -264,22 +224,6 @@ def snapshot(
     return images, Staging(later, [(d, e) for d, e in events if e is not None], sources)
 
 
-def release_snapshot(optimizer: Any) -> None:
-    """Free ``optimizer``'s snapshot buffer (the next asynchronous save allocates anew).
-
-    Raises:
-        RuntimeError: a save of it is pending (``wait_for_save`` first).
-    """
-    if optimizer in _pending:
-        raise RuntimeError(
-            "an asynchronous save of this optimizer is still pending: call "
-            "wait_for_save(optimizer) before release_snapshot(optimizer)"
-        )
-    buffer = _snapshots.pop(optimizer, None)
-    if buffer is not None:
-        buffer.release()
-
-
 def lower_priority() -> None:
     """Make the calling thread yield the cores to the training threads.
 
@@ -298,25 +242,6 @@ def lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
     except (AttributeError, OSError) as error:
         logger.debug("the asynchronous save's thread keeps its priority: %s", error)
-
-
-def start(optimizer: Any, job: Callable[[], None], path: Path, group: Any) -> None:
-    """Run ``job`` (the write and publish of the checkpoint at ``path``) in a background
-    thread at the caller's priority (it mostly sleeps in the kernel while the disk reads
-    the snapshot; its CPU work runs in a ``Hasher`` at the lowest priority);
-    ``wait_for_save(optimizer)`` joins it."""
-
-    def run() -> None:
-        try:
-            job()
-        except BaseException as error:
-            pending.error = error
-            logger.error("asynchronous save of %s failed: %s", path, error)
-
-    thread = threading.Thread(target=run, name=f"flatzero-save-{path.name}", daemon=False)
-    pending = _Pending(thread, path, group)
-    _pending[optimizer] = pending
-    thread.start()
 
 
 class Hasher:
@@ -367,31 +292,6 @@ class Hasher:
     def join(self) -> None:
         """Wait for the thread."""
         self._thread.join()
-
-
-def wait_for_save(optimizer: Any) -> None:
-    """Wait for ``optimizer``'s asynchronous save, if any; raise its error on every rank.
-
-    Collective over the optimizer's process group when a save is pending (every rank has
-    one then: they started it together); nothing otherwise.
-
-    Raises:
-        The background error on the rank it happened on; ``RuntimeError`` on the others.
-    """
-    pending = _pending.pop(optimizer, None)
-    if pending is None:
-        return
-    t0 = time.perf_counter()
-    pending.thread.join()
-    waited = time.perf_counter() - t0
-    if waited > 0.1:
-        logger.info("waited %.2f s for the asynchronous save of %s", waited, pending.path)
-    raise_if_any_failed(
-        pending.error,
-        pending.group,
-        f"the asynchronous save of {pending.path} failed on another rank (see its error); "
-        "it was not published",
-    )
 
 
 def _mark_path(tmp: Path, rank: int) -> Path:

@@ -14,11 +14,15 @@ that refuses it: ``EINVAL``), the old directory is renamed aside to
 ``DIR/<tag>`` does not exist, and ``recovery`` finds the complete copies (the loader loads
 the newest with a warning; the next save puts it back under its tag).
 
+``StagedDirectory`` (``staged_directory`` as a context manager) is that temporary
+directory for whatever writes one: a save, ``import-deepspeed``, ``export-deepspeed``.
+
 ``set_fault_hook`` is the test seam of every step of a save (here and in ``writer``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -28,7 +32,8 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from .format import LATEST, TMP_PREFIX
@@ -36,6 +41,7 @@ from .format import LATEST, TMP_PREFIX
 __all__ = [
     "REMOVING",
     "REPLACED",
+    "StagedDirectory",
     "exchange",
     "fault_point",
     "fsync_dir",
@@ -43,6 +49,7 @@ __all__ = [
     "remove_in_background",
     "remove_stale_tmp",
     "set_fault_hook",
+    "staged_directory",
     "tmp_dir_name",
     "wait_for_removals",
     "write_latest",
@@ -166,6 +173,57 @@ def publish(tmp: Path, final: Path, *, overwrite: bool) -> None:
     os.rename(tmp, final)
     fsync_dir(final.parent)
     remove_in_background(old)
+
+
+@dataclass(frozen=True)
+class StagedDirectory:
+    """A directory written under a temporary name beside where it will appear.
+
+    Attributes:
+        final: where the complete directory appears (``publish``).
+        tmp: the temporary directory beside it, ``.tmp-<name>-<nonce>``, that loaders
+            ignore and a later save removes when it is left behind.
+    """
+
+    final: Path
+    tmp: Path
+
+    @classmethod
+    def beside(cls, final: Path, nonce: str | None = None) -> StagedDirectory:
+        """The staged directory of ``final`` (``nonce``: random hex when None)."""
+        name = tmp_dir_name(final.name, nonce or secrets.token_hex(6))
+        return cls(final, final.parent / name)
+
+    def create(self) -> None:
+        """Create the temporary directory (its parent must exist)."""
+        self.tmp.mkdir()
+
+    def publish(self, *, overwrite: bool) -> None:
+        """fsync the temporary directory and make it appear as ``final`` (``publish``)."""
+        publish(self.tmp, self.final, overwrite=overwrite)
+
+    def discard(self) -> None:
+        """Remove the temporary directory and whatever is in it (nothing if it is gone)."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_directory(final: Path, *, overwrite: bool) -> Iterator[Path]:
+    """A new temporary directory beside ``final`` to write into; when the block ends
+    without an error it is fsynced and appears as ``final`` (replacing an existing one
+    with ``overwrite``: ``publish``), else it is removed and the error propagates.
+
+    Raises:
+        FileExistsError: ``final`` exists and not ``overwrite`` (nothing is left behind).
+    """
+    staged = StagedDirectory.beside(final)
+    staged.create()
+    try:
+        yield staged.tmp
+        staged.publish(overwrite=overwrite)
+    except BaseException:
+        staged.discard()
+        raise
 
 
 _removals: list[threading.Thread] = []

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import secrets
 import shutil
 import time
 from collections.abc import Mapping
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli_types import MAX_WORLD_SIZE, count
-from .atomic import publish, tmp_dir_name, write_latest
+from .atomic import staged_directory, write_latest
 from .deepspeed_import import ENGINE_STATE_KEY
 from .deepspeed_state import deepspeed_scheduler
 from .deepspeed_target import deepspeed_target
@@ -199,9 +198,7 @@ def export_deepspeed(
         extra = decode_value(meta.extra) if isinstance(meta.extra, dict) else {}
         counters = _counters(meta, extra)
         out.mkdir(parents=True, exist_ok=True)
-        tmp = out / tmp_dir_name(ds_tag, secrets.token_hex(6))
-        tmp.mkdir()
-        try:
+        with staged_directory(out / ds_tag, overwrite=overwrite) as tmp:
             write_model_states(
                 tmp / MODEL_STATES,
                 reader,
@@ -222,10 +219,6 @@ def export_deepspeed(
                     steps=int(counters["global_steps"] or 0),
                 )
                 files.append(name)
-            publish(tmp, out / ds_tag, overwrite=overwrite)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     for entry in beside:
         _copy(entry, out)
     write_latest(out, ds_tag)

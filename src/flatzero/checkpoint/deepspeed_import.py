@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import secrets
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ import torch
 from ..cli_types import MAX_WORLD_SIZE, count
 from ..config import DEFAULT_BUCKET_NUMEL
 from ..layout import DEFAULT_ALIGNMENT, Layout, plan_layout
-from .atomic import publish, tmp_dir_name, write_latest
+from .atomic import staged_directory, write_latest
 from .deepspeed_reader import DeepSpeedCheckpoint, read_deepspeed
 from .deepspeed_state import flatzero_loss_scaler, flatzero_scheduler
 from .format import (
@@ -292,15 +290,9 @@ def import_deepspeed(
     final = root / out_tag
     if final.exists() and not overwrite:
         raise ValueError(f"{final} already exists; choose another out_tag or pass overwrite=True")
-    tmp = root / tmp_dir_name(out_tag, secrets.token_hex(6))
-    tmp.mkdir()
-    try:
+    with staged_directory(final, overwrite=overwrite) as tmp:
         _write_checkpoint(ds, layout, tmp, out_tag, checksums).write(tmp / "meta.json")
-        publish(tmp, final, overwrite=overwrite)
-        write_latest(root, out_tag)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    write_latest(root, out_tag)
     logger.info(
         "imported DeepSpeed ZeRO-%d checkpoint %s (%d ranks, %d params) as %s in %.1f s",
         ds.stage,

@@ -43,6 +43,7 @@ import torch
 
 from ..dtypes import SAFETENSORS_DTYPES
 from ..layout import Layout, ParamSpec
+from ..storage.tensorfile import open_safetensors
 from . import deepspeed_pickle
 from .deepspeed_layout import (
     alignment_paddings,
@@ -55,7 +56,6 @@ from .deepspeed_state import deepspeed_loss_scaler
 from .deepspeed_target import DeepSpeedTarget
 from .format import MASTER, decode_value
 from .reader import CheckpointReader
-from .stfile import open_safetensors
 from .torchzip import StoredTensor, TorchZipWriter
 
 __all__ = [

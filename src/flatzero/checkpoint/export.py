@@ -27,10 +27,12 @@ from pathlib import Path
 import torch
 
 from ..dtypes import SAFETENSORS_DTYPES, SHORT_DTYPES
+from ..storage.header import TensorEntry
+from ..storage.tensorfile import open_safetensors
+from ..storage.writer import SafetensorsWriter
 from .config import EXPORT_DTYPES, ExportConfig
 from .format import MASTER
 from .reader import CheckpointReader
-from .stfile import SafetensorsWriter, TensorEntry, open_safetensors
 
 __all__ = [
     "INDEX_NAME",

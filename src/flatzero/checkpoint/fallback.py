@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
@@ -39,7 +38,7 @@ def _candidates(root: Path, skip: str | None) -> list[str]:
     return [tag for _, tag in sorted(found, reverse=True)]
 
 
-def _agreed_candidates(root: Path, skip: str | None, group: Any) -> list[str]:
+def _agreed_candidates(root: Path, skip: str | None, group: dist.ProcessGroup | None) -> list[str]:
     """Rank 0's ``_candidates``, the same on every rank."""
     control = control_group(group)
     if world_size_of(group) == 1:
@@ -61,7 +60,9 @@ def _verifies_here(root: Path, tag: str, rank: int, size: int) -> tuple[bool, in
         return False, 0
 
 
-def newest_valid(directory: str | Path, group: Any, skip: str | None = None) -> str | None:
+def newest_valid(
+    directory: str | Path, group: dist.ProcessGroup | None, skip: str | None = None
+) -> str | None:
     """The newest tag of ``directory`` other than ``skip`` that is complete and whose every
     checksum holds, or None. Collective over ``group`` (each rank verifies its share of
     each candidate's files, newest first, until one verifies everywhere)."""

@@ -25,8 +25,11 @@ import torch.distributed as dist
 
 from ..comm import all_gather_buckets_from_own_slices, all_reduce_max, world_size_of
 from ..control import control_group, wait_for_host_work
+from ..flatten import FlatParams
+from ..layout import Layout
+from ..optim import ZeroOptimizer
 from ..optim.state import GroupState, ShardedOptimizerState
-from .async_save import wait_for_save
+from .checkpointer import wait_for_save
 from .config import LoadConfig
 from .fallback import newest_valid, refused
 from .format import (
@@ -138,7 +141,9 @@ def _first_error(error: BaseException | None, group: dist.ProcessGroup | None) -
 
 
 def _group_sources(
-    reader: CheckpointReader, layout: Any, rename: Callable[[str], str] | Mapping[str, str] | None
+    reader: CheckpointReader,
+    layout: Layout,
+    rename: Callable[[str], str] | Mapping[str, str] | None,
 ) -> list[list[int]]:
     """Per new group, the saved groups its params come from (the same on every rank)."""
     out = []
@@ -185,7 +190,7 @@ def _read_group(
 def _read(
     reader: CheckpointReader,
     plans: list[GroupReadPlan],
-    optimizer: Any,
+    optimizer: ZeroOptimizer,
     rename: Callable[[str], str] | Mapping[str, str] | None,
     config: LoadConfig,
 ) -> tuple[ShardedOptimizerState, int]:
@@ -230,7 +235,7 @@ def _scheduler_state(reader: CheckpointReader, scheduler: Any, config: LoadConfi
 def _read_everything(
     directory: str | Path,
     tag: str | None,
-    optimizer: Any,
+    optimizer: ZeroOptimizer,
     scheduler: Any,
     model: torch.nn.Module | None,
     rename: Callable[[str], str] | Mapping[str, str] | None,
@@ -304,7 +309,7 @@ def _read_rng(
 def _read_or_fall_back(
     directory: str | Path,
     tag: str | None,
-    optimizer: Any,
+    optimizer: ZeroOptimizer,
     scheduler: Any,
     model: torch.nn.Module | None,
     rename: Callable[[str], str] | Mapping[str, str] | None,
@@ -347,7 +352,7 @@ def _latest_or_none(directory: str | Path) -> str | None:
 
 def load_checkpoint(
     directory: str | Path,
-    optimizer: Any,
+    optimizer: ZeroOptimizer,
     tag: str | None = None,
     *,
     scheduler: Any = None,
@@ -435,7 +440,7 @@ def _check_model_rest(reader: CheckpointReader, model: torch.nn.Module) -> None:
     meta: CheckpointMeta = reader.meta
     if meta.model_rest is None:
         return
-    from .stfile import open_safetensors
+    from ..storage.tensorfile import open_safetensors
 
     path = reader.path / meta.model_rest
     handle = open_safetensors(path)
@@ -454,7 +459,7 @@ def _check_model_rest(reader: CheckpointReader, model: torch.nn.Module) -> None:
 
 
 def _load_model_rest(reader: CheckpointReader, model: torch.nn.Module) -> None:
-    from .stfile import open_safetensors
+    from ..storage.tensorfile import open_safetensors
 
     path = reader.path / reader.meta.model_rest  # type: ignore[operator]
     handle = open_safetensors(path)
@@ -473,7 +478,7 @@ def _load_model_rest(reader: CheckpointReader, model: torch.nn.Module) -> None:
 
 @torch.no_grad()
 def load_flat_params(
-    flat: Any,
+    flat: FlatParams,
     directory: str | Path,
     tag: str | None = None,
     *,

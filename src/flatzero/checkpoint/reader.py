@@ -21,7 +21,8 @@ import torch
 
 from ..hostmem import empty_host
 from ..layout import Layout
-from .checksum import ChunkSums
+from ..storage.checksum import ChunkSums
+from ..storage.tensorfile import TensorFile, open_safetensors
 from .format import (
     MASTER,
     META,
@@ -35,8 +36,6 @@ from .format import (
 )
 from .recovery import lost_copy
 from .reshard import GroupReadPlan, ParamIndex, index_layout, plan_reads
-from .stfile import open_safetensors
-from .tensorfile import TensorFile
 from .validate import check_meta
 
 __all__ = ["CheckpointReader", "locate"]

@@ -48,6 +48,7 @@ from ..comm import all_reduce_max_each, check_same_everywhere, rank_of, world_si
 from ..control import control_group
 from ..dtypes import DTYPES
 from ..layout import Layout
+from ..optim import ZeroOptimizer
 from .format import META, CheckpointDamaged, CheckpointMeta, decode_value, state_key
 from .rng import RNG_PREFIX
 
@@ -319,7 +320,7 @@ def _probe_state_names(cls: type, options: dict[str, Any]) -> tuple[set[str], se
     return elementwise, set(inner.state[param]) - elementwise
 
 
-def check_for_optimizer(meta: CheckpointMeta, directory: Path, optimizer: Any) -> None:
+def check_for_optimizer(meta: CheckpointMeta, directory: Path, optimizer: ZeroOptimizer) -> None:
     """Raise ``ValueError`` naming ``meta.json``'s field unless the saved optimizer state
     fits ``optimizer`` (a ``ZeroOptimizer``): saved hyperparameters its inner class
     accepts, and the state names that class keeps with them."""

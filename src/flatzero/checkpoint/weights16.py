@@ -42,9 +42,10 @@ from typing import Any
 import torch
 
 from ..flatten.buffers import shaped_view
+from ..storage.header import TensorEntry
+from ..storage.writer import SafetensorsWriter
 from .atomic import fsync_dir
 from .format import TMP_PREFIX
-from .stfile import SafetensorsWriter, TensorEntry
 from .torchzip import StoredTensor, TorchZipWriter
 
 __all__ = [

@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 from ..dtypes import dtype_name
+from ..storage.checksum import ChunkSums
+from ..storage.header import TensorEntry
+from ..storage.image import FileImage, write_image
+from ..storage.writer import SafetensorsWriter
 from .atomic import fault_point
-from .checksum import ChunkSums
 from .format import FileRecord, rank_file_name
-from .image import FileImage, write_image
-from .stfile import SafetensorsWriter, TensorEntry
 
 __all__ = [
     "model_extras",

@@ -128,8 +128,8 @@ class EngineCheckpoints:
             load or ``destroy()`` for all of it).
         """
         from ..checkpoint import SaveConfig, save_checkpoint
+        from ..checkpoint.collect import save_nbytes
         from ..checkpoint.format import check_tag, encode_value
-        from ..checkpoint.save import save_nbytes
 
         if tag is None:
             tag = f"global_step{self.global_steps}"
@@ -273,7 +273,7 @@ class EngineCheckpoints:
     def wait_for_save(self) -> None:
         """Wait for an asynchronous save still being written, raising its error on every
         rank (collective when one is pending; ``destroy()`` calls it)."""
-        from ..checkpoint.async_save import wait_for_save
+        from ..checkpoint.checkpointer import wait_for_save
 
         wait_for_save(self.optimizer)
 

@@ -29,7 +29,7 @@ from ..gcpause import paused_gc
 from ..layout import GroupLayout, Layout, plan_layout
 from ..params import ParamGroup, collect_param_groups
 from ..report import GroupReport, ReportBuilder
-from ..safetensors_index import SafetensorsCheckpoint
+from ..storage.index import SafetensorsCheckpoint
 from .alloc import allocate_masters
 from .buffers import FlatGroup, FlatParams
 from .choice import TierDecision, choose_tier

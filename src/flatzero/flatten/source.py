@@ -14,7 +14,7 @@ from torch import nn
 
 from ..layout import GroupLayout, ShardPiece
 from ..params import rebind_param
-from ..safetensors_index import SafetensorsCheckpoint
+from ..storage.index import SafetensorsCheckpoint
 from .buffers import shaped_view
 
 __all__ = ["CheckpointSource", "NoValues", "ParamSource", "TensorSource"]

@@ -122,10 +122,10 @@ def async_snapshot_bytes(
     The buffer holds what the rank writes, laid out as its files' data: the rank file's fp32
     master shard and per-element optimizer-state shards of every group (after the first step),
     plus ``rank_file_extra`` bytes (RNG states with ``SaveConfig(save_rng=True)``), rounded up
-    to the page (``checkpoint.image.padded``); on rank 0 also the model's frozen params and
+    to the page (``storage.image.padded``); on rank 0 also the model's frozen params and
     buffers (``rest_bytes``, with ``model=``), rounded up likewise.
     """
-    from ..checkpoint.image import PAGE, padded
+    from ..storage.image import PAGE, padded
 
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer {optimizer!r} must be one of {', '.join(OPTIMIZER_STATES)}")

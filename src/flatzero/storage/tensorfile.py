@@ -1,6 +1,6 @@
 """Reading ranges of a safetensors file's tensors with positioned reads, verified as read.
 
-``TensorFile`` parses the header itself (8-byte length, JSON) and reads a run of a
+``TensorFile`` parses the header (``header.read_header``) and reads a run of a
 tensor's elements straight into the destination tensor's memory with ``os.preadv``, one
 checksum chunk (``checksum.CHUNK_BYTES``) at a time: each chunk is checksummed right after
 it is read, while its bytes are still in the CPU's cache, so verifying costs the checksum
@@ -11,39 +11,17 @@ Unverified reads take the same path without the checksum.
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import struct
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import safe_open
 
-from ..dtypes import SAFETENSORS_DTYPES
 from .checksum import CHUNK_BYTES, ChunkSums, checksum_function
+from .header import TensorEntry, read_header
 
-__all__ = ["TensorFile", "TensorInfo"]
-
-_MAX_HEADER = 100 * 2**20
-"""Largest header accepted (bytes), as safetensors limits it."""
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where a tensor's bytes are in the file.
-
-    Attributes:
-        dtype: its dtype.
-        shape: its shape.
-        begin: offset of its first byte in the file (bytes).
-        nbytes: its size (bytes).
-    """
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int
-    nbytes: int
+__all__ = ["TensorFile", "open_safetensors"]
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -73,37 +51,21 @@ class TensorFile:
                 "deleted or never written)"
             ) from None
         try:
-            self.metadata, self.tensors = self._parse(os.fstat(self._fd).st_size)
+            self.metadata, self.tensors = self._parse()
         except BaseException:
             os.close(self._fd)
             raise
         self._scratch: torch.Tensor | None = None
 
-    def _parse(self, size: int) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+    def _parse(self) -> tuple[dict[str, str], dict[str, TensorEntry]]:
         try:
-            (length,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
-            if length > min(_MAX_HEADER, size - 8):
-                raise ValueError(f"header of {length} bytes in a file of {size}")
-            header = json.loads(os.pread(self._fd, length, 8))
-            metadata = header.pop("__metadata__", None) or {}
-            base = 8 + length
-            tensors = {}
-            for name, info in header.items():
-                begin, end = (int(x) for x in info["data_offsets"])
-                dtype = SAFETENSORS_DTYPES[info["dtype"]]
-                shape = tuple(int(d) for d in info["shape"])
-                if (
-                    not 0 <= begin <= end <= size - base
-                    or end - begin != math.prod(shape) * dtype.itemsize
-                ):
-                    raise ValueError(f"tensor {name!r} lies outside the file")
-                tensors[name] = TensorInfo(dtype, shape, base + begin, end - begin)
-        except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
+            header = read_header(self._fd, self.path)
+        except ValueError as error:
             raise ValueError(
                 f"{self.path} is not a readable safetensors file ({error}); it is damaged "
                 "or truncated"
             ) from error
-        return dict(metadata), tensors
+        return header.metadata, header.tensors
 
     def close(self) -> None:
         """Close the file (idempotent)."""
@@ -118,7 +80,7 @@ class TensorFile:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def info(self, name: str) -> TensorInfo:
+    def info(self, name: str) -> TensorEntry:
         """Where tensor ``name`` is.
 
         Raises:
@@ -171,11 +133,11 @@ class TensorFile:
             c0, c1 = k * chunk, min((k + 1) * chunk, info.nbytes)
             a, b = max(c0, lo), min(c1, hi)
             if sums is None or (a, b) == (c0, c1):  # straight into the destination
-                self._pread(dest[a - lo : b - lo], info.begin + a)
+                self._pread(dest[a - lo : b - lo], info.offset + a)
                 self._check(name, sums, k, dest[a - lo : b - lo], c0)
             else:  # the run covers part of this chunk: read and check all of it
                 view = self._scratch_bytes(c1 - c0)
-                self._pread(view, info.begin + c0)
+                self._pread(view, info.offset + c0)
                 self._check(name, sums, k, view, c0)
                 dest[a - lo : b - lo] = view[a - c0 : b - c0]
 
@@ -191,10 +153,10 @@ class TensorFile:
         for k in range(len(sums.sums)):
             c0, c1 = k * chunk, min((k + 1) * chunk, info.nbytes)
             view = self._scratch_bytes(c1 - c0)
-            self._pread(view, info.begin + c0)
+            self._pread(view, info.offset + c0)
             self._check(name, sums, k, view, c0)
 
-    def _chunk_bytes(self, name: str, info: TensorInfo, sums: ChunkSums | None) -> int:
+    def _chunk_bytes(self, name: str, info: TensorEntry, sums: ChunkSums | None) -> int:
         """The chunk size reads of ``name`` go by (the checksums', else ``CHUNK_BYTES``)."""
         if sums is None:
             return CHUNK_BYTES
@@ -214,3 +176,39 @@ class TensorFile:
                 f"{self.path}: tensor {name!r} fails its checksum in bytes "
                 f"{c0}-{c0 + len(data)}; the file is corrupt"
             )
+
+
+def _check_readable(path: str) -> None:
+    """A ``ValueError`` in the OS's words when ``path`` cannot be opened (permission denied,
+    an I/O error): not to be mistaken for a damaged file."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"cannot read {path}: {error.strerror or error}; give this process read access "
+            "to the checkpoint (or fix the file system)"
+        ) from error
+
+
+def open_safetensors(path: str | os.PathLike[str]) -> Any:
+    """``safe_open(path)`` for torch, with errors that name the file and what to do.
+
+    Raises:
+        ValueError: the file is missing, unreadable (in the OS's words), truncated or not a
+            safetensors file.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"{path} is missing; the checkpoint is incomplete (a rank file was deleted or "
+            "never written): load another tag"
+        )
+    _check_readable(path)
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as error:  # safetensors raises its own SafetensorError
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({error}); it is damaged or "
+            "truncated: load another tag"
+        ) from error

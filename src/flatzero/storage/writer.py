@@ -1,4 +1,4 @@
-"""Writing safetensors files tensor by tensor, and opening them with clear errors.
+"""Writing safetensors files tensor by tensor.
 
 ``safetensors.torch.save_file`` wants every tensor of a file at once in host memory. The
 writer here takes the header up front (names, dtypes, shapes are known before any data)
@@ -11,31 +11,19 @@ the file write of the other (``staging_plan``). It checksums what it writes in c
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
-from safetensors import safe_open
 
 from .. import accel
-from ..dtypes import SAFETENSORS_NAMES
 from ..hostmem import StagingBuffer, staging_buffer
 from .checksum import Checksummer, ChunkSums
+from .header import TensorEntry, header_bytes
 
-__all__ = [
-    "ChunkOp",
-    "SafetensorsWriter",
-    "TensorEntry",
-    "header_bytes",
-    "open_safetensors",
-    "staging_plan",
-]
+__all__ = ["ChunkOp", "SafetensorsWriter", "staging_plan"]
 
 _CHUNK_BYTES = 64 * 2**20
 """Device tensors are copied to the host and written in chunks of this many bytes."""
@@ -108,64 +96,12 @@ def _streamed(tensor: torch.Tensor) -> bool:
     return accel.is_accelerator(tensor.device) and accel.has_streams(tensor.device)
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    """A tensor the writer will write: its name, dtype and shape."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the tensor's data."""
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     flat = tensor.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
-
-
-def header_bytes(
-    path: str | os.PathLike[str],
-    entries: Sequence[TensorEntry],
-    metadata: dict[str, str] | None = None,
-    *,
-    align: int = 8,
-) -> bytes:
-    """What a safetensors file of ``entries`` (data in their order, no gaps) starts with:
-    the header's length (8 bytes, little endian) and the JSON header, padded with spaces so
-    that the data starts at a multiple of ``align`` bytes (safetensors itself pads to 8; a
-    file written without the page cache pads to the page size, ``image``).
-
-    Raises:
-        TypeError: a dtype safetensors lacks. ValueError: a name appears twice (``path``
-            names the file).
-    """
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offset = 0
-    names: set[str] = set()
-    for e in entries:
-        if e.dtype not in SAFETENSORS_NAMES:
-            raise TypeError(f"tensor {e.name!r} has dtype {e.dtype}, which safetensors lacks")
-        if e.name in names:
-            raise ValueError(f"tensor name {e.name!r} appears twice in {os.fspath(path)}")
-        names.add(e.name)
-        header[e.name] = {
-            "dtype": SAFETENSORS_NAMES[e.dtype],
-            "shape": list(e.shape),
-            "data_offsets": [offset, offset + e.nbytes],
-        }
-        offset += e.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(len(text) + 8) % align)
-    return struct.pack("<Q", len(text)) + text
 
 
 class SafetensorsWriter:
@@ -314,39 +250,3 @@ class SafetensorsWriter:
         self._pinned = False
         for buffer in staging:
             buffer.release()
-
-
-def _check_readable(path: str) -> None:
-    """A ``ValueError`` in the OS's words when ``path`` cannot be opened (permission denied,
-    an I/O error): not to be mistaken for a damaged file."""
-    try:
-        with open(path, "rb"):
-            pass
-    except OSError as error:
-        raise ValueError(
-            f"cannot read {path}: {error.strerror or error}; give this process read access "
-            "to the checkpoint (or fix the file system)"
-        ) from error
-
-
-def open_safetensors(path: str | os.PathLike[str]) -> Any:
-    """``safe_open(path)`` for torch, with errors that name the file and what to do.
-
-    Raises:
-        ValueError: the file is missing, unreadable (in the OS's words), truncated or not a
-            safetensors file.
-    """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ValueError(
-            f"{path} is missing; the checkpoint is incomplete (a rank file was deleted or "
-            "never written): load another tag"
-        )
-    _check_readable(path)
-    try:
-        return safe_open(path, framework="pt")
-    except Exception as error:  # safetensors raises its own SafetensorError
-        raise ValueError(
-            f"{path} is not a readable safetensors file ({error}); it is damaged or "
-            "truncated: load another tag"
-        ) from error

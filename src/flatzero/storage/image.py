@@ -1,15 +1,15 @@
 """Safetensors files laid out in host memory, then written without the page cache.
 
-An asynchronous save (``async_save``) copies what a rank writes into one reusable host
-buffer. The copy is laid out as the files' data regions: per file, its tensors' bytes in
-file order, starting on a page boundary of the buffer (``FileImage``). The header is padded
-(with spaces, as safetensors pads) so that the data starts on a page boundary of the file
-too. Then the whole file can be written with ``O_DIRECT``: the disk reads the buffer by
-DMA, and no CPU copies the bytes into the page cache. On the development VM a buffered
-write costs ~1.5 CPU seconds per GB (the kernel's copy and its page allocation), an
-``O_DIRECT`` write 0.04: the background write no longer takes the cores training steps
-use. Where ``O_DIRECT`` is missing or refused (another OS, tmpfs on older kernels, some
-network file systems) the same writes go through the page cache.
+An asynchronous save (``checkpoint.async_save``) copies what a rank writes into one reusable
+host buffer. The copy is laid out as the files' data regions: per file, its tensors' bytes
+in file order, starting on a page boundary of the buffer (``FileImage``). The header is
+padded (with spaces, as safetensors pads) so that the data starts on a page boundary of the
+file too. Then the whole file can be written with ``O_DIRECT``: the disk reads the buffer by
+DMA, and no CPU copies the bytes into the page cache (the kernel's copy and its page
+allocation): a background write does not take the cores training steps use (measured in
+docs/benchmarks.md, "Writing without the page cache"). Where ``O_DIRECT`` is missing or
+refused (another OS, tmpfs on older kernels, some network file systems) the same writes go
+through the page cache.
 
 The checksums of the chunks of every tensor are computed from the buffer (``checksums``)
 (``crc32c`` releases the GIL for large buffers, so the training thread runs meanwhile).
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from .checksum import Checksummer, ChunkSums
-from .stfile import TensorEntry, header_bytes
+from .header import TensorEntry, header_bytes
 
 __all__ = ["PAGE", "FileImage", "lay_out", "padded", "write_image"]
 

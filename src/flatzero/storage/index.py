@@ -1,9 +1,7 @@
 """Read element ranges of tensors in safetensors files, straight into caller-owned memory.
 
-The safetensors format is an 8-byte little-endian header length, a JSON header mapping
-each tensor name to its dtype, shape and ``[begin, end)`` byte offsets (counted from the
-end of the header), then the raw little-endian data. Knowing that, a rank can read the
-exact bytes of its slice of each parameter with ``preadv`` into a staging buffer or a
+Knowing where each tensor's bytes are (``header.read_header``), a rank can read the exact
+bytes of its slice of each parameter with ``preadv`` into a staging buffer or a
 bucket: no full tensor, no extra copy, and no file pages mapped into the process (a
 memory-mapped read counts towards the reader's RSS; a ``pread`` does not).
 """
@@ -11,79 +9,15 @@ memory-mapped read counts towards the reader's RSS; a ``pread`` does not).
 from __future__ import annotations
 
 import json
-import math
 import os
-import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .dtypes import SAFETENSORS_DTYPES
+from .header import TensorEntry, read_header
 
-__all__ = ["SafetensorsCheckpoint", "TensorEntry"]
-
-_MAX_HEADER_BYTES = 100 * 2**20
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one tensor's bytes are.
-
-    Attributes:
-        file: the safetensors file.
-        dtype: its dtype.
-        shape: its shape.
-        offset: byte offset of its first element in the file.
-        nbytes: bytes of its data.
-    """
-
-    file: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-    @property
-    def numel(self) -> int:
-        """Number of elements."""
-        return math.prod(self.shape)
-
-
-def _read_header(path: Path) -> dict[str, TensorEntry]:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path} is not a safetensors file: shorter than 8 bytes")
-        (length,) = struct.unpack("<Q", raw)
-        if length > min(_MAX_HEADER_BYTES, size - 8):
-            raise ValueError(
-                f"{path} is not a valid safetensors file: header length {length} does not fit "
-                f"in the file ({size} bytes); the file may be truncated or corrupt"
-            )
-        try:
-            header = json.loads(f.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"{path} has a corrupt safetensors header: {error}") from None
-    entries = {}
-    base = 8 + length
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info.get("dtype") not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')}")
-        begin, end = info["data_offsets"]
-        if base + end > size:
-            raise ValueError(
-                f"{path} is truncated: tensor {name!r} ends at byte {base + end} but the file "
-                f"has {size} bytes; re-download or re-export it"
-            )
-        entries[name] = TensorEntry(
-            path, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), base + begin, end - begin
-        )
-    return entries
+__all__ = ["SafetensorsCheckpoint"]
 
 
 def _files(path: Path) -> list[Path]:
@@ -114,7 +48,7 @@ class SafetensorsCheckpoint:
         self.path = Path(path)
         self.entries: dict[str, TensorEntry] = {}
         for file in _files(self.path):
-            for name, entry in _read_header(file).items():
+            for name, entry in read_header(self._fd(file), file).tensors.items():
                 if name in self.entries:
                     raise ValueError(
                         f"tensor {name!r} is in both {self.entries[name].file} and {file}"

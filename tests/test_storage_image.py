@@ -1,4 +1,4 @@
-"""``checkpoint.image``: a snapshot laid out as a safetensors file's data and written with
+"""``storage.image``: a snapshot laid out as a safetensors file's data and written with
 ``O_DIRECT`` (or through the page cache where that is refused) reads back exactly, with the
 checksums a streamed write records."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from flatzero.checkpoint import image
-from flatzero.checkpoint.checksum import Checksummer
+from flatzero.storage import image
+from flatzero.storage.checksum import Checksummer
 
 
 def tensors() -> list[tuple[str, torch.Tensor]]:

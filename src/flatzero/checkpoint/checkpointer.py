@@ -1,0 +1,185 @@
+"""What outlives one save of an optimizer: its snapshot buffer and its save in the background.
+
+A ``Checkpointer`` per optimizer (``checkpointer_of``) holds the host buffer asynchronous
+saves lay their snapshot out in (allocated at the first, reused by the next ones, grown
+when the state grows) and the background save still being written (``BackgroundSave``:
+its thread and how it ended). The next ``save_checkpoint``, ``load_checkpoint`` or
+``engine.destroy()`` first waits for that save (``wait_for_save``): every rank joins its
+thread, then the ranks agree (one all-reduce on the control group), so an error in any
+rank's background write, or in rank 0's publishing, is raised there on every rank. A
+process that exits without waiting finishes the write first (the thread is not a daemon).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .. import accel
+from ..control import raise_if_any_failed
+from ..hostmem import StagingBuffer, mapped_host
+from ..optim import ZeroOptimizer
+
+__all__ = ["BackgroundSave", "Checkpointer", "checkpointer_of", "release_snapshot", "wait_for_save"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BackgroundSave:
+    """A save being written by a thread of its own: the future ``wait`` resolves.
+
+    Attributes:
+        thread: the thread that writes and publishes.
+        path: where the checkpoint appears.
+        group: the process group whose ranks agree on how it ended.
+        error: what the thread raised (None: nothing, or not yet).
+    """
+
+    thread: threading.Thread
+    path: Path
+    group: dist.ProcessGroup | None
+    error: BaseException | None = None
+
+    def wait(self) -> None:
+        """Join the thread, then raise its error on every rank (collective over ``group``).
+
+        Raises:
+            The background error on the rank it happened on; ``RuntimeError`` on the others.
+        """
+        t0 = time.perf_counter()
+        self.thread.join()
+        waited = time.perf_counter() - t0
+        if waited > 0.1:
+            logger.info("waited %.2f s for the asynchronous save of %s", waited, self.path)
+        raise_if_any_failed(
+            self.error,
+            self.group,
+            f"the asynchronous save of {self.path} failed on another rank (see its error); "
+            "it was not published",
+        )
+
+
+def _allocate(nbytes: int, pin: bool) -> StagingBuffer:
+    """``nbytes`` (a multiple of the page) of page-aligned host memory, page-locked if
+    ``pin`` and possible. A mapping of its own on huge pages (``hostmem.mapped_host``), so
+    that its pages stay with it, faulted in once, from the first save to the last."""
+    host = mapped_host(nbytes)
+    if pin and accel.pin_host(host):
+        return StagingBuffer(host, pinned=True, registered=True)
+    if pin:
+        cached = accel.pinned_empty(nbytes)
+        if cached is not None:
+            return StagingBuffer(cached[:nbytes], pinned=True)
+    return StagingBuffer(host, pinned=False)
+
+
+class Checkpointer:
+    """One optimizer's checkpointing state across saves.
+
+    Attributes:
+        snapshot: the host buffer of asynchronous saves (None until the first).
+        pending: the save still being written in the background (None: none).
+    """
+
+    def __init__(self) -> None:
+        self.snapshot: StagingBuffer | None = None
+        self.pending: BackgroundSave | None = None
+
+    def buffer(self, nbytes: int, pin: bool) -> StagingBuffer:
+        """The snapshot buffer, of at least ``nbytes`` bytes, page-locked with ``pin``: the
+        one kept, or a new one where that is too small (or not page-locked as needed).
+
+        Raises:
+            RuntimeError / OSError: out of host memory.
+        """
+        buffer = self.snapshot
+        if buffer is None or buffer.data.numel() < nbytes or (pin and not buffer.pinned):
+            self.release_snapshot()
+            buffer = self.snapshot = _allocate(nbytes, pin)
+        return buffer
+
+    def release_snapshot(self) -> None:
+        """Free the snapshot buffer (the next asynchronous save allocates anew).
+
+        Raises:
+            RuntimeError: a save is pending (``wait`` first).
+        """
+        if self.pending is not None:
+            raise RuntimeError(
+                "an asynchronous save of this optimizer is still pending: call "
+                "wait_for_save(optimizer) before release_snapshot(optimizer)"
+            )
+        buffer, self.snapshot = self.snapshot, None
+        if buffer is not None:
+            buffer.release()
+
+    def start(
+        self, job: Callable[[], None], path: Path, group: dist.ProcessGroup | None
+    ) -> BackgroundSave:
+        """Run ``job`` (the write and publish of the checkpoint at ``path``) in a background
+        thread at the caller's priority (it mostly sleeps in the kernel while the disk reads
+        the snapshot); ``wait`` joins it."""
+
+        def run() -> None:
+            try:
+                job()
+            except BaseException as error:
+                pending.error = error
+                logger.error("asynchronous save of %s failed: %s", path, error)
+
+        thread = threading.Thread(target=run, name=f"flatzero-save-{path.name}", daemon=False)
+        pending = self.pending = BackgroundSave(thread, path, group)
+        thread.start()
+        return pending
+
+    def wait(self) -> None:
+        """Wait for the pending save, if any, and raise its error on every rank
+        (``BackgroundSave.wait``); nothing otherwise."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait()
+
+
+_checkpointers: weakref.WeakKeyDictionary[ZeroOptimizer, Checkpointer] = weakref.WeakKeyDictionary()
+
+
+def checkpointer_of(optimizer: ZeroOptimizer) -> Checkpointer:
+    """``optimizer``'s checkpointer (made at the first call; it lives as long as the
+    optimizer)."""
+    found = _checkpointers.get(optimizer)
+    if found is None:
+        found = _checkpointers[optimizer] = Checkpointer()
+    return found
+
+
+def wait_for_save(optimizer: ZeroOptimizer) -> None:
+    """Wait for ``optimizer``'s asynchronous save, if any; raise its error on every rank.
+
+    Collective over the optimizer's process group when a save is pending (every rank has
+    one then: they started it together); nothing otherwise.
+
+    Raises:
+        The background error on the rank it happened on; ``RuntimeError`` on the others.
+    """
+    found = _checkpointers.get(optimizer)
+    if found is not None:
+        found.wait()
+
+
+def release_snapshot(optimizer: ZeroOptimizer) -> None:
+    """Free ``optimizer``'s snapshot buffer (the next asynchronous save allocates anew).
+
+    Raises:
+        RuntimeError: a save of it is pending (``wait_for_save`` first).
+    """
+    found = _checkpointers.get(optimizer)
+    if found is not None:
+        found.release_snapshot()
