@@ -637,14 +637,14 @@ def test_uneven_group_counts_in_a_subgroup_are_an_error_then_prepared_groups_wor
 
 
 def _stage1_buffer_oom_worker(rank: int, world_size: int) -> str:
-    import flatzero.optim.reducers as reducers
+    import flatzero.optim.stage1 as stage1
 
     if rank == 1:
 
         def failing(numel, dtype, device):
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-        reducers.empty_buffer = failing
+        stage1.empty_buffer = failing
     try:
         ZeroOptimizer(
             _net().parameters(), stage=1, flatten_config=FlattenConfig(progress=False), lr=1e-2

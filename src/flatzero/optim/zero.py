@@ -32,8 +32,8 @@ from .gather import full_param, full_params
 from .inner import build_inner_optimizer, check_optimizer_class, with_fused_default
 from .norm import global_sq_norm
 from .offload import OffloadHostBytes
-from .prepare import allocate_grad_shards, check_buckets_usable, flat_params_for
-from .reducers import GradReducer, make_reducer
+from .prepare import allocate_grad_shards, check_buckets_usable, flat_params_for, make_reducer
+from .reducers import GradReducer
 from .scaler import LossScaler
 from .state import GroupState, ShardedOptimizerState, check_loadable, check_options
 from .stepper import ShardStepper, make_stepper, masters_to_host

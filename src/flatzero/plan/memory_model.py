@@ -9,7 +9,7 @@ so padding, alignment, buckets and shards are exact. What each figure mirrors:
   (``flatten.api.allocate_masters``, ``optim.zero._allocate_grad_shards``);
 - stage 1: a flat gradient buffer of ``layout.numel`` elements in the params' dtype per
   group, except at world size 1 with fp32 params, where the gradient shard is used in place
-  (``optim.reducers.Stage1Reducer``);
+  (``optim.stage1.Stage1Reducer``);
 - reduction staging: chunk-sized slots in ``reduce_dtype``, as many as
   ``optim.buckets.StagingPool`` allocates (``staging_bytes``), within
   ``ZeroConfig.reduce_staging_bytes``;
