@@ -421,7 +421,7 @@ ERRORS = [  # (config, world size, exception, exact message)
         {"train_micro_batch_size_per_gpu": 2, "flatzero": {"tier": "gpu"}},
         1,
         ValueError,
-        "config key 'flatzero.tier' is 'gpu': it must be one of 'auto', 'device', 'host', 'sharded', 'offload', 'cpu'; pick one of them",
+        "config key 'flatzero.tier' is 'gpu': it must be one of 'auto', 'device', 'host', 'sharded', 'host_park', 'cpu', 'offload'; pick one of them",
         id="fz_unknown",
     ),
     pytest.param(

@@ -1,27 +1,10 @@
 """Optimizer offload (ZeRO-Offload): the host half of a ``ZeroOptimizer`` step.
 
 With ``ZeroConfig.offload_optimizer`` the fp32 master shards and the inner optimizer's state
-live in host memory, beside a host fp32 gradient shard per group. A step then runs:
+live in host memory, beside a host fp32 gradient shard per group; ``HostOffload`` is the
+host implementation of ``stepper.ShardStepper`` (see [Note: an offloaded step]).
 
-1. each bucket's reduced gradient shard slice is copied from the device gradient shard into
-   the host gradient shard on a stream of its own (after the reductions), with an event
-   recorded per bucket: at ZeRO stage 2 over several ranks as soon as the bucket's last
-   reduction of a backward pass landed (``chunk_landed``, while backward goes on), else (and
-   for any bucket changed since) at the step (``download``);
-2. the norm, the inf/nan verdict and the clip coefficient are computed on the device as
-   without offload; ``HostOffload.to_host`` brings the coefficient over on the same stream;
-3. the host waits on the events (never a device-wide synchronize), and ``host_step`` runs
-   the inner optimizer over the host shards with torch's fused CPU kernel (Adam, AdamW,
-   SGD, Adagrad) on the rank's share of the cores;
-4. ``HostOffload.upload``: the master shard is cast to the params' dtype into the
-   (page-locked) host gradient shard's memory, which is no longer needed, and copied
-   asynchronously into this rank's slice of every bucket on the current stream, so the
-   all-gather that follows is ordered after it.
-
-Without an accelerator (buckets in host memory) the device gradient shard *is* the host one
-and the cast goes straight into the buckets: nothing is copied twice.
-
-Not the flatten tier ``offload`` (params parked in host memory while a full device makes
+Not the flatten tier ``host_park`` (params parked in host memory while a full device makes
 room at init): this module is about where the optimizer steps.
 """
 
@@ -204,10 +187,29 @@ def _unpin_all(tensors: list[torch.Tensor], fences: list[Any]) -> None:
     tensors.clear()
 
 
+# [Note: an offloaded step]
+# 1. Each bucket's reduced gradient shard slice is copied from the device gradient shard
+#    into the host gradient shard on a stream of its own (after the reductions), with an
+#    event recorded per bucket: at ZeRO stage 2 over several ranks as soon as the bucket's
+#    last reduction of a backward pass landed (``chunk_landed``, while backward goes on),
+#    else (and for any bucket changed since) at the step (``download``).
+# 2. The norm, the inf/nan verdict and the clip coefficient are computed on the device as
+#    without offload; ``to_host`` brings the coefficient over on the same stream.
+# 3. The host waits on the events (never a device-wide synchronize), and ``host_step``
+#    runs the inner optimizer over the host shards with torch's fused CPU kernel (Adam,
+#    AdamW, SGD, Adagrad) on the rank's share of the cores.
+# 4. ``upload``: the master shard is cast to the params' dtype into the (page-locked) host
+#    gradient shard's memory, which is no longer needed, and copied asynchronously into
+#    this rank's slice of every bucket on the current stream, so the all-gather that
+#    follows is ordered after it.
+# Without an accelerator (buckets in host memory) the device gradient shard *is* the host
+# one and the cast goes straight into the buckets: nothing is copied twice.
+
+
 class HostOffload:
     """Host gradient shards, the gradient download and the parameter upload of one
-    offloaded ``ZeroOptimizer`` (see the module docstring for the order of a step): the
-    host implementation of ``stepper.ShardStepper``.
+    offloaded ``ZeroOptimizer`` (see [Note: an offloaded step]): the host implementation
+    of ``stepper.ShardStepper``.
 
     Args:
         flat: the flattened params (buckets on the device, masters in host memory).
