@@ -421,7 +421,7 @@ ERRORS = [  # (config, world size, exception, exact message)
         {"train_micro_batch_size_per_gpu": 2, "flatzero": {"tier": "gpu"}},
         1,
         ValueError,
-        "config key 'flatzero.tier' is 'gpu': it must be one of 'auto', 'device', 'host', 'sharded', 'offload', 'cpu'; pick one of them",
+        "config key 'flatzero.tier' is 'gpu': it must be one of 'auto', 'device', 'host', 'sharded', 'host_park', 'cpu', 'offload'; pick one of them",
         id="fz_unknown",
     ),
     pytest.param(
@@ -839,3 +839,16 @@ def test_flatzero_section_is_derived_from_the_dataclasses():
         parse_config({**B, "flatzero": {"host_threads": "2"}}, world_size=1)
     with pytest.raises(TypeError, match=r"'flatzero\.device' must be a string, got 0"):
         parse_config({**B, "flatzero": {"device": 0}}, world_size=1)
+
+
+def test_flatzero_tier_offload_is_the_old_name_of_host_park():
+    """``"flatzero": {"tier": "offload"}`` (the ``host_park`` tier's old name) keeps
+    working: the flatten config names ``host_park``."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # once per process: maybe seen already
+        cfg = parse_config(
+            {"train_micro_batch_size_per_gpu": 2, "flatzero": {"tier": "offload"}}, world_size=1
+        )
+        assert cfg.flatten_config().tier == "host_park"

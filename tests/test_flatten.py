@@ -14,7 +14,7 @@ from torch import nn
 from flatzero import FlattenConfig, flatten_parameters, inject_oom
 from flatzero.bench.procmem import trim_host_memory
 
-TIERS = ["cpu", "device", "host", "sharded", "offload"]
+TIERS = ["cpu", "device", "host", "sharded", "host_park"]
 
 
 class Zoo(nn.Module):
@@ -134,14 +134,14 @@ def test_host_memory_grows_by_at_most_a_bucket():
 
 @pytest.mark.parametrize(
     ("tier", "fallback"),
-    [("device", "offload"), ("host", "cpu"), ("sharded", "cpu"), ("offload", "cpu")],
+    [("device", "host_park"), ("host", "cpu"), ("sharded", "cpu"), ("host_park", "cpu")],
 )
 def test_out_of_memory_falls_back_to_the_next_tier(tier, fallback, caplog):
     model = Zoo()
     before = _snapshot(model)
     config = FlattenConfig(tier=tier, bucket_numel=100, progress=False)
-    # offload first makes room by moving later buckets' params out: fail every retry
-    times = 100 if tier == "offload" else 1
+    # host_park first makes room by moving later buckets' params out: fail every retry
+    times = 100 if tier == "host_park" else 1
     with inject_oom(at_bucket=2, tier=tier, times=times), caplog.at_level(logging.WARNING):
         flat = flatten_parameters(model, config=config)
     _assert_flat(model, flat, before)

@@ -127,7 +127,7 @@ def test_out_of_memory_on_one_rank_moves_every_rank_down_without_a_hang():
 
 
 def _local_fallback_worker(rank: int, world_size: int) -> dict:
-    """``device`` tier (on the CPU): rank 1 runs out of memory at bucket 1 (-> offload)
+    """``device`` tier (on the CPU): rank 1 runs out of memory at bucket 1 (-> host_park)
     and again at bucket 2 (-> cpu); the other ranks never do."""
     import flatzero.flatten.alloc as alloc
     import flatzero.flatten.driver as driver
@@ -155,7 +155,7 @@ def _local_fallback_worker(rank: int, world_size: int) -> dict:
                 inject_oom(at_bucket=1, tier="device"),
                 inject_oom(
                     at_bucket=2,
-                    tier="offload",
+                    tier="host_park",
                     times=100,  # also each make_room retry
                 ),
             ):
@@ -179,11 +179,11 @@ def test_local_tiers_fall_back_alone_and_agree_once_per_group():
     assert len({r["tiers"] for r in results}) == 1
     tiers = results[0]["tiers"]
     assert len(tiers) > 3
-    assert tiers[:3] == ("device", "offload", "cpu") and set(tiers[3:]) == {"cpu"}
+    assert tiers[:3] == ("device", "host_park", "cpu") and set(tiers[3:]) == {"cpu"}
     for r in results:  # no round trip per bucket: one agreement per group, and one on
         # the allocation of the master shards
         assert r["calls"] == {"per_bucket": 1, "per_group": r["groups"]}
-    assert "on rank 1" in results[1]["events"][0] and "'offload'" in results[1]["events"][0]
+    assert "on rank 1" in results[1]["events"][0] and "'host_park'" in results[1]["events"][0]
     assert "on rank 1" in results[1]["events"][1] and "'cpu'" in results[1]["events"][1]
     for r in (results[0], results[2]):
         (event,) = r["events"]
@@ -197,7 +197,7 @@ def _last_tier_oom_worker(rank: int, world_size: int) -> str:
     config = FlattenConfig(tier="device", device="cpu", bucket_numel=300, progress=False)
     try:
         if rank == 2:
-            with inject_oom(at_bucket=2, times=100):  # device, offload and cpu all fail
+            with inject_oom(at_bucket=2, times=100):  # device, host_park and cpu all fail
                 flatten_parameters(model, config=config)
         else:
             flatten_parameters(model, config=config)

@@ -161,7 +161,7 @@ def test_tier_decision_counts_the_fp32_shards(stub_free):
     stub_free(600)  # one bucket + shards
     assert _decide("device") == "device"
     stub_free(599)  # the shards fit, not a bucket beside them: make room by offloading
-    assert _decide("device") == "offload"
+    assert _decide("device") == "host_park"
     stub_free(499)  # not even the shards: an error before anything is touched
     with pytest.raises(MemoryError, match="fp32 master and gradient shards need"):
         _decide("device")
@@ -175,8 +175,8 @@ def test_tier_decision_counts_the_fp32_shards(stub_free):
 
 def test_on_a_gpu_no_tier_falls_back_to_host_memory():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert next_tier_down("device", cuda) == "offload"
-    for tier in ("offload", "host", "sharded", "cpu"):
+    assert next_tier_down("device", cuda) == "host_park"
+    for tier in ("host_park", "host", "sharded", "cpu"):
         assert next_tier_down(tier, cuda) is None
     assert next_tier_down("host", cpu) == "cpu"  # host buffers may go on in the cpu tier
 
@@ -435,7 +435,7 @@ def _stage0_worker(rank: int, world_size: int) -> dict:
 def test_stage0_ranks_fall_back_together():
     results = run_ranks(_stage0_worker, 2, timeout_s=90)
     assert results[0]["tiers"] == results[1]["tiers"]
-    assert results[0]["tiers"][:2] == ("device", "offload")
+    assert results[0]["tiers"][:2] == ("device", "host_park")
     assert any("follow another rank" in e for e in results[0]["events"])
     assert any("on rank 1 at bucket 1" in e for e in results[1]["events"])
 
@@ -475,7 +475,7 @@ def test_failed_pinning_falls_back_to_pageable_staging(caplog, monkeypatch):
     assert "could not pin" in caplog.text
 
 
-@pytest.mark.parametrize("tier", ["host", "sharded", "offload"])
+@pytest.mark.parametrize("tier", ["host", "sharded", "host_park"])
 def test_chunked_staging_fills_buckets_bitwise(tier, monkeypatch):
     monkeypatch.setattr(tiers, "STAGING_CHUNK_BYTES", 64)  # 32 bf16 elements per chunk
     model = _net().to(torch.bfloat16)
@@ -493,40 +493,40 @@ def test_chunked_staging_fills_buckets_bitwise(tier, monkeypatch):
                 assert not buf[lo:hi].any(), "padding is zero"
 
 
-def test_offload_moves_one_bucket_at_a_time(monkeypatch):
+def test_host_park_moves_one_bucket_at_a_time(monkeypatch):
     order: list[str] = []
-    offload, fill = tiers.OffloadTier._offload, tiers.UploadTier.fill
+    park, fill = tiers.HostParkTier._park, tiers.UploadTier.fill
 
-    def spy_offload(self, layout, source, bucket):
-        order.append(f"offload {bucket}")
-        return offload(self, layout, source, bucket)
+    def spy_park(self, layout, source, bucket):
+        order.append(f"park {bucket}")
+        return park(self, layout, source, bucket)
 
     def spy_fill(self, layout, source, bucket, buf):
         order.append(f"fill {bucket}")
         return fill(self, layout, source, bucket, buf)
 
-    monkeypatch.setattr(tiers.OffloadTier, "_offload", spy_offload)
+    monkeypatch.setattr(tiers.HostParkTier, "_park", spy_park)
     monkeypatch.setattr(tiers.UploadTier, "fill", spy_fill)
     model = _net()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     flat = flatten_parameters(
-        model, config=FlattenConfig(tier="offload", bucket_numel=64, progress=False)
+        model, config=FlattenConfig(tier="host_park", bucket_numel=64, progress=False)
     )
     n = len(flat.groups[0].buckets)
     assert n > 2
-    assert order == [step for b in range(n) for step in (f"offload {b}", f"fill {b}")]
+    assert order == [step for b in range(n) for step in (f"park {b}", f"fill {b}")]
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
 
 
-def test_offload_makes_more_room_when_one_bucket_is_not_enough():
+def test_host_park_makes_more_room_when_one_bucket_is_not_enough():
     model = _net()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with inject_oom(at_bucket=1, tier="offload", times=2):  # room after two more buckets
+    with inject_oom(at_bucket=1, tier="host_park", times=2):  # room after two more buckets
         flat = flatten_parameters(
-            model, config=FlattenConfig(tier="offload", bucket_numel=64, progress=False)
+            model, config=FlattenConfig(tier="host_park", bucket_numel=64, progress=False)
         )
-    assert set(flat.report.groups[0].bucket_tiers) == {"offload"}
+    assert set(flat.report.groups[0].bucket_tiers) == {"host_park"}
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
 
@@ -637,14 +637,14 @@ def test_uneven_group_counts_in_a_subgroup_are_an_error_then_prepared_groups_wor
 
 
 def _stage1_buffer_oom_worker(rank: int, world_size: int) -> str:
-    import flatzero.optim.reducers as reducers
+    import flatzero.optim.stage1 as stage1
 
     if rank == 1:
 
         def failing(numel, dtype, device):
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-        reducers.empty_buffer = failing
+        stage1.empty_buffer = failing
     try:
         ZeroOptimizer(
             _net().parameters(), stage=1, flatten_config=FlattenConfig(progress=False), lr=1e-2

@@ -72,7 +72,7 @@ def test_mapped_buffers_are_advised_for_huge_pages_from_a_huge_page_boundary(mon
     assert [c[2] for c in calls[2:]] == [hostmem._MADV_DONTFORK] * 2  # no huge pages
 
 
-@pytest.mark.parametrize("tier", ["cpu", "offload"])
+@pytest.mark.parametrize("tier", ["cpu", "host_park"])
 def test_flatten_parameters_honours_host_huge_pages(monkeypatch, tier):
     """``FlattenConfig(host_huge_pages=False)`` builds the same flat buffers and master
     shards, bit for bit, without asking for a huge page anywhere; the default asks."""

@@ -89,7 +89,7 @@ STATE_CASES = [
     ("llama", "bf16", "decay", 1, "adamw"),
     ("moe", "bf16", "decay", 2, "adamw"),
 ]
-TIERS = ("device", "host", "sharded", "offload", "cpu")
+TIERS = ("device", "host", "sharded", "host_park", "cpu")
 
 
 def _source(name: str) -> ModelSource:

@@ -107,3 +107,24 @@ def test_a_new_tier_is_one_registry_entry(monkeypatch):
         assert torch.equal(p, before[n]), n
     with inject_oom(at_bucket=2, tier="copy"), pytest.raises(MemoryError, match="still holds"):
         flatten_parameters(Net(), config=FlattenConfig(tier="copy", bucket_numel=64))
+
+
+def test_the_old_tier_name_offload_still_works_with_one_warning(monkeypatch):
+    """``offload``, the ``host_park`` tier's old name (too easily taken for optimizer
+    offload), is accepted wherever a tier is named, with one ``FutureWarning`` per
+    process; the tier itself and its reports carry the new name."""
+    from flatzero.flatten import registry
+    from flatzero.plan.model_source import resolve_model
+    from flatzero.plan.planner import PlanSpec
+
+    monkeypatch.setattr(registry, "_warned_aliases", set())
+    assert "offload" not in REGISTRY and registry.TIER_ALIASES == {"offload": "host_park"}
+    with pytest.warns(FutureWarning, match="'offload' is now called 'host_park'"):
+        assert FlattenConfig(tier="offload").tier == "host_park"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert FlattenConfig(tier="offload").tier == "host_park"  # once only
+        assert PlanSpec(model=resolve_model("llama-3-8b"), tier="offload").tier == "host_park"
+        assert FlattenConfig(tier="host_park").tier == "host_park"

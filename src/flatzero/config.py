@@ -54,7 +54,7 @@ class FlattenConfig:
         bucket_numel: target bucket size in elements; a bigger param gets its own bucket.
         alignment: every param starts on a multiple of this many elements.
         staging_buffers: number of pinned host staging buffers the ``host`` and
-            ``offload`` tiers cycle through (>= 2 overlaps the host fill with the copy).
+            ``host_park`` tiers cycle through (>= 2 overlaps the host fill with the copy).
         host_threads: intra-op CPU threads per rank while flattening; ``None`` means the
             rank's share of its host's cores (``cores.core_share``: usable
             cores over the ranks on the host, counted through the process group).
@@ -67,7 +67,7 @@ class FlattenConfig:
             in the ``sharded`` tier each rank casts only its own slices. ``None`` keeps each
             param's dtype.
         host_huge_pages: ask the OS for 2 MiB pages for the flat buffers and master
-            shards in host memory (tier ``cpu``) and the ``offload`` tier's host images;
+            shards in host memory (tier ``cpu``) and the ``host_park`` tier's host images;
             ``False`` takes torch's allocator. Which writes new memory faster depends on
             the machine: ``flatzero info --measure`` shows both.
     """

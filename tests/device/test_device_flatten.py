@@ -135,8 +135,8 @@ def test_upload_tiers_fill_device_buckets_bitwise(kind, world_size):
         assert all(r["buckets"] == results[0]["buckets"] for r in results)
 
 
-# --------------------------------------------------- offload: a full device makes room
-def _offload_worker(rank: int, world_size: int, kind: str) -> dict:
+# ------------------------------------------------- host_park: a full device makes room
+def _host_park_worker(rank: int, world_size: int, kind: str) -> dict:
     device = this_device(kind)
     largest, _total, masters = _buckets_bytes(
         flatten_parameters(UnevenNet().to(device), config=_config())
@@ -157,9 +157,9 @@ def _offload_worker(rank: int, world_size: int, kind: str) -> dict:
     }
 
 
-def test_offload_tier_when_not_one_bucket_fits():
-    (r,) = launch("emu", _offload_worker, 1)
-    assert set(r["tier"]) == {"offload"}, r
+def test_host_park_tier_when_not_one_bucket_fits():
+    (r,) = launch("emu", _host_park_worker, 1)
+    assert set(r["tier"]) == {"host_park"}, r
     assert r["changed"] == [] and r["on"] == ["emu"]
 
 
@@ -225,12 +225,12 @@ def test_out_of_memory_at_every_bucket_loses_nothing_and_every_rank_agrees():
             assert r["on"] == ["emu"]
         assert results[0]["tiers"] == results[1]["tiers"], "ranks agree on every bucket's tier"
         tiers = results[0]["tiers"]
-        assert "offload" in tiers, results[0]
+        assert "host_park" in tiers, results[0]
         if tiers[0] == "device":  # ran out mid-way: the fallback is reported
             assert any("out of memory" in e for e in results[0]["events"]), results[0]
         outcomes.add(tiers[0])
     # Some capacities are caught by the tier decision, the others by the ladder mid-way.
-    assert outcomes == {"device", "offload"}
+    assert outcomes == {"device", "host_park"}
 
 
 def test_nothing_fits_is_torch_out_of_memory_on_every_rank_with_params_kept():

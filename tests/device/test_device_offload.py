@@ -152,7 +152,7 @@ def offload_problems(rank: int, world_size: int, kind: str) -> list[str]:
             problems.append(f"{case}: waits {counts}")
         if case.stage == 2 and not counts.get("event.record during backward"):
             problems.append(f"{case}: no copy started during backward: {counts}")
-        if not opt._offload.pinned or warnings.messages:
-            problems.append(f"{case}: pinned {opt._offload.pinned}, warnings {warnings.messages}")
+        if not opt._stepper.pinned or warnings.messages:
+            problems.append(f"{case}: pinned {opt._stepper.pinned}, warnings {warnings.messages}")
         opt.close()
     return problems

@@ -89,7 +89,7 @@ def _settle() -> int:
 def _warm_up() -> None:
     """Flatten a small model in the tiers a test is about to use, so that the kernels CUDA
     loads lazily (device memory) and the copy stream exist before the card is filled."""
-    for tier in ("device", "offload"):
+    for tier in ("device", "host_park"):
         flatten_parameters(
             _model("cuda", layers=2, width=256),
             config=FlattenConfig(tier=tier, bucket_numel=2**16, progress=False),
@@ -232,18 +232,18 @@ def test_host_tier_streams_a_large_bucket_through_bounded_pinned_staging():
             assert pinned_after[1] - pinned_before[0] <= ring
 
 
-def test_offload_tier_round_trips_through_host_memory_bucket_by_bucket():
+def test_host_park_tier_round_trips_through_host_memory_bucket_by_bucket():
     """Each bucket's params leave the device before its buffer is allocated: beyond the
-    masters, the offload tier needs no device memory."""
+    masters, the host_park tier needs no device memory."""
     model = _model("cuda")
     before = _snapshot(model)
-    config = FlattenConfig(tier="offload", bucket_numel=2**20, progress=False)
+    config = FlattenConfig(tier="host_park", bucket_numel=2**20, progress=False)
     layout = _layout(model, config)
     base = _settle()
     flat = flatten_parameters(model, config=config)
     torch.cuda.synchronize()
     _assert_flat(model, before, flat)
-    assert set(flat.report.groups[0].bucket_tiers) == {"offload"}
+    assert set(flat.report.groups[0].bucket_tiers) == {"host_park"}
     peak = torch.cuda.max_memory_allocated() - base
     assert _master_bytes(layout) <= peak <= _master_bytes(layout) + SLACK
     assert flat.report.bytes_moved["d2h"] == _model_bytes(model)
@@ -254,7 +254,7 @@ def test_offload_tier_round_trips_through_host_memory_bucket_by_bucket():
 def test_injected_oom_in_device_tier(times):
     """On a GPU a failed allocation is retried once after emptying the allocator's cache
     (``allocate_or_oom``): one failure changes nothing; two send bucket 3 and every later
-    one to ``offload``, which moves them to the host and back, bucket by bucket."""
+    one to ``host_park``, which moves them to the host and back, bucket by bucket."""
     model = _model("cuda")
     before = _snapshot(model)
     config = FlattenConfig(tier="device", bucket_numel=2**20, progress=False)
@@ -272,9 +272,9 @@ def test_injected_oom_in_device_tier(times):
         assert flat.report.events == ()
         assert moved["d2h"] == moved["h2d"] == 0
         return
-    assert report.bucket_tiers == ("device",) * 3 + ("offload",) * (len(group.buckets) - 3)
+    assert report.bucket_tiers == ("device",) * 3 + ("host_park",) * (len(group.buckets) - 3)
     (event,) = flat.report.events
-    assert "bucket 3" in event and "tier 'offload'" in event
+    assert "bucket 3" in event and "tier 'host_park'" in event
     assert moved["d2h"] == sum(s.spec.numel for s in group.slots if s.bucket >= 3) * 2
     assert moved["h2d"] == sum(b.numel for b in group.buckets[3:]) * 2
 
@@ -288,9 +288,9 @@ def _big_model_and_config(tier: str) -> tuple[nn.Module, FlattenConfig, Layout]:
     return model, config, layout
 
 
-def test_real_out_of_memory_in_device_tier_falls_back_to_offload():
+def test_real_out_of_memory_in_device_tier_falls_back_to_host_park():
     """Less than one bucket free once the masters are allocated: ``device`` fails on the
-    first bucket and, on a GPU, ``offload`` is the next tier (never host buffers): it moves
+    first bucket and, on a GPU, ``host_park`` is the next tier (never host buffers): it moves
     each bucket's params to the host first, which frees what its buffer needs."""
     model, config, layout = _big_model_and_config("device")
     before = _snapshot(model)
@@ -303,10 +303,10 @@ def test_real_out_of_memory_in_device_tier_falls_back_to_offload():
     _assert_flat(model, before, flat)
     (report,) = flat.report.groups
     assert flat.report.tiers == ("device",)
-    assert report.bucket_tiers == ("offload", "offload")
+    assert report.bucket_tiers == ("host_park", "host_park")
     assert report.device == flat.report.device  # every bucket on the GPU
     (event,) = flat.report.events
-    assert "bucket 0" in event and "tier 'device'" in event and "tier 'offload'" in event
+    assert "bucket 0" in event and "tier 'device'" in event and "tier 'host_park'" in event
     assert flat.report.bytes_moved["d2h"] == _model_bytes(model)
 
 

@@ -50,7 +50,7 @@ def test_offload_on_cuda_streams(case, monkeypatch):
     start = torch.cuda.memory_allocated(device)
     losses, masters, opt = train(case, 0, OffloadConfig(pin_memory=True), device)
     assert syncs == [] and len(losses) == 3  # the steps ran through the recorder
-    offload = opt._offload
+    offload = opt._stepper
     assert offload.pinned and all(g.is_pinned() for g in offload.host_grads)
     assert isinstance(offload._stream, torch.cuda.Stream)
     assert offload._stream != torch.cuda.current_stream(device)

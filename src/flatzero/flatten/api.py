@@ -23,7 +23,7 @@ from .. import accel
 from ..comm import check_same_everywhere, rank_of, world_size_of
 from ..config import FlattenConfig
 from ..control import control_group
-from ..cores import core_share, init_threads
+from ..cores import CoreShare, core_share, init_threads
 from ..devices import resolve_device
 from ..gcpause import paused_gc
 from ..layout import GroupLayout, Layout, plan_layout
@@ -341,6 +341,60 @@ def _flatten_groups(
     return flat_groups, reports
 
 
+def _check_world_size(given: int | None, world_size: int) -> None:
+    """Raise ``ValueError`` when the caller's ``world_size`` guard is not the group's."""
+    if given is not None and given != world_size:
+        raise ValueError(
+            f"world_size={given} was given but the process group has {world_size} ranks; "
+            "launch with the matching number of processes or drop the world_size argument"
+        )
+
+
+def _progress_bar(plan: _Plan, config: FlattenConfig, rank: int) -> tqdm:
+    """Init's progress bar, one step per bucket: on rank 0, shown after two seconds."""
+    return tqdm(
+        total=plan.sizes.buckets,
+        desc="flatzero init",
+        unit="bucket",
+        disable=not config.progress or rank != 0,
+        delay=2.0,
+    )
+
+
+def _agree(
+    plan: _Plan,
+    config: FlattenConfig,
+    device: torch.device,
+    agreement_group: dist.ProcessGroup | None,
+    world_size: int,
+    *,
+    reserve_grad_shards: bool,
+) -> tuple[dist.ProcessGroup | None, CoreShare, TierDecision, list[torch.Tensor | None]]:
+    """The sync phase: the control group, this rank's core share, the tier every rank
+    takes, and the master shards (allocated before the first bucket, so that running out of
+    memory here changes nothing)."""
+    # Every agreement runs on the gloo control group: no control tensor on a GPU.
+    control = control_group(agreement_group)
+    share = core_share(control)  # one all-gather: the ranks on this host
+    decision = _decide(
+        plan,
+        config,
+        device,
+        control,
+        world_size=world_size,
+        shards_per_group=int(config.build_master and not config.master_on_host)
+        + int(reserve_grad_shards),
+    )
+    on_host = spec(decision.tier).buffers_on_host or config.master_on_host
+    master_device = torch.device("cpu") if on_host else device
+    masters: list[torch.Tensor | None] = [None] * len(plan.layout.groups)
+    if config.build_master:
+        masters = list(
+            allocate_masters(plan.layout, master_device, control, huge_pages=config.host_huge_pages)
+        )
+    return control, share, decision, masters
+
+
 @paused_gc()
 def flatten_parameters(
     params: Any,
@@ -397,50 +451,20 @@ def flatten_parameters(
     """
     config = config or FlattenConfig()
     rank, ws = rank_of(process_group), world_size_of(process_group)
-    if world_size is not None and world_size != ws:
-        raise ValueError(
-            f"world_size={world_size} was given but the process group has {ws} ranks; "
-            "launch with the matching number of processes or drop the world_size argument"
-        )
+    _check_world_size(world_size, ws)
     if reserve_grad_shards is None:
         reserve_grad_shards = config.build_master
     device = resolve_device(config.device, process_group)
     report = ReportBuilder(rank, ws, device)
     with report.phase("plan"):
         plan = _plan(params, config, ws, checkpoint, key_map, allocate_only)
-
     with report.phase("sync"):
-        # Every agreement runs on the gloo control group: no control tensor on a GPU.
-        control = control_group(process_group if agreement_group is None else agreement_group)
-        share = core_share(control)  # one all-gather: the ranks on this host
-        decision = _decide(
-            plan,
-            config,
-            device,
-            control,
-            world_size=ws,
-            shards_per_group=int(config.build_master and not config.master_on_host)
-            + int(reserve_grad_shards),
+        agreement = process_group if agreement_group is None else agreement_group
+        control, share, decision, masters = _agree(
+            plan, config, device, agreement, ws, reserve_grad_shards=reserve_grad_shards
         )
-        # Before the first bucket, so that running out of memory here changes nothing.
-        on_host = spec(decision.tier).buffers_on_host or config.master_on_host
-        master_device = torch.device("cpu") if on_host else device
-        masters: list[torch.Tensor | None] = [None] * len(plan.layout.groups)
-        if config.build_master:
-            masters = list(
-                allocate_masters(
-                    plan.layout, master_device, control, huge_pages=config.host_huge_pages
-                )
-            )
-
     ctx = _tier_context(plan, config, device, process_group, report)
-    progress = tqdm(
-        total=plan.sizes.buckets,
-        desc="flatzero init",
-        unit="bucket",
-        disable=not config.progress or rank != 0,
-        delay=2.0,
-    )
+    progress = _progress_bar(plan, config, rank)
     threads = max(spec(t).threads(config, share.threads) for t in chain(decision.tier, device))
     with init_threads(threads) as used, progress, closing(ctx):
         report.threads(share, used)
@@ -454,13 +478,7 @@ def flatten_parameters(
     init_report = report.build(decision.reason, group_reports)
     if rank == 0:
         logger.info("%s", init_report.summary())
+    frozen = [p for g in plan.groups for p in g.frozen]
     return FlatParams(
-        layout=plan.layout,
-        groups=flat_groups,
-        report=init_report,
-        process_group=process_group,
-        rank=rank,
-        world_size=ws,
-        frozen=[p for g in plan.groups for p in g.frozen],
-        agreement_group=agreement_group,
+        plan.layout, flat_groups, init_report, process_group, rank, ws, frozen, agreement_group
     )

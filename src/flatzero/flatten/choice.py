@@ -72,15 +72,15 @@ def decide_tier(
                 f"shards ({_gib(need('device'))})",
                 need("device"),
             )
-        if min_free >= need("offload"):
+        if min_free >= need("host_park"):
             return decision(
-                "offload",
+                "host_park",
                 f"params on {device_type} but only {_gib(min_free)} free, less than one bucket "
                 f"and the fp32 shards ({_gib(need('device'))})",
-                need("offload"),
+                need("host_park"),
             )
         what = "the fp32 master and gradient shards"
-        return decision(None, _too_small(device_type, min_free, need("offload"), what), 0)
+        return decision(None, _too_small(device_type, min_free, need("host_park"), what), 0)
     upload = "host" if world_size == 1 else "sharded"
     if min_free < need(upload):
         what = "the flat buffers and fp32 shards"

@@ -213,7 +213,7 @@ class GroupFlattener:
         followed = [b for b, (m, a) in enumerate(zip(mine, agreed, strict=True)) if a > m]
         by_level = {spec(t).level: t for t in self._chain}
         for bucket in followed:
-            # Only the label changes: a GPU's chain ends at offload (on the device, like
+            # Only the label changes: a GPU's chain ends at host_park (on the device, like
             # device), and host buffers are in host memory whatever their tier.
             self.bucket_tiers[bucket] = by_level[agreed[bucket]]
         if followed:

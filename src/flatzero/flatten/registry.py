@@ -9,8 +9,8 @@ Adding a tier is one entry in ``REGISTRY`` plus its class in ``flatten.tiers``.
 
 Fallback chains (out of memory moves the remaining buckets one step down)::
 
-    buffers in host memory:  device -> offload -> cpu;  host -> cpu;  sharded -> cpu
-    buffers on a GPU:        device -> offload  (then MemoryError on every rank)
+    buffers in host memory:  device -> host_park -> cpu;  host -> cpu;  sharded -> cpu
+    buffers on a GPU:        device -> host_park  (then MemoryError on every rank)
 
 On a GPU the chain never ends in host memory: the optimizer needs every bucket on the
 device, so the other tiers end their chain there.
@@ -18,7 +18,8 @@ device, so the other tiers end their chain there.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -26,13 +27,15 @@ import torch
 from .. import accel
 from ..config import FlattenConfig, register_check
 from ..cores import host_threads
-from .tiers import DirectTier, OffloadTier, Tier, TierContext, UploadTier
+from .tiers import DirectTier, HostParkTier, Tier, TierContext, UploadTier
 
 __all__ = [
     "REGISTRY",
     "SOURCES",
     "TIERS",
+    "TIER_ALIASES",
     "TierSpec",
+    "canonical_tier",
     "chain",
     "check_tier",
     "gathering_tier",
@@ -119,8 +122,8 @@ REGISTRY: dict[str, TierSpec] = {
         TierSpec(
             name="device",
             level=0,
-            fallback_on_host="offload",
-            fallback_on_accelerator="offload",
+            fallback_on_host="host_park",
+            fallback_on_accelerator="host_park",
             collective_fill=False,
             sources=frozenset({"params", "nothing"}),
             buffers_on_host=False,
@@ -153,7 +156,7 @@ REGISTRY: dict[str, TierSpec] = {
             build=lambda ctx: UploadTier("sharded", ctx, own_slice=ctx.world_size > 1),
         ),
         TierSpec(
-            name="offload",
+            name="host_park",
             level=1,
             fallback_on_host="cpu",
             fallback_on_accelerator=None,
@@ -162,7 +165,7 @@ REGISTRY: dict[str, TierSpec] = {
             buffers_on_host=False,
             threads=host_threads,
             peak_device_bytes=_peak_shards_only,
-            build=lambda ctx: OffloadTier("offload", ctx),
+            build=lambda ctx: HostParkTier("host_park", ctx),
         ),
         TierSpec(
             name="cpu",
@@ -184,9 +187,36 @@ TIERS = ("auto", *REGISTRY)
 """What ``FlattenConfig.tier`` accepts: ``auto`` or a registered tier."""
 
 
+TIER_ALIASES: Mapping[str, str] = {"offload": "host_park"}
+"""Deprecated tier names still accepted, and the tier each names (``offload`` was the
+``host_park`` tier's name, too easily taken for optimizer offload)."""
+
+_warned_aliases: set[str] = set()
+
+
+def canonical_tier(name: str) -> str:
+    """``name``, or the tier a deprecated alias names (``TIER_ALIASES``; one
+    ``FutureWarning`` per alias and process)."""
+    if not isinstance(name, str) or name not in TIER_ALIASES:
+        return name
+    new = TIER_ALIASES[name]
+    if name not in _warned_aliases:
+        _warned_aliases.add(name)
+        warnings.warn(
+            f"flatten tier {name!r} is now called {new!r}; {name!r} still works for now, "
+            f"write tier {new!r} instead",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return new
+
+
 def check_tier(config: FlattenConfig) -> None:
-    """Raise ``ValueError`` unless ``config.tier`` is ``auto`` or a registered tier. Run by
-    every ``FlattenConfig`` at construction (registered with ``config.register_check``)."""
+    """Raise ``ValueError`` unless ``config.tier`` is ``auto`` or a registered tier (a
+    deprecated alias becomes the tier it names: ``canonical_tier``). Run by every
+    ``FlattenConfig`` at construction (registered with ``config.register_check``)."""
+    if config.tier in TIER_ALIASES:
+        object.__setattr__(config, "tier", canonical_tier(config.tier))
     if config.tier != "auto" and config.tier not in REGISTRY:
         raise ValueError(
             f"FlattenConfig.tier is {config.tier!r}; it must be one of "

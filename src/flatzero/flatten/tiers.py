@@ -142,7 +142,7 @@ class TierContext:
         staging_slots: number of staging buffers for the upload tiers.
         largest_bucket_bytes: bytes of the largest bucket (what ``host`` stages).
         largest_slice_bytes: bytes of the largest rank slice (what ``sharded`` stages).
-        huge_pages: host buffers (buckets, offload images) on 2 MiB pages
+        huge_pages: host buffers (buckets, ``host_park`` images) on 2 MiB pages
             (``FlattenConfig.host_huge_pages``).
     """
 
@@ -218,12 +218,12 @@ def _zero_gaps(layout: GroupLayout, bucket: int, dest: torch.Tensor, lo: int, hi
 # | cpu     | params in host memory, no GPU   | ``_foreach_copy_`` into a host bucket         |
 # | host    | params in host memory, 1 rank   | host fill of staging chunks, async upload     |
 # | sharded | params in host memory, N ranks  | upload of this rank's slice, all-gather       |
-# | offload | params on the device, no room   | bucket by bucket: params to a host image, the |
-# |         |                                 | image uploaded as ``host`` does               |
+# | host_park | params on the device, no room | bucket by bucket: params to a host image, the |
+# |           |                               | image uploaded as ``host`` does               |
 #
 # [Note: a tier's steps per bucket]
-# A tier's steps per bucket: ``prepare`` (before allocation: ``offload`` moves the bucket's
-# params out of the way), then, when allocation still fails, ``make_room`` (``offload``
+# A tier's steps per bucket: ``prepare`` (before allocation: ``host_park`` moves the bucket's
+# params out of the way), then, when allocation still fails, ``make_room`` (``host_park``
 # moves the next bucket's params out too), then ``fill``, and for ``sharded`` at world size
 # > 1 ``gather`` (the all-gather), which the driver issues only once every rank filled its
 # slice and the next bucket's upload is queued, so that the two overlap. Staging memory
@@ -347,8 +347,9 @@ class UploadTier:
         return fill
 
 
-class OffloadTier(UploadTier):
-    """``offload``: params on a full device make room for their own bucket.
+class HostParkTier(UploadTier):
+    """``host_park``: params on a full device make room for their own bucket (not optimizer
+    offload: nothing here outlives init).
 
     Before a bucket is allocated, its params move to a host image laid out like the
     bucket and are rebound to it (their device memory is freed, their values kept); the
@@ -372,18 +373,18 @@ class OffloadTier(UploadTier):
         if bucket in self._ahead:
             self._ahead.remove(bucket)
         if bucket not in self._moved:
-            self._offload(layout, source, bucket)
+            self._park(layout, source, bucket)
 
     def make_room(self, layout: GroupLayout, source: ParamSource) -> bool:
-        """Offload the next bucket still on the device; False when none is left."""
+        """Park the next bucket still on the device; False when none is left."""
         while self._ahead:
             bucket = self._ahead.pop(0)
             if bucket not in self._moved:
-                self._offload(layout, source, bucket)
+                self._park(layout, source, bucket)
                 return True
         return False
 
-    def _offload(self, layout: GroupLayout, source: ParamSource, bucket: int) -> None:
+    def _park(self, layout: GroupLayout, source: ParamSource, bucket: int) -> None:
         numel = layout.buckets[bucket].numel
         image = empty_host(numel, getattr(torch, layout.dtype), huge_pages=self.ctx.huge_pages)
         pieces = list(layout.bucket_pieces_all(bucket))
@@ -394,5 +395,5 @@ class OffloadTier(UploadTier):
         self._moved.add(bucket)
 
 
-Tier = DirectTier | UploadTier | OffloadTier
+Tier = DirectTier | UploadTier | HostParkTier
 """Any tier object."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -232,9 +232,10 @@ class BackwardPass:
             self.held_bytes -= grad.numel() * grad.element_size()
 
 
-@dataclass(eq=False)
-class InFlight:
-    """A started reduction: its work handle and what to do when it is done.
+class InFlight(NamedTuple):
+    """A started reduction: its work handle and what to do when it is done (state that
+    crosses streams: the collective's stream writes ``slot``/``src``, the current stream
+    reads them once ``work`` is waited for).
 
     Attributes:
         work: the async collective's handle (None when it already ran).

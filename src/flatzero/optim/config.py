@@ -98,7 +98,7 @@ class OffloadConfig:
     bucket (its own stream, an event per bucket), the inner optimizer steps there with
     torch's fused CPU kernel where it has one, and the updated shard is cast to the params'
     dtype and uploaded into this rank's slice of every bucket before the all-gather. Not to
-    be confused with the flatten tier ``offload`` (params parked in host memory during init).
+    be confused with the flatten tier ``host_park`` (params parked in host memory during init).
 
     Attributes:
         pin_memory: page-lock the host gradient shard (also the upload's source), so that

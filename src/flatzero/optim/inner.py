@@ -24,6 +24,7 @@ __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "build_inner_optimizer",
     "check_optimizer_class",
+    "scale_grads",
     "step_with_grad_scale",
     "takes_grad_scale",
     "with_fused_default",
@@ -196,6 +197,23 @@ def step_with_grad_scale(inner: torch.optim.Optimizer, grad_scale: torch.Tensor 
             inner.step()
     finally:
         inner.grad_scale = None  # type: ignore[attr-defined]
+
+
+def scale_grads(
+    inner: torch.optim.Optimizer, grads: Sequence[torch.Tensor], coef: float | torch.Tensor
+) -> torch.Tensor | None:
+    """Make ``inner``'s next step see ``grads`` (its params' gradients) times ``coef``: the
+    fused kernel's ``grad_scale``, ``1 / coef`` (it divides by it as it reads the gradient:
+    no extra pass; a 0-d fp32 tensor on the gradients' device, made there: a fill, not a
+    copy from the host), else the gradients multiplied in place and None."""
+    if not isinstance(coef, torch.Tensor) and coef == 1.0:
+        return None
+    if takes_grad_scale(inner):
+        if isinstance(coef, torch.Tensor):
+            return coef.reciprocal()
+        return torch.full((), 1.0 / coef, dtype=torch.float32, device=grads[0].device)
+    torch._foreach_mul_(list(grads), coef)
+    return None
 
 
 def _makes_state(inner: torch.optim.Optimizer) -> bool:

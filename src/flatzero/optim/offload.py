@@ -1,27 +1,10 @@
 """Optimizer offload (ZeRO-Offload): the host half of a ``ZeroOptimizer`` step.
 
 With ``ZeroConfig.offload_optimizer`` the fp32 master shards and the inner optimizer's state
-live in host memory, beside a host fp32 gradient shard per group. A step then runs:
+live in host memory, beside a host fp32 gradient shard per group; ``HostOffload`` is the
+host implementation of ``stepper.ShardStepper`` (see [Note: an offloaded step]).
 
-1. each bucket's reduced gradient shard slice is copied from the device gradient shard into
-   the host gradient shard on a stream of its own (after the reductions), with an event
-   recorded per bucket: at ZeRO stage 2 over several ranks as soon as the bucket's last
-   reduction of a backward pass landed (``chunk_landed``, while backward goes on), else (and
-   for any bucket changed since) at the step (``download``);
-2. the norm, the inf/nan verdict and the clip coefficient are computed on the device as
-   without offload; ``HostOffload.to_host`` brings the coefficient over on the same stream;
-3. the host waits on the events (never a device-wide synchronize), and ``host_step`` runs
-   the inner optimizer over the host shards with torch's fused CPU kernel (Adam, AdamW,
-   SGD, Adagrad) on the rank's share of the cores;
-4. ``HostOffload.upload``: the master shard is cast to the params' dtype into the
-   (page-locked) host gradient shard's memory, which is no longer needed, and copied
-   asynchronously into this rank's slice of every bucket on the current stream, so the
-   all-gather that follows is ordered after it.
-
-Without an accelerator (buckets in host memory) the device gradient shard *is* the host one
-and the cast goes straight into the buckets: nothing is copied twice.
-
-Not the flatten tier ``offload`` (params parked in host memory while a full device makes
+Not the flatten tier ``host_park`` (params parked in host memory while a full device makes
 room at init): this module is about where the optimizer steps.
 """
 
@@ -38,11 +21,12 @@ import torch
 from torch import nn
 
 from .. import accel
+from ..comm import all_gather_buckets_from_own_slices
 from ..flatten.buffers import FlatParams
 from ..flatten.threads import init_threads
 from ..hostmem import empty_host
 from .config import OffloadConfig
-from .inner import build_inner_optimizer, step_with_grad_scale, with_fused_default
+from .inner import build_inner_optimizer, scale_grads, step_with_grad_scale, with_fused_default
 
 __all__ = [
     "HostOffload",
@@ -203,9 +187,29 @@ def _unpin_all(tensors: list[torch.Tensor], fences: list[Any]) -> None:
     tensors.clear()
 
 
+# [Note: an offloaded step]
+# 1. Each bucket's reduced gradient shard slice is copied from the device gradient shard
+#    into the host gradient shard on a stream of its own (after the reductions), with an
+#    event recorded per bucket: at ZeRO stage 2 over several ranks as soon as the bucket's
+#    last reduction of a backward pass landed (``chunk_landed``, while backward goes on),
+#    else (and for any bucket changed since) at the step (``download``).
+# 2. The norm, the inf/nan verdict and the clip coefficient are computed on the device as
+#    without offload; ``to_host`` brings the coefficient over on the same stream.
+# 3. The host waits on the events (never a device-wide synchronize), and ``host_step``
+#    runs the inner optimizer over the host shards with torch's fused CPU kernel (Adam,
+#    AdamW, SGD, Adagrad) on the rank's share of the cores.
+# 4. ``upload``: the master shard is cast to the params' dtype into the (page-locked) host
+#    gradient shard's memory, which is no longer needed, and copied asynchronously into
+#    this rank's slice of every bucket on the current stream, so the all-gather that
+#    follows is ordered after it.
+# Without an accelerator (buckets in host memory) the device gradient shard *is* the host
+# one and the cast goes straight into the buckets: nothing is copied twice.
+
+
 class HostOffload:
     """Host gradient shards, the gradient download and the parameter upload of one
-    offloaded ``ZeroOptimizer`` (see the module docstring for the order of a step).
+    offloaded ``ZeroOptimizer`` (see [Note: an offloaded step]): the host implementation
+    of ``stepper.ShardStepper``.
 
     Args:
         flat: the flattened params (buckets on the device, masters in host memory).
@@ -230,6 +234,8 @@ class HostOffload:
     ) -> None:
         self.threads = threads
         self.device = flat.groups[0].device
+        self.step_device = HOST
+        self._pg = flat.process_group
         self.copies = accel.is_accelerator(self.device)
         self.pinned = self.copies and config.pin_memory
         self._registered: list[torch.Tensor] = []
@@ -238,6 +244,8 @@ class HostOffload:
         weakref.finalize(self, _unpin_all, self._registered, self._fences)
         pairs = [(g, b) for g in flat.groups for b in range(len(g.buckets))]
         self._own_slices = [g.bucket_shard(b) for g, b in pairs]
+        self._buckets = [g.buckets[b] for g, b in pairs]
+        self._master_slices = [g.master_slice(b) for g, b in pairs]
         self._stream: Any = None
         self._events: list[Any] = []
         self._scalar_event: Any = None
@@ -271,6 +279,46 @@ class HostOffload:
             self._scalar_event = accel.new_event(self.device)
             self._upload_event = accel.new_event(self.device)
             self._fences += [*self._events, self._scalar_event, self._upload_event]
+
+    # ----------------------------------------------------------- stepper.ShardStepper
+    @property
+    def step_grads(self) -> list[torch.Tensor]:
+        """The gradient shards the inner optimizer reads: ``host_grads``."""
+        return self.host_grads
+
+    @property
+    def chunk_hook(self) -> Callable[[int, bool], None]:
+        """``chunk_landed``, for ``GradReducer.on_chunk_landed``."""
+        return self.chunk_landed
+
+    def describe(self) -> str:
+        """The log line's suffix: threads and whether the copies are pinned."""
+        kind = "pinned" if self.pinned else "pageable"
+        return f", optimizer offloaded to the host ({self.threads} threads, {kind} copies)"
+
+    def after_backward(self) -> None:
+        """``download``: it overlaps the norm's all-reduce."""
+        self.download()
+
+    def abandon(self) -> None:
+        """``wait``: the next backward pass rewrites what the copies read."""
+        self.wait()
+
+    def step(self, inner: torch.optim.Optimizer, coef: float | torch.Tensor) -> None:
+        """Bring ``coef`` over, wait for the gradients' copies (their events), and step
+        ``inner`` over the host shards with ``threads`` threads (``host_step``)."""
+        if isinstance(coef, torch.Tensor):
+            coef = self.to_host(coef)
+        self.wait()
+        with init_threads(self.threads):
+            grad_scale = scale_grads(inner, self.host_grads, coef)
+            host_step(inner, threads=self.threads, grad_scale=grad_scale)
+
+    def write_back(self, masters: Sequence[torch.Tensor]) -> None:
+        """``upload`` the masters into this rank's bucket slices; all-gather every bucket."""
+        with init_threads(self.threads):
+            self.upload(masters, self._master_slices)
+        all_gather_buckets_from_own_slices(self._buckets, self._own_slices, self._pg)
 
     def _host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An empty host tensor, page-locked while ``self.pinned`` (registered in place,

@@ -4,8 +4,9 @@ and the fp32 gradient shards beside the master shards.
 Order: collect the param groups (``params.collect_param_groups``, the one place params are
 normalized) -> check the optimizer's arguments on dummies and that no other optimizer
 hooks the params -> every rank agrees on the setup -> flatten (layout, tier, buckets,
-master shards) -> check the buckets suit the collectives -> allocate the gradient shards.
-Nothing is flattened before every check passed.
+master shards) -> check the buckets suit the collectives -> allocate the gradient shards
+-> the reducer of the stage (``make_reducer``). Nothing is flattened before every check
+passed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import check_same_everywhere
+from ..comm import check_same_everywhere, world_size_of
 from ..config import FlattenConfig
 from ..control import control_group, raise_if_any_failed
 from ..devices import backend_of, collectives_run_on
@@ -27,11 +28,14 @@ from ..flatten.alloc import allocate_agreed
 from ..layout import GroupLayout
 from ..params import ParamGroup, collect_param_groups
 from .buckets import empty_buffer
+from .config import ZeroConfig
 from .inner import build_inner_optimizer
 from .offload import check_host_kernel
-from .reducers import check_unclaimed
+from .reducers import GradReducer, check_unclaimed
+from .stage1 import Stage1Reducer
+from .stage2 import LocalStage2Reducer, Stage2Reducer
 
-__all__ = ["allocate_grad_shards", "check_buckets_usable", "flat_params_for"]
+__all__ = ["allocate_grad_shards", "check_buckets_usable", "flat_params_for", "make_reducer"]
 
 
 def _probe_optimizer(
@@ -227,3 +231,12 @@ def _zero_padding(shard: torch.Tensor, layout: GroupLayout, rank: int) -> None:
         gaps += [shard[base + start : base + end] for start, end in layout.gaps(index, lo, hi)]
     if gaps:
         torch._foreach_zero_(gaps)
+
+
+def make_reducer(flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> GradReducer:
+    """The reducer of ``config.stage`` (and, for stage 2, of the world size)."""
+    if config.stage == 1:
+        return Stage1Reducer(flat, grads, config)
+    if world_size_of(flat.process_group) == 1:
+        return LocalStage2Reducer(flat, grads, config)
+    return Stage2Reducer(flat, grads, config)

@@ -21,33 +21,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import (
-    all_gather_buckets_from_own_slices,
-    check_same_everywhere,
-    rank_of,
-    world_size_of,
-)
+from ..comm import check_same_everywhere, rank_of, world_size_of
 from ..config import FlattenConfig
 from ..control import control_group, raise_if_any_failed
 from ..flatten import FlatParams
-from ..flatten.threads import core_share, init_threads
 from ..gcpause import paused_gc
 from .agreement import meaning, setup_fields
 from .config import LossScaleConfig, OffloadConfig, ZeroConfig
 from .gather import full_param, full_params
-from .inner import (
-    build_inner_optimizer,
-    check_optimizer_class,
-    step_with_grad_scale,
-    takes_grad_scale,
-    with_fused_default,
-)
+from .inner import build_inner_optimizer, check_optimizer_class, with_fused_default
 from .norm import global_sq_norm
-from .offload import HOST, HostOffload, OffloadHostBytes, host_step
-from .prepare import allocate_grad_shards, check_buckets_usable, flat_params_for
-from .reducers import GradReducer, make_reducer
+from .offload import OffloadHostBytes
+from .prepare import allocate_grad_shards, check_buckets_usable, flat_params_for, make_reducer
+from .reducers import GradReducer
 from .scaler import LossScaler
 from .state import GroupState, ShardedOptimizerState, check_loadable, check_options
+from .stepper import ShardStepper, make_stepper, masters_to_host
 
 __all__ = ["ZeroOptimizer"]
 
@@ -77,14 +66,6 @@ def _with_offload(config: ZeroConfig, offload: bool | OffloadConfig | None) -> Z
             f"{type(offload).__name__}; pass offload_optimizer=True or OffloadConfig(...)"
         )
     return dataclasses.replace(config, offload_optimizer=offload)
-
-
-def _masters_to_host(flat: FlatParams) -> None:
-    """Move master shards built on the device (``FlatParams`` flattened without
-    ``FlattenConfig.master_on_host``) to host memory, for optimizer offload."""
-    for group in flat.groups:
-        if group.master is not None and group.master.device.type != "cpu":
-            group.master = group.master.to(HOST)
 
 
 def _loss_scaler(config: ZeroConfig, flat: FlatParams) -> LossScaler | None:
@@ -180,40 +161,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
         check_buckets_usable(flat, offload=offload is not None)
         if offload is not None:
-            _masters_to_host(flat)
+            masters_to_host(flat)
         self.flat = flat
         self.config = config
         self._pg = flat.process_group
         self._world_size = world_size_of(self._pg)
         self._rank = rank_of(self._pg)
         self._grads = allocate_grad_shards(flat)
-        self._offload: HostOffload | None = None
-        if offload is not None:
-            threads = offload.threads or core_share(control_group(flat.deciders)).threads
-            self._offload = HostOffload(flat, self._grads, offload, threads)
-        self._step_grads = self._grads if self._offload is None else self._offload.host_grads
-        """The gradient shards the inner optimizer reads (host ones with offload)."""
+        self._stepper: ShardStepper = make_stepper(flat, self._grads, offload)
+        """Where the inner optimizer steps: beside the buckets, or on the host (offload)."""
         self._masters: list[nn.Parameter] = []
-        for group, grad in zip(flat.groups, self._step_grads, strict=True):
+        for group, grad in zip(flat.groups, self._stepper.step_grads, strict=True):
             master = nn.Parameter(group.master, requires_grad=True)
             master.grad = grad
             self._masters.append(master)
         options = [g.options for g in flat.groups]
-        step_device = HOST if offload is not None else flat.groups[0].device
         self.inner = build_inner_optimizer(
             optimizer,
             self._masters,
             options,
-            with_fused_default(optimizer, defaults, options, step_device),
+            with_fused_default(optimizer, defaults, options, self._stepper.step_device),
         )
         self._scaler = _loss_scaler(config, flat)
         self._reducer: GradReducer = make_reducer(flat, self._grads, config)
-        if self._offload is not None:
-            self._reducer.on_chunk_landed = self._offload.chunk_landed
-        pairs = [(g, b) for g in flat.groups for b in range(len(g.buckets))]
-        self._buckets = [g.buckets[b] for g, b in pairs]
-        self._bucket_shards = [g.bucket_shard(b) for g, b in pairs]
-        self._master_slices = [g.master_slice(b) for g, b in pairs]
+        self._reducer.on_chunk_landed = self._stepper.chunk_hook
         self._clip_request: float | None = None
         self._norm_cache: tuple[int, torch.Tensor] | None = None
         self._last_norm: torch.Tensor | None = None
@@ -228,10 +199,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 len(flat.groups),
                 type(self.inner).__name__,
                 flat.layout.num_params,
-                ""
-                if self._offload is None
-                else f", optimizer offloaded to the host ({self._offload.threads} threads, "
-                f"{'pinned' if self._offload.pinned else 'pageable'} copies)",
+                self._stepper.describe(),
             )
 
     def _init_optimizer_plumbing(self) -> None:
@@ -299,9 +267,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def offload_host_bytes(self) -> OffloadHostBytes | None:
         """Host bytes of optimizer offload on this rank now (master shards, host gradient
         shards, optimizer state), measured from the tensors; None without offload."""
-        if self._offload is None:
-            return None
-        return self._offload.host_bytes(self.inner, self.master_shards)
+        return self._stepper.host_bytes(self.inner, self.master_shards)
 
     @property
     def loss_scale(self) -> float:
@@ -414,7 +380,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         clip coefficient stay on the device: no host sync, except the one read of the
         inf/nan verdict with loss scaling (fp16), which decides whether to skip. With
         optimizer offload the host also waits for the gradients' (and the coefficient's)
-        copies, on their events, before it steps them (``optim/offload.py``).
+        copies, on their events, before it steps them (``stepper.py``, ``offload.py``).
         """
         loss = None
         if closure is not None:
@@ -429,9 +395,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "the accumulation window, so every step needs its own backward pass)"
             )
         reducer.agree_order()
-        offload = self._offload
-        if offload is not None:
-            offload.download()  # overlaps the norm's all-reduce
+        self._stepper.after_backward()  # overlaps the norm's all-reduce
         max_norm = self.config.max_grad_norm
         if self._clip_request is not None:
             max_norm = self._clip_request if max_norm is None else min(max_norm, self._clip_request)
@@ -442,8 +406,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if max_norm is not None or self._scaler is not None:
             norm = self._last_norm = self._norm()
             if self._scaler is not None and not bool(norm.isfinite()):
-                if offload is not None:
-                    offload.wait()  # the next backward pass rewrites what it reads
+                self._stepper.abandon()  # the next backward pass rewrites what it reads
                 self._scaler.update(found_inf=True)
                 self.last_step_skipped = True
                 self._end_window()
@@ -452,55 +415,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)
                 coef = (clip * inv).to(device=self._grads[0].device, dtype=torch.float32)
         self.flat.before_state_changes()  # a pending snapshot's copies
-        if offload is None:
-            step_with_grad_scale(self.inner, self._scale_grads(coef))
-        else:
-            if isinstance(coef, torch.Tensor):
-                coef = offload.to_host(coef)
-            offload.wait()
-            with init_threads(offload.threads):
-                grad_scale = self._scale_grads(coef)
-                host_step(self.inner, threads=offload.threads, grad_scale=grad_scale)
+        self._stepper.step(self.inner, coef)
         if self._scaler is not None:
             self._scaler.update(found_inf=False)
-        self._write_back()
+        self._stepper.write_back(self.master_shards)
         self._end_window()
         return loss
-
-    def _scale_grads(self, coef: float | torch.Tensor) -> torch.Tensor | None:
-        """Make the inner step see the gradients times ``coef``: the fused kernel's
-        ``grad_scale`` (it divides by it as it reads the gradient: no extra pass), else the
-        gradients multiplied in place and None."""
-        if not isinstance(coef, torch.Tensor) and coef == 1.0:
-            return None
-        if takes_grad_scale(self.inner):
-            return self._grad_scale(coef)
-        torch._foreach_mul_(self._step_grads, coef)
-        return None
-
-    def _grad_scale(self, coef: float | torch.Tensor) -> torch.Tensor:
-        """``1 / coef``, the fused kernel's ``grad_scale``: a 0-d fp32 tensor on the
-        gradients' device, made there (a fill, not a copy from the host)."""
-        if isinstance(coef, torch.Tensor):
-            return coef.reciprocal()
-        device = self._step_grads[0].device
-        return torch.full((), 1.0 / coef, dtype=torch.float32, device=device)
 
     def _end_window(self) -> None:
         self._reducer.reset_window()
         self._clip_request = None
         self._norm_cache = None
-
-    def _write_back(self) -> None:
-        """Cast the master shards into this rank's bucket slices; all-gather every bucket."""
-        if self._offload is None:
-            all_gather_buckets_from_own_slices(
-                self._buckets, self._bucket_shards, self._pg, sources=self._master_slices
-            )
-            return
-        with init_threads(self._offload.threads):
-            self._offload.upload(self.master_shards, self._master_slices)
-        all_gather_buckets_from_own_slices(self._buckets, self._bucket_shards, self._pg)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new accumulation window (gradients so far are dropped).
@@ -600,14 +525,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for group, master in zip(state.groups, self._masters, strict=True):
                 master.copy_(group.master)
             self.inner.load_state_dict(state.inner_state_dict())
-            for master, grad in zip(self._masters, self._step_grads, strict=True):
+            for master, grad in zip(self._masters, self._stepper.step_grads, strict=True):
                 master.grad = grad
             if self._scaler is not None:
                 self._scaler.load_state_dict(dict(state.loss_scaler or {}))
             order = state.bucket_order
             self._reducer.set_order(list(order) if order is not None else None)
             self._end_window()
-            self._write_back()
+            self._stepper.write_back(self.master_shards)
 
     def close(self) -> None:
         """Remove the gradient hooks from the params and release them, so that another

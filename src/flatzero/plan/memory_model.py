@@ -9,7 +9,7 @@ so padding, alignment, buckets and shards are exact. What each figure mirrors:
   (``flatten.api.allocate_masters``, ``optim.zero._allocate_grad_shards``);
 - stage 1: a flat gradient buffer of ``layout.numel`` elements in the params' dtype per
   group, except at world size 1 with fp32 params, where the gradient shard is used in place
-  (``optim.reducers.Stage1Reducer``);
+  (``optim.stage1.Stage1Reducer``);
 - reduction staging: chunk-sized slots in ``reduce_dtype``, as many as
   ``optim.buckets.StagingPool`` allocates (``staging_bytes``), within
   ``ZeroConfig.reduce_staging_bytes``;
@@ -317,7 +317,7 @@ def flatzero_init_memory(
     host_copy = sum(params) if params_on == "host" else 0
     on_device = sum(params) if params_on == "device" else 0
     staged = 0
-    if tier in ("host", "offload"):
+    if tier in ("host", "host_park"):
         staged = max(buckets)
     elif tier == "sharded":
         staged = max(b.slice_numel * itemsize(g.dtype) for g in layout.groups for b in g.buckets)
@@ -325,11 +325,11 @@ def flatzero_init_memory(
     if spec(tier).buffers_on_host:  # cpu: everything on the host
         host = max(master + _replace_peak(buckets, params, free_first=False), after)
         return InitMemory(tier, 0, host, host_copy)
-    if tier in ("device", "offload"):
+    if tier in ("device", "host_park"):
         if params_on != "device":
             raise ValueError(f"tier {tier!r} takes params on the device, not on {params_on!r}")
-        device = master + _replace_peak(buckets, params, free_first=tier == "offload")
-        host = ring + (max(buckets) if tier == "offload" else 0)
+        device = master + _replace_peak(buckets, params, free_first=tier == "host_park")
+        host = ring + (max(buckets) if tier == "host_park" else 0)
         return InitMemory(tier, max(device, after), host, 0)
     device = max(on_device + master + sum(buckets), after)
     return InitMemory(tier, device, host_copy + ring, host_copy)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ..config import DEFAULT_BUCKET_NUMEL
 from ..flatten.choice import TierDecision, decide_tier
+from ..flatten.registry import canonical_tier
 from ..layout import DEFAULT_ALIGNMENT, Layout, plan_layout
 from ..measure.baselines import deepspeed_padded_numel
 from ..optim.offload import OffloadHostBytes
@@ -123,6 +124,7 @@ class PlanSpec:
     async_save: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "tier", canonical_tier(self.tier))  # "offload": "host_park"
         for name in (
             "nodes",
             "gpus_per_node",
@@ -223,7 +225,7 @@ def tiers_for(spec: PlanSpec) -> tuple[str, ...]:
     """flatzero's tiers that can run this job, given where the params start."""
     if spec.gpu is None:
         return ("cpu",)
-    return ("device", "offload") if spec.params_on == "device" else ("host", "sharded")
+    return ("device", "host_park") if spec.params_on == "device" else ("host", "sharded")
 
 
 def _work(layout: Layout) -> Work:

@@ -76,7 +76,7 @@ class InitTime:
 # - ``host`` / ``sharded``: host fill, upload and all-gather of consecutive buckets overlap
 #   (a ring of staging slots, a side stream): ``max(fill, upload, all-gather, tensors)``,
 #   then the master. A checkpoint source is read at the rank's share of the disk.
-# - ``offload``: a bucket's params go to a host image before its upload starts:
+# - ``host_park``: a bucket's params go to a host image before its upload starts:
 #   ``d2h + max(fill, upload, tensors)``, then the master.
 # - ``cpu``: every bucket and the master are new host memory from flatzero's allocator: the
 #   buckets at the rate of copying into it, the master at the rate of casting into it (a
@@ -139,7 +139,7 @@ def flatzero_time(
         "all_gather": rates.seconds(fill["all_gather"], "collective"),
         "tensors": tensors,
     }
-    if tier == "offload":
+    if tier == "host_park":
         out = rates.seconds(fill["d2h"], "h2d_pageable")
         return InitTime(
             tier,

@@ -51,7 +51,7 @@ def _param_elements(group: GroupLayout, bucket: int, lo: int, hi: int) -> int:
 #   or this rank's slice in ``sharded``) into staging (``host_copy``; on a CPU the bucket is
 #   the staging), uploads the whole range padding included (``h2d``, GPU only) and, in
 #   ``sharded``, all-gathers the rest of the bucket (``all_gather``: bytes received);
-# - ``offload`` first copies a bucket's params to a host image (``d2h`` on a GPU), then
+# - ``host_park`` first copies a bucket's params to a host image (``d2h`` on a GPU), then
 #   uploads as ``host`` does;
 # - the master copy reads this rank's slice of every bucket (``host_copy`` when the master is
 #   in host memory, else ``device_copy``; bytes of the slices in the params' dtype).
@@ -69,7 +69,7 @@ def _fill(
         if tier in ("device", "cpu"):
             moved[_copy_kind(src, bucket_device)] += params
             continue
-        if tier == "offload":
+        if tier == "host_park":
             moved[_copy_kind(src, "cpu")] += params  # to the host image
         lo, hi = bucket.rank_range(rank) if own_slice else (0, bucket.numel)
         moved["host_copy"] += _param_elements(group, index, lo, hi) * size

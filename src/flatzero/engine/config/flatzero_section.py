@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...config import FlattenConfig
-from ...flatten.registry import TIERS
+from ...flatten.registry import TIER_ALIASES, TIERS
 from ...optim import ZeroConfig
 from .reader import MISSING, Section
 from .schema import FlatzeroSection
@@ -51,7 +51,7 @@ _RENAMED: Mapping[tuple[type, str], str] = {
 """Fields whose key is not their name (two dataclasses have a ``staging_buffers``)."""
 
 _METADATA: Mapping[tuple[type, str], Mapping[str, Any]] = {
-    (FlattenConfig, "tier"): {"choices": TIERS},
+    (FlattenConfig, "tier"): {"choices": (*TIERS, *TIER_ALIASES)},
     (FlattenConfig, "bucket_numel"): {"unit": " (elements)"},
 }
 """Metadata of fields declared without it (a field's own metadata wins)."""

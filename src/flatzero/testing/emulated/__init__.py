@@ -1,6 +1,6 @@
 """An emulated accelerator: a pure-Python PrivateUse1 backend over CPU memory.
 
-flatzero's device half (the device, upload, sharded and offload tiers, the out-of-memory
+flatzero's device half (the device, upload, sharded and host_park tiers, the out-of-memory
 ladder, peak device memory, streams and events, collectives on device tensors) has to run
 where there is no GPU, in CI. :func:`install` registers a backend that torch treats as an
 accelerator like any other (``torch.device("emu", 0)``, ``torch.get_device_module("emu")``,

@@ -1,0 +1,356 @@
+"""ZeRO stage 2 reducers: gradients reduced chunk by chunk during backward, ``.grad`` freed.
+
+``Stage2Reducer`` over several ranks; ``LocalStage2Reducer`` at world size 1, where there is
+nothing to reduce. Their accumulation window is a ``reducers.WindowState``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.autograd.graph import get_gradient_edge
+
+from ..devices import collective_device
+from ..flatten.buffers import FlatParams
+from .buckets import BackwardPass, ReduceChunk
+from .config import ZeroConfig
+from .reducers import LATE, TWICE, UNFINISHED, GradReducer, WindowState
+
+__all__ = ["LocalStage2Reducer", "OrderState", "Stage2Reducer", "UnusedRule"]
+
+logger = logging.getLogger(__name__)
+
+
+class OrderState(enum.Enum):
+    """Where ``Stage2Reducer``'s bucket launch order stands.
+
+    ``RECORDING`` -(the first backward pass ends: ``_learn_order``)-> ``RECORDED``
+    -(the first step: ``agree_order``, or a loaded order: ``set_order``)-> ``AGREED``.
+    Without ``ZeroConfig.learn_bucket_order`` it starts ``AGREED`` (the layout order).
+    """
+
+    RECORDING = "recording"
+    """The first backward pass runs: the arrival of each bucket's last gradient is noted."""
+    RECORDED = "recorded"
+    """This rank's order is learnt; the ranks have not agreed on one yet."""
+    AGREED = "agreed"
+    """Every rank launches in the same order, for good."""
+
+
+class UnusedRule(enum.Enum):
+    """When ``Stage2Reducer`` counts the params a backward pass will not reach as zero.
+
+    ``WATCHING`` -(a pass ends with no backward inside backward seen)-> ``AT_START``;
+    ``WATCHING`` or ``AT_START`` -(a pass ends that saw one)-> ``AT_END``, for good.
+    """
+
+    WATCHING = "watching"
+    """The first pass: unreached params count at its end; gradients from another graph
+    task (a backward inside backward) are watched for."""
+    AT_START = "at start"
+    """Unreached params count as zero at a pass's first gradient (they hold nothing up)."""
+    AT_END = "at end"
+    """A backward inside backward was seen: unreached params count only at a pass's end."""
+
+    def after(self, nested: bool) -> UnusedRule:
+        """The rule once a pass ended that did (``nested``) or did not see a backward inside
+        backward."""
+        if self is UnusedRule.AT_END or nested:
+            return UnusedRule.AT_END
+        return UnusedRule.AT_START
+
+
+class LocalStage2Reducer(GradReducer):
+    """ZeRO stage 2 at world size 1: nothing to reduce and nothing to stage.
+
+    Each hook writes its gradient straight into the fp32 gradient shard (copied in the
+    window's first backward pass, added afterwards) and frees ``.grad``; the end of the
+    window's first backward pass zero-fills the params that got no gradient.
+    """
+
+    def __init__(self, flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> None:
+        super().__init__(flat, grads, config)
+        self._views = [
+            grad[b.shard_offset + s.offset : b.shard_offset + s.end].view(s.spec.shape)
+            for group, grad in zip(flat.groups, grads, strict=True)
+            for s in group.layout.slots
+            for b in (group.layout.buckets[s.bucket],)
+        ]
+        self._arrived: set[int] = set()
+        self.window = WindowState.EMPTY
+        self._register(lambda gi, slot, _: (self._first_param[gi] + slot,))
+
+    def _hook(self, pid: int, param: nn.Parameter) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        if not self.window.running:
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+            self.window = self.window.begin()
+        if pid in self._arrived:
+            raise RuntimeError(TWICE)
+        self._arrived.add(pid)
+        if self.window.landed:
+            self._views[pid].add_(grad)
+        else:
+            self._views[pid].copy_(grad)
+        param.grad = None
+
+    @property
+    def backward_seen(self) -> bool:
+        return self.window.landed
+
+    def _end_of_backward(self) -> None:
+        if not self.window.landed:
+            missing = [
+                v for pid, v in enumerate(self._views) if pid not in self._arrived and v.numel()
+            ]
+            if missing:
+                torch._foreach_zero_(missing)
+        self._arrived.clear()
+        self.window = self.window.end()
+        self.generation += 1
+
+    def finish(self) -> None:
+        if self.window.running:
+            raise RuntimeError(UNFINISHED)
+
+    def reset_window(self) -> None:
+        self._arrived.clear()
+        self.window = WindowState.EMPTY
+        self.generation += 1
+
+
+class Stage2Reducer(GradReducer):
+    """ZeRO stage 2 over several ranks: hooks stage gradients chunk by chunk, free ``.grad``.
+
+    The chunks are launched in one order on every rank (``order``'s buckets, each bucket's
+    chunks in layout order). A gradient that arrives is held (autograd's own tensor, nothing
+    copied) until every chunk it overlaps comes up: a chunk is launched as soon as every
+    param overlapping it got its gradient or will get none, and every chunk before it was
+    launched. Launching copies the chunk into a staging slot and reduces it onto its owner.
+    The end-of-backward callback (``queue_callback``) counts the params that got no
+    gradient as zero and launches every chunk left.
+
+    Params this backward pass will not reach (an expert no token was routed to, a branch
+    not taken) are known from autograd's graph at the pass's first gradient
+    (``torch._C._will_engine_execute_node`` on each param's ``AccumulateGrad`` node) and
+    count as zero at once, so they hold nothing up, on each rank its own. That is only
+    sound when every gradient comes from the graph the pass started in: the first backward
+    pass does not use it and watches for gradients from another graph task (reentrant
+    activation checkpointing runs a backward inside backward); once any was seen, never
+    again. A gradient that arrives after its chunk was reduced without it raises
+    ``RuntimeError``.
+    """
+
+    def __init__(self, flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> None:
+        super().__init__(flat, grads, config)
+        params = [p for g in flat.groups for p in g.params]
+        self._nodes = [get_gradient_edge(p).node for p in params]
+        """Each param's ``AccumulateGrad`` node (held, as DDP does, so it stays the one)."""
+        self._bucket_of = [0] * len(params)
+        for chunks in self._chunks_by_bucket:
+            for chunk in chunks:
+                for pid, *_ in chunk.params:
+                    self._bucket_of[pid] = chunk.bucket
+        self._schedule()
+        self.window = WindowState.EMPTY
+        self.order_state = OrderState.RECORDING if config.learn_bucket_order else OrderState.AGREED
+        self._last_arrival: dict[int, int] = {}
+        self.recorded: list[int] = []
+        self.unused_rule = UnusedRule.WATCHING
+        self.held_peak = 0
+        """Most bytes of gradients held at once, waiting for their chunks."""
+        self._own_chunks = [
+            sum(1 for c in chunks if c.owner == self.rank) for chunks in self._chunks_by_bucket
+        ]
+        """Per bucket: its chunks that land in this rank's gradient shard in every pass."""
+        self._chunks_landed = [0] * len(self.buckets)
+        self._pass = self._new_pass()
+        self._register(lambda gi, slot, _: (self._first_param[gi] + slot,))
+
+    def _schedule(self) -> None:
+        """The chunks in launch order, and where each param's chunks are in it."""
+        self.chunks = [c for b in self.order for c in self._chunks_by_bucket[b]]
+        self._chunks_of: list[list[int]] = [[] for _ in self._nodes]
+        for pos, chunk in enumerate(self.chunks):
+            for pid, *_ in chunk.params:
+                self._chunks_of[pid].append(pos)
+        self._expected = [len(c.params) for c in self.chunks]
+
+    def _new_pass(self) -> BackwardPass:
+        return BackwardPass(list(self._expected), [len(c) for c in self._chunks_of])
+
+    def _hook(self, pid: int, param: nn.Parameter) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        state = self._pass
+        if not self.window.running:
+            self._begin(state)
+        elif torch._C._current_graph_task_id() != state.task:
+            state.nested = True
+        if pid in state.arrived:
+            raise RuntimeError(TWICE)
+        state.arrived.add(pid)
+        param.grad = None
+        positions = self._chunks_of[pid]
+        if not positions:
+            return
+        if pid in state.unused:
+            if state.unstaged[pid] < len(positions):
+                raise RuntimeError(LATE)
+            state.unused.discard(pid)  # its chunks still wait: it counts after all
+            state.nested = True
+        else:
+            for pos in positions:
+                state.pending[pos] -= 1
+        state.hold(pid, grad.reshape(-1))
+        self.held_peak = max(self.held_peak, state.held_bytes)
+        if self.order_state is OrderState.RECORDING:
+            self._last_arrival[self._bucket_of[pid]] = len(state.arrived)
+        self._pump(state)
+
+    def _begin(self, state: BackwardPass) -> None:
+        """The pass's first gradient: queue its end, note its graph task, and (unless a
+        backward inside backward was seen) count the params it will not reach as zero."""
+        Variable._execution_engine.queue_callback(self._end_of_backward)
+        self.window = self.window.begin()
+        state.task = torch._C._current_graph_task_id()
+        if not self.skip_unused:
+            return
+        will_run = torch._C._will_engine_execute_node
+        for pid, node in enumerate(self._nodes):
+            if self._chunks_of[pid] and not will_run(node):
+                state.unused.add(pid)
+                for pos in self._chunks_of[pid]:
+                    state.pending[pos] -= 1
+
+    def _pump(self, state: BackwardPass) -> None:
+        """Launch chunks, in order, while the next one has all it waits for."""
+        while state.cursor < len(self.chunks) and state.pending[state.cursor] == 0:
+            self._launch(state, self.chunks[state.cursor])
+            state.cursor += 1
+
+    def _launch(self, state: BackwardPass, chunk: ReduceChunk) -> None:
+        """Stage ``chunk`` from the held gradients (zeros where there are none) and start
+        its reduction."""
+        slot = self.pool.acquire()
+        staged = slot[: chunk.numel]
+        zeros = [staged[start:end] for start, end in chunk.gaps]
+        dsts, srcs = [], []
+        for pid, first, offset, numel in chunk.params:
+            view = staged[offset : offset + numel]
+            grad = state.held.get(pid)
+            if grad is None:
+                zeros.append(view)
+            else:
+                dsts.append(view)
+                srcs.append(grad[first : first + numel])
+            state.unstaged[pid] -= 1
+        if zeros:
+            torch._foreach_zero_(zeros)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        for pid, *_ in chunk.params:
+            if state.unstaged[pid] == 0:
+                state.release(pid)
+        self._reduce_chunk(chunk, slot, staged, self.window.landed)
+
+    def _landed_chunk(self, bucket: int) -> None:
+        count = self._chunks_landed[bucket] + 1
+        self._chunks_landed[bucket] = count % self._own_chunks[bucket]
+        if self.on_chunk_landed is not None:
+            self.on_chunk_landed(bucket, count == self._own_chunks[bucket])
+
+    def _end_of_backward(self) -> None:
+        """Count what got no gradient as zero, launch every chunk left.
+
+        At the end of a backward pass run inside another one's node (reentrant activation
+        checkpointing), defer to the end of the outer pass: ending here would reduce every
+        bucket once per checkpointed segment.
+        """
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            node.register_hook(self._queue_on_outer_backward)
+            return
+        state = self._pass
+        for pos in range(state.cursor, len(self.chunks)):
+            state.pending[pos] = 0
+        self._pump(state)
+        if self.order_state is OrderState.RECORDING:
+            self._learn_order()
+        self.unused_rule = self.unused_rule.after(state.nested)
+        self._pass = self._new_pass()
+        self.window = self.window.end()
+        self.generation += 1
+
+    def _queue_on_outer_backward(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        """Post-hook of the node whose inner backward pass just ended: queue the end of the
+        pass on the backward pass running that node."""
+        Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _learn_order(self) -> None:
+        """The buckets in the order their last gradient arrived; one that got none stays
+        right after the bucket before it in the current order."""
+        key, previous = {}, -1
+        for b in self.order:
+            previous = key[b] = self._last_arrival.get(b, previous)
+        self.recorded = sorted(self.order, key=key.__getitem__)
+        self.order_state = OrderState.RECORDED
+
+    def _adopt(self, order: list[int]) -> None:
+        """Launch in ``order`` from the next backward pass on (between passes only)."""
+        self.order = order
+        self._schedule()
+        self._pass = self._new_pass()
+        self.order_state = OrderState.AGREED
+
+    def set_order(self, order: list[int] | None) -> None:
+        super().set_order(order)
+        if order is not None and self.order == list(order):
+            self._adopt(self.order)
+
+    def agree_order(self) -> None:
+        """At the first step, adopt rank 0's order of the first backward pass (one
+        broadcast, and one host read of it, once)."""
+        if self.order_state is OrderState.AGREED:
+            return
+        n = len(self.buckets)
+        device = collective_device(self.pg, self.flat.groups[0].device)
+        if self.rank == 0:
+            order = torch.tensor(self.recorded or self.order, dtype=torch.int64).to(device)
+        else:
+            order = torch.empty(n, dtype=torch.int64, device=device)
+        src = 0 if self.pg is None else dist.get_global_rank(self.pg, 0)
+        dist.broadcast(order, src=src, group=self.pg)
+        self._adopt(order.tolist())
+        logger.debug("stage 2 bucket launch order: %s", self.order)
+
+    @property
+    def backward_seen(self) -> bool:
+        return self.window.landed
+
+    @property
+    def skip_unused(self) -> bool:
+        """Unreached params count as zero at a pass's start (see the class docstring)."""
+        return self.unused_rule is UnusedRule.AT_START
+
+    def finish(self) -> None:
+        if self.window.running:
+            raise RuntimeError(UNFINISHED)
+        self.pool.finish_all()
+
+    def reset_window(self) -> None:
+        self.pool.finish_all()
+        self._chunks_landed = [0] * len(self.buckets)  # a failed pass launched only some
+        self._pass = self._new_pass()
+        self.window = WindowState.EMPTY
+        if self.order_state is OrderState.RECORDING:
+            self._last_arrival.clear()  # a failed first pass: record the next one
+        self.generation += 1
