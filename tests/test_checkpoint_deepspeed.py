@@ -3,7 +3,7 @@
 Needs DeepSpeed 0.19.x (skipped without it). One 2-rank spawn trains a small model with
 the real ``deepspeed.initialize`` (ZeRO-2, CPU accelerator, client ``torch.optim.AdamW``)
 for ``K`` steps in fp32 and in bf16, saves with ``engine.save_checkpoint``, runs ``M``
-more steps (the reference losses), imports the checkpoint with ``import_deepspeed``
+more steps (the reference losses), imports the checkpoint with ``from_deepspeed``
 (rank 0, offline) and resumes it with ``ZeroOptimizer`` at world size 2 in the same
 processes. World size 1 resumes in this process. The imported fp32 master weights must
 equal DeepSpeed's own consolidation (``zero_to_fp32``) exactly.
@@ -24,8 +24,8 @@ from torch import nn
 from flatzero import FlattenConfig
 from flatzero.bench.deepspeed_runner import deepspeed_available
 from flatzero.checkpoint import CheckpointReader, export_checkpoint, load_checkpoint
-from flatzero.checkpoint.deepspeed_import import import_deepspeed
-from flatzero.checkpoint.deepspeed_reader import read_deepspeed
+from flatzero.deepspeed.convert import from_deepspeed
+from flatzero.deepspeed.reader import read_deepspeed
 from flatzero.launch import run_ranks
 from flatzero.optim import ZeroConfig, ZeroOptimizer
 
@@ -164,7 +164,7 @@ def deepspeed_then_flatzero(rank: int, ws: int, root: str) -> bytes:
         ds_losses = train_deepspeed(rank, ws, ds_dir, dtype)
         dist.barrier()
         if rank == 0:
-            import_deepspeed(ds_dir, fz_dir, bucket_numel=300)
+            from_deepspeed(ds_dir, fz_dir, bucket_numel=300)
         dist.barrier()
         out[dtype] = {"deepspeed": ds_losses, "flatzero": resume_flatzero(fz_dir, dtype)}
     buffer = io.BytesIO()
@@ -233,47 +233,44 @@ def test_imported_masters_equal_deepspeed_consolidation(runs, dtype):
 
 def test_errors_name_the_file(tmp_path):
     with pytest.raises(ValueError, match="latest"):
-        import_deepspeed(tmp_path, tmp_path / "out")
+        from_deepspeed(tmp_path, tmp_path / "out")
     tag = tmp_path / "global_step1"
     tag.mkdir()
     (tmp_path / "latest").write_text("global_step1")
     with pytest.raises(ValueError, match=r"mp_rank_00_model_states\.pt"):
-        import_deepspeed(tmp_path, tmp_path / "out")
+        from_deepspeed(tmp_path, tmp_path / "out")
     (tag / "mp_rank_00_model_states.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match=r"mp_rank_00_model_states\.pt cannot be read"):
-        import_deepspeed(tmp_path, tmp_path / "out")
+        from_deepspeed(tmp_path, tmp_path / "out")
     torch.save(
         {"module": {}, "param_shapes": [], "dp_world_size": 2}, tag / "mp_rank_00_model_states.pt"
     )
     with pytest.raises(ValueError, match=r"ranks \[0, 1\]"):
-        import_deepspeed(tmp_path, tmp_path / "out")
+        from_deepspeed(tmp_path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
 def test_import_cli_with_another_world_size(runs, capsys):
     import argparse
 
-    from flatzero.checkpoint.deepspeed_import import (
-        add_import_deepspeed_arguments,
-        import_deepspeed_main,
-    )
+    from flatzero.deepspeed.convert.cli import add_import_arguments, import_main
 
     root, _ = runs
     parser = argparse.ArgumentParser()
-    add_import_deepspeed_arguments(parser)
+    add_import_arguments(parser)
     out = root / "fz_cli"
     args = parser.parse_args(
         [str(root / "ds_fp32"), str(out), "--world-size", "3", "--bucket-numel", "100"]
     )
-    assert import_deepspeed_main(args) == 0
+    assert import_main(args) == 0
     assert "wrote flatzero checkpoint" in capsys.readouterr().out
     with pytest.raises(ValueError, match="already exists"):  # nothing overwritten
-        import_deepspeed_main(args)
+        import_main(args)
     huge = parser.parse_args(
         [str(root / "ds_fp32"), str(root / "fz_huge"), "--world-size", "65536"]
     )
     with pytest.raises(ValueError, match=r"world size 65536 for \d+ elements: .* padding only"):
-        import_deepspeed_main(huge)  # refused before anything is written
+        import_main(huge)  # refused before anything is written
     assert not (root / "fz_huge").exists()
     with CheckpointReader(out) as three, CheckpointReader(root / "fz_fp32") as two:
         assert three.meta.world_size == 3 and two.meta.world_size == 2

@@ -1,4 +1,4 @@
-"""Leaving flatzero: ``export_deepspeed`` writes a checkpoint real DeepSpeed 0.19.8 resumes.
+"""Leaving flatzero: ``to_deepspeed`` writes a checkpoint real DeepSpeed 0.19.8 resumes.
 
 One 2-rank spawn (gloo, DeepSpeed's CPU accelerator, a client ``torch.optim.AdamW`` over
 two param groups of a model with a tied weight, a frozen param and a buffer) runs, per
@@ -33,17 +33,16 @@ from flatzero.checkpoint import (
     CheckpointReader,
     ExportConfig,
     atomic,
-    deepspeed_pickle,
     export_checkpoint,
-    export_deepspeed,
     read_latest,
     save_checkpoint,
 )
-from flatzero.checkpoint.deepspeed_import import import_deepspeed
-from flatzero.checkpoint.deepspeed_pickle import ZeroStage
-from flatzero.checkpoint.deepspeed_reader import read_deepspeed
 from flatzero.checkpoint.stfile import open_safetensors
 from flatzero.cli import main
+from flatzero.deepspeed import pickle as ds_pickle
+from flatzero.deepspeed.convert import from_deepspeed, to_deepspeed
+from flatzero.deepspeed.pickle import ZeroStage
+from flatzero.deepspeed.reader import read_deepspeed
 from flatzero.launch import run_ranks
 from flatzero.optim import ZeroConfig, ZeroOptimizer
 
@@ -214,9 +213,7 @@ def rank_main(rank: int, ws: int, root: str) -> bytes:
             result["flatzero"] = flatzero_run(rank, ws, where, case)
             dist.barrier()
             if rank == 0:
-                export_deepspeed(
-                    where / "fz", where / "ds", world_size=ws, ds_config=case_config(case)
-                )
+                to_deepspeed(where / "fz", where / "ds", world_size=ws, ds_config=case_config(case))
             dist.barrier()
         result["deepspeed"] = deepspeed_resume(rank, ws, where, case)
         if rank == 0:
@@ -258,7 +255,7 @@ def flatzero_ws1(root: Path) -> list:
         opt.step()
         opt.zero_grad()
     opt.close()
-    export_deepspeed(root / "fz", root / "ds", world_size=2, ds_config=case_config(WS1))
+    to_deepspeed(root / "fz", root / "ds", world_size=2, ds_config=case_config(WS1))
     return losses
 
 
@@ -366,7 +363,7 @@ def test_export_is_laid_out_as_deepspeeds_own_checkpoint(runs, case):
     ours = root / case / "ds" / read_latest(root / case / "ds")
     theirs = root / case / "ds_after" / f"global_step{K + M}"
     for name in sorted(p.name for p in theirs.glob("*optim_states.pt")):
-        mine, its = deepspeed_pickle.load(ours / name), deepspeed_pickle.load(theirs / name)
+        mine, its = ds_pickle.load(ours / name), ds_pickle.load(theirs / name)
         maps = [f["optimizer_state_dict"].pop("param_slice_mappings") for f in (mine, its)]
         assert structure(mine) == structure(its), name
         mine, its = mine["optimizer_state_dict"], its["optimizer_state_dict"]
@@ -377,7 +374,7 @@ def test_export_is_laid_out_as_deepspeeds_own_checkpoint(runs, case):
             # its params were in their original order (link_hp_params gets no offsets)
             if case != "zero2_bf16" or any(pads):
                 assert a == b
-    mine, its = (deepspeed_pickle.load(d / "mp_rank_00_model_states.pt") for d in (ours, theirs))
+    mine, its = (ds_pickle.load(d / "mp_rank_00_model_states.pt") for d in (ours, theirs))
     if case == WS1:  # a PyTorch-door checkpoint does not count samples: DeepSpeed derives it
         its.pop("global_samples")
     assert {k: structure(v) for k, v in mine.items() if k not in LOOSER} == {
@@ -407,8 +404,8 @@ def test_round_trip_through_deepspeed_is_bitwise(runs, case):
         meta, tag = reader.meta, reader.tag
     cfg = case_config(case) | {"train_micro_batch_size_per_gpu": BATCH // meta.world_size}
     cfg["zero_optimization"] = {"stage": cfg["zero_optimization"]["stage"]}  # plain order
-    export_deepspeed(source, root / case / "ds_rt", world_size=meta.world_size, ds_config=cfg)
-    back = import_deepspeed(
+    to_deepspeed(source, root / case / "ds_rt", world_size=meta.world_size, ds_config=cfg)
+    back = from_deepspeed(
         root / case / "ds_rt", root / case / "back", bucket_numel=meta.layout.bucket_numel
     )
     with CheckpointReader(root / case / "back") as reader:
@@ -434,7 +431,7 @@ def test_deepspeed_checkpoints_import(runs, case):
     root, out = runs
     ds = read_deepspeed(root / case / "ds_after")
     assert ds.world_size == 2 and ds.stage == (1 if case != "zero2_bf16" else 2)
-    path = import_deepspeed(root / case / "ds_after", root / case / "imported")
+    path = from_deepspeed(root / case / "ds_after", root / case / "imported")
     expected = out[case]["zero_to_fp32_after"]
     with CheckpointReader(path) as reader:
         reader.verify()
@@ -465,7 +462,7 @@ def test_crafted_pickle_runs_nothing(tmp_path, where):
     torch.save(optim, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     refused = r"pickles posix\.system \(module 'posix', name 'system'\).*nothing in the file ran"
     with pytest.raises(ValueError, match=refused):
-        import_deepspeed(tmp_path / "ds", tmp_path / "out")
+        from_deepspeed(tmp_path / "ds", tmp_path / "out")
     assert not marker.exists()
     assert not (tmp_path / "out").exists()
     # the payload is live: an unrestricted load runs it
@@ -502,7 +499,7 @@ def trainer_dir(tmp_path) -> Path:
 
 def test_trainer_directory_is_copied_beside(trainer_dir, tmp_path):
     out = tmp_path / "checkpoint-1-ds"
-    result = export_deepspeed(trainer_dir, out, world_size=3)
+    result = to_deepspeed(trainer_dir, out, world_size=3)
     assert result.copied == ("rng_state_0.pth", "scheduler.pt", "tokenizer", "trainer_state.json")
     assert sorted(p.name for p in out.iterdir()) == [
         "global_step1",
@@ -534,11 +531,11 @@ def test_trainer_directory_is_copied_beside(trainer_dir, tmp_path):
             )
             assert torch.equal(whole.view(reader.read_param(name).shape), reader.read_param(name))
     with pytest.raises(ValueError, match=r"already holds \['global_step1'"):
-        export_deepspeed(trainer_dir, out, world_size=3)
-    assert export_deepspeed(trainer_dir, out, world_size=2, overwrite=True).world_size == 2
+        to_deepspeed(trainer_dir, out, world_size=3)
+    assert to_deepspeed(trainer_dir, out, world_size=2, overwrite=True).world_size == 2
     inside = trainer_dir / "to_deepspeed"  # an output inside the directory is never copied
-    export_deepspeed(trainer_dir, inside, world_size=1)
-    again = export_deepspeed(trainer_dir, inside, world_size=1, overwrite=True)
+    to_deepspeed(trainer_dir, inside, world_size=1)
+    again = to_deepspeed(trainer_dir, inside, world_size=1, overwrite=True)
     atomic.wait_for_removals()  # the replaced copy is deleted in the background
     assert "to_deepspeed" not in again.copied and sorted(p.name for p in inside.iterdir()) == [
         "global_step1",
@@ -553,9 +550,9 @@ def test_trainer_directory_is_copied_beside(trainer_dir, tmp_path):
 def test_bad_input_errors(trainer_dir, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(ValueError, match=r"global_step9 does not exist.*tags here: global_step1"):
-        export_deepspeed(trainer_dir, out, world_size=2, tag="global_step9")
+        to_deepspeed(trainer_dir, out, world_size=2, tag="global_step9")
     with pytest.raises(ValueError, match="world_size must be a positive int"):
-        export_deepspeed(trainer_dir, out, world_size=0)
+        to_deepspeed(trainer_dir, out, world_size=0)
     cfg = config(2, "bf16", scheduler=False)
     with pytest.raises(
         ValueError,
@@ -563,26 +560,26 @@ def test_bad_input_errors(trainer_dir, tmp_path):
         r"train_micro_batch_size_per_gpu \* gradient_accumulation_steps \* world size, and "
         r"train_batch_size 4 is not 2 \* 1 \* 3 = 6",
     ):
-        export_deepspeed(trainer_dir, out, world_size=3, ds_config=cfg)
+        to_deepspeed(trainer_dir, out, world_size=3, ds_config=cfg)
     del cfg["train_micro_batch_size_per_gpu"]
     with pytest.raises(ValueError, match="train_batch_size 4 is not a multiple of 3"):
-        export_deepspeed(trainer_dir, out, world_size=3, ds_config=cfg)
+        to_deepspeed(trainer_dir, out, world_size=3, ds_config=cfg)
     for kind, named in (("Lamb", "'Lamb'.*its own kernels"), ("AdamW", "FusedAdam")):
         bad = config(2, "bf16", scheduler=False) | {"optimizer": {"type": kind, "params": {}}}
         with pytest.raises(ValueError, match=named):
-            export_deepspeed(trainer_dir, out, world_size=2, ds_config=bad)
+            to_deepspeed(trainer_dir, out, world_size=2, ds_config=bad)
     sgd = config(2, "bf16", scheduler=False) | {"optimizer": {"type": "SGD", "params": {}}}
     with pytest.raises(
         ValueError, match=r"builds torch\.optim\.SGD but the checkpoint's optimizer is AdamW"
     ):
-        export_deepspeed(trainer_dir, out, world_size=2, ds_config=sgd)
+        to_deepspeed(trainer_dir, out, world_size=2, ds_config=sgd)
     with pytest.raises(
         ValueError, match=r"trained in torch\.bfloat16 but ds_config trains in torch\.float16"
     ):
-        export_deepspeed(trainer_dir, out, world_size=2, ds_config=config(2, "fp16", False))
+        to_deepspeed(trainer_dir, out, world_size=2, ds_config=config(2, "fp16", False))
     accumulating = config(1, "bf16", False) | {"data_types": {"grad_accum_dtype": "fp32"}}
     with pytest.raises(ValueError, match="BF16_Optimizer"):
-        export_deepspeed(trainer_dir, out, world_size=2, ds_config=accumulating)
+        to_deepspeed(trainer_dir, out, world_size=2, ds_config=accumulating)
     assert not out.exists() or not any(out.iterdir())
 
 
@@ -597,13 +594,13 @@ def test_hugging_face_auto_values(trainer_dir, tmp_path):
         "fp16": {"enabled": "auto", "loss_scale_window": 500},
         "zero_optimization": {"stage": 2, "allgather_bucket_size": "auto"},
     }
-    export_deepspeed(trainer_dir, tmp_path / "auto", world_size=2, ds_config=cfg)
-    state = deepspeed_pickle.load(
+    to_deepspeed(trainer_dir, tmp_path / "auto", world_size=2, ds_config=cfg)
+    state = ds_pickle.load(
         tmp_path / "auto" / "global_step1" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     )
     assert "clip_grad" not in state["optimizer_state_dict"] and state["ds_config"] == cfg
     with pytest.raises(ValueError, match="gradient_clipping is 'none'"):
-        export_deepspeed(
+        to_deepspeed(
             trainer_dir,
             tmp_path / "bad",
             world_size=2,
@@ -641,8 +638,8 @@ def test_optimizer_deepspeed_cannot_load_is_named(tmp_path):
     save_checkpoint(tmp_path / "ckpt", opt, model=model)
     opt.close()
     with pytest.raises(ValueError, match=r"optimizer is 'Lion'.*any_optimizer=True"):
-        export_deepspeed(tmp_path / "ckpt", tmp_path / "out", world_size=2)
-    result = export_deepspeed(tmp_path / "ckpt", tmp_path / "out", world_size=2, any_optimizer=True)
+        to_deepspeed(tmp_path / "ckpt", tmp_path / "out", world_size=2)
+    result = to_deepspeed(tmp_path / "ckpt", tmp_path / "out", world_size=2, any_optimizer=True)
     state = read_deepspeed(tmp_path / "out").inner_state(1, 0)
     assert (
         set(state) == {"exp_avg"}
