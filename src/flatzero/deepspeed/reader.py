@@ -1,28 +1,6 @@
 """Reading a DeepSpeed ZeRO-1/2 checkpoint without DeepSpeed: where each param's elements lie.
 
-What DeepSpeed (0.19.x) writes for ZeRO stage 1 and 2, data parallel only, in
-``DS_DIR/<tag>/`` (``DS_DIR/latest`` holds the tag):
-
-- ``mp_rank_00_model_states.pt``: ``module`` (the full model state dict in the training
-  dtype), ``param_shapes`` (per optimizer group, an ordered ``{name: shape}`` in the order
-  of the group's flat buffer), ``buffer_names``, ``frozen_param_shapes``,
-  ``shared_params`` (tied names), ``lr_scheduler``, ``global_steps``, ``ds_config``, ...
-- per data-parallel rank ``r``, ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` (prefixed
-  ``bf16_`` with bf16): ``optimizer_state_dict`` with ``single_partition_of_fp32_groups``
-  (per group, rank ``r``'s fp32 partition, trailing padding stripped or not),
-  ``base_optimizer_state`` (the torch optimizer's ``state_dict()`` whose state ``i`` is
-  group ``i``'s partition: ``exp_avg``, ``exp_avg_sq``, ``step``; a list of per-group
-  states with ``elastic_checkpoint``), ``partition_count``, ``group_paddings``,
-  ``param_alignment_paddings`` (padding after each param, 0.19+), ``loss_scaler``.
-
-Each group's params are concatenated in ``param_shapes`` order (plus any per-param
-alignment padding), the whole padded to a multiple of ``2 * world_size`` elements, and cut
-into ``world_size`` equal partitions (``deepspeed_layout``). This module derives, per
-param, which ranks' partitions hold which of its elements (``DeepSpeedCheckpoint.index``)
-and reads only the needed slices of the memory-mapped files
-(``DeepSpeedCheckpoint.fetcher``). DeepSpeed itself is not needed, and nothing in the
-files runs: they are read with torch's ``weights_only`` unpickler, DeepSpeed's few pickled
-classes as inert records (``deepspeed_pickle``); anything else is refused.
+See the note beside the file names.
 """
 
 from __future__ import annotations
@@ -45,6 +23,30 @@ from .layout import deepspeed_layout
 
 __all__ = ["DeepSpeedCheckpoint", "read_deepspeed"]
 
+# [Note: what DeepSpeed writes, and how it is read.
+# What DeepSpeed (0.19.x) writes for ZeRO stage 1 and 2, data parallel only, in
+# ``DS_DIR/<tag>/`` (``DS_DIR/latest`` holds the tag):
+#
+# - ``mp_rank_00_model_states.pt``: ``module`` (the full model state dict in the training
+#   dtype), ``param_shapes`` (per optimizer group, an ordered ``{name: shape}`` in the order
+#   of the group's flat buffer), ``buffer_names``, ``frozen_param_shapes``,
+#   ``shared_params`` (tied names), ``lr_scheduler``, ``global_steps``, ``ds_config``, ...
+# - per data-parallel rank ``r``, ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` (prefixed
+#   ``bf16_`` with bf16): ``optimizer_state_dict`` with ``single_partition_of_fp32_groups``
+#   (per group, rank ``r``'s fp32 partition, trailing padding stripped or not),
+#   ``base_optimizer_state`` (the torch optimizer's ``state_dict()`` whose state ``i`` is
+#   group ``i``'s partition: ``exp_avg``, ``exp_avg_sq``, ``step``; a list of per-group
+#   states with ``elastic_checkpoint``), ``partition_count``, ``group_paddings``,
+#   ``param_alignment_paddings`` (padding after each param, 0.19+), ``loss_scaler``.
+#
+# Each group's params are concatenated in ``param_shapes`` order (plus any per-param
+# alignment padding), the whole padded to a multiple of ``2 * world_size`` elements, and cut
+# into ``world_size`` equal partitions (``deepspeed_layout``). This module derives, per
+# param, which ranks' partitions hold which of its elements (``DeepSpeedCheckpoint.index``)
+# and reads only the needed slices of the memory-mapped files
+# (``DeepSpeedCheckpoint.fetcher``). DeepSpeed itself is not needed, and nothing in the
+# files runs: they are read with torch's ``weights_only`` unpickler, DeepSpeed's few pickled
+# classes as inert records (``deepspeed_pickle``); anything else is refused.]
 _MODEL_STATES = "mp_rank_00_model_states.pt"
 _OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 

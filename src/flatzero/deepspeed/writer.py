@@ -1,33 +1,6 @@
 """DeepSpeed 0.19's ZeRO-1/2 checkpoint files from a flatzero checkpoint, tensor by tensor.
 
-Two kinds of files, each in ``torch.save``'s format (``pickle.TorchZipWriter``), with
-DeepSpeed's own classes pickled by name (``pickle.pickler``), holding what DeepSpeed's engine
-and its ``DeepSpeedZeroOptimizer.state_dict()`` hold:
-
-- ``mp_rank_00_model_states.pt``: ``module`` (the model's state dict in the training
-  dtype: trained params cast from the fp32 masters, frozen params and buffers as saved, a
-  tied weight under each of its names), ``buffer_names``, ``param_shapes`` (per group, in
-  flat order), ``frozen_param_shapes`` / ``frozen_param_fragments`` (stage 2),
-  ``shared_params``, ``lr_scheduler``, the step counters, ``dp_world_size``,
-  ``mp_world_size``, ``ds_config``, ``ds_version``, then the client state's keys.
-- ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per rank: ``optimizer_state_dict``
-  with ``loss_scaler``, ``dynamic_loss_scale``, ``overflow``, ``clip_grad``,
-  ``base_optimizer_state`` (the torch optimizer's ``state_dict()`` over one flat fp32
-  partition per group: per-element states of the partition's length, padding zero),
-  ``single_partition_of_fp32_groups`` (the rank's master partitions without their
-  trailing padding), ``zero_stage``, ``group_paddings``, ``param_alignment_paddings``,
-  ``partition_count``, ``ds_version``, ``param_slice_mappings``; and ``ds_config``,
-  ``ds_version``.
-
-A partition is filled through the resharding plans of a flatzero load
-(``CheckpointReader.plan`` / ``read`` against DeepSpeed's layout, ``deepspeed_layout``),
-one partition of one state at a time; the module's params one at a time. Memory: one
-partition (fp32) or the largest param, whichever is larger.
-
-flatzero's checkpoint does not say which of the model's other tensors are frozen params
-and which are buffers: every one is listed in ``buffer_names`` and, at stage 2, every
-floating-point one in ``frozen_param_shapes``/``frozen_param_fragments`` (DeepSpeed's load
-looks up its frozen params there and ignores the rest).
+See the note beside the file names.
 """
 
 from __future__ import annotations
@@ -67,6 +40,35 @@ __all__ = [
     "write_optim_states",
 ]
 
+# [Note: the two kinds of files, and how a partition is filled.
+# Two kinds of files, each in ``torch.save``'s format (``pickle.TorchZipWriter``), with
+# DeepSpeed's own classes pickled by name (``pickle.pickler``), holding what DeepSpeed's engine
+# and its ``DeepSpeedZeroOptimizer.state_dict()`` hold:
+#
+# - ``mp_rank_00_model_states.pt``: ``module`` (the model's state dict in the training
+#   dtype: trained params cast from the fp32 masters, frozen params and buffers as saved, a
+#   tied weight under each of its names), ``buffer_names``, ``param_shapes`` (per group, in
+#   flat order), ``frozen_param_shapes`` / ``frozen_param_fragments`` (stage 2),
+#   ``shared_params``, ``lr_scheduler``, the step counters, ``dp_world_size``,
+#   ``mp_world_size``, ``ds_config``, ``ds_version``, then the client state's keys.
+# - ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per rank: ``optimizer_state_dict``
+#   with ``loss_scaler``, ``dynamic_loss_scale``, ``overflow``, ``clip_grad``,
+#   ``base_optimizer_state`` (the torch optimizer's ``state_dict()`` over one flat fp32
+#   partition per group: per-element states of the partition's length, padding zero),
+#   ``single_partition_of_fp32_groups`` (the rank's master partitions without their
+#   trailing padding), ``zero_stage``, ``group_paddings``, ``param_alignment_paddings``,
+#   ``partition_count``, ``ds_version``, ``param_slice_mappings``; and ``ds_config``,
+#   ``ds_version``.
+#
+# A partition is filled through the resharding plans of a flatzero load
+# (``CheckpointReader.plan`` / ``read`` against DeepSpeed's layout, ``deepspeed_layout``),
+# one partition of one state at a time; the module's params one at a time. Memory: one
+# partition (fp32) or the largest param, whichever is larger.
+#
+# flatzero's checkpoint does not say which of the model's other tensors are frozen params
+# and which are buffers: every one is listed in ``buffer_names`` and, at stage 2, every
+# floating-point one in ``frozen_param_shapes``/``frozen_param_fragments`` (DeepSpeed's load
+# looks up its frozen params there and ignores the rest).]
 DEEPSPEED_VERSION = "0.19.8"
 """The DeepSpeed version whose format is written (``ds_version``)."""
 

@@ -1,34 +1,6 @@
 """``Engine``: what ``flatzero.initialize`` returns, with DeepSpeed's engine API for ZeRO 0-2.
 
-The training loop is DeepSpeed's::
-
-    for batch in loader:
-        loss = engine(batch)           # the module's forward
-        engine.backward(loss)          # loss / gradient_accumulation_steps, loss-scaled
-        engine.step()                  # steps only every gradient_accumulation_steps calls
-
-``engine.step()`` counts micro-batches; at every ``gradient_accumulation_steps``-th call (the
-boundary) it steps the ``ZeroOptimizer`` (reduce, unscale/check/clip, inner step,
-all-gather), then the LR scheduler unless the step was skipped for an overflow, and
-increments ``global_steps``. Between boundaries gradients accumulate.
-
-Stage 0 (plain data parallel) runs a ``ZeroOptimizer`` over a one-rank process group per
-rank, so every rank holds the whole fp32 master and optimizer state; at the boundary the
-engine all-reduces the fp32 gradient (sum, then divided by the world size) before the step,
-and every rank then applies the same update.
-
-What Hugging Face Accelerate and Trainer use of a DeepSpeed engine behaves as DeepSpeed's:
-``set_gradient_accumulation_boundary`` (the caller decides where the boundary is and calls
-``step()`` only there), ``get_global_grad_norm()`` after every optimizer step,
-``optimizer.overflow``, ``engine.config`` as the raw config dict, attribute pass-through to
-the module, DeepSpeed's checkpoint tags and return values. When ``deepspeed`` is imported
-in the process, ``initialize`` (the door, not this class) builds an instance of a subclass
-that also derives from ``deepspeed.DeepSpeedEngine`` (without running its ``__init__``; see
-``deepspeed_compat.py``), so ``isinstance(engine, deepspeed.DeepSpeedEngine)`` holds. This
-module does not know DeepSpeed's engine exists.
-
-The getters DeepSpeed's engine has come from ``DeepSpeedGetters`` (``getters.py``), the
-checkpoint methods from ``EngineCheckpoints`` (``checkpointing.py``).
+See the note beside ``Engine``.
 """
 
 from __future__ import annotations
@@ -53,6 +25,36 @@ __all__ = ["Engine"]
 logger = logging.getLogger(__name__)
 
 
+# [Note: the engine's training loop, stage 0, and what Accelerate and Trainer use.
+# The training loop is DeepSpeed's::
+#
+#     for batch in loader:
+#         loss = engine(batch)           # the module's forward
+#         engine.backward(loss)          # loss / gradient_accumulation_steps, loss-scaled
+#         engine.step()                  # steps only every gradient_accumulation_steps calls
+#
+# ``engine.step()`` counts micro-batches; at every ``gradient_accumulation_steps``-th call (the
+# boundary) it steps the ``ZeroOptimizer`` (reduce, unscale/check/clip, inner step,
+# all-gather), then the LR scheduler unless the step was skipped for an overflow, and
+# increments ``global_steps``. Between boundaries gradients accumulate.
+#
+# Stage 0 (plain data parallel) runs a ``ZeroOptimizer`` over a one-rank process group per
+# rank, so every rank holds the whole fp32 master and optimizer state; at the boundary the
+# engine all-reduces the fp32 gradient (sum, then divided by the world size) before the step,
+# and every rank then applies the same update.
+#
+# What Hugging Face Accelerate and Trainer use of a DeepSpeed engine behaves as DeepSpeed's:
+# ``set_gradient_accumulation_boundary`` (the caller decides where the boundary is and calls
+# ``step()`` only there), ``get_global_grad_norm()`` after every optimizer step,
+# ``optimizer.overflow``, ``engine.config`` as the raw config dict, attribute pass-through to
+# the module, DeepSpeed's checkpoint tags and return values. When ``deepspeed`` is imported
+# in the process, ``initialize`` (the door, not this class) builds an instance of a subclass
+# that also derives from ``deepspeed.DeepSpeedEngine`` (without running its ``__init__``; see
+# ``deepspeed_compat.py``), so ``isinstance(engine, deepspeed.DeepSpeedEngine)`` holds. This
+# module does not know DeepSpeed's engine exists.
+#
+# The getters DeepSpeed's engine has come from ``DeepSpeedGetters`` (``getters.py``), the
+# checkpoint methods from ``EngineCheckpoints`` (``checkpointing.py``).]
 class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
     """The training engine of the DeepSpeed door (ZeRO stages 0, 1, 2).
 

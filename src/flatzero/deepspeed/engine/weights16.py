@@ -1,28 +1,4 @@
-"""The model's weights in one file, written from the flat buffers (``save_16bit_model``).
-
-ZeRO stages 1 and 2 keep every trainable param, in the training dtype, in full on every
-rank: the flat buckets are all-gathered at the end of init, of every optimizer step and
-of every load. So one rank writes the file from its own memory, with no collective.
-
-The file is written block by block. A block is one bucket (every param in it, one
-device-to-host copy) or one tensor outside the buckets (a frozen param, a buffer). A
-block in device memory is copied into a host buffer and its tensors are written from
-there; the buffer is allocated once, as large as the largest such block, and reused by
-every block. That buffer is the extra host memory of a save, and nothing is allocated on
-the device (a non-contiguous tensor outside the buckets excepted: ``copy_`` makes it
-contiguous on its device first). Blocks in host memory (the cpu tier) are written from
-where they are: no copy (a non-contiguous tensor outside the buckets excepted).
-
-The file appears only complete: it is written under a temporary name
-(``.tmp-<name>-<pid>-<random>``) in the same directory, fsynced, and renamed over the
-final name; on an error the temporary file is removed.
-
-Its format follows the file name: ``*.safetensors`` is safetensors (metadata
-``{"format": "pt"}``, as transformers writes it), anything else ``torch.save``'s zip
-format (``flatzero.deepspeed.pickle``). The keys are those of the state dict, in its order;
-tied weights are one tensor under all their keys (``torch.save``: one storage;
-safetensors: the bytes once per key, since the format cannot alias).
-"""
+"""The model's weights in one file, written from the flat buffers (``save_16bit_model``)."""
 
 from __future__ import annotations
 
@@ -324,6 +300,29 @@ def _reason(error: OSError) -> str:
     return f"{error.strerror} ({error.filename})" if error.filename else str(error.strerror)
 
 
+# [Note: how the file is written.
+# ZeRO stages 1 and 2 keep every trainable param, in the training dtype, in full on every
+# rank: the flat buckets are all-gathered at the end of init, of every optimizer step and
+# of every load. So one rank writes the file from its own memory, with no collective.
+#
+# The file is written block by block. A block is one bucket (every param in it, one
+# device-to-host copy) or one tensor outside the buckets (a frozen param, a buffer). A
+# block in device memory is copied into a host buffer and its tensors are written from
+# there; the buffer is allocated once, as large as the largest such block, and reused by
+# every block. That buffer is the extra host memory of a save, and nothing is allocated on
+# the device (a non-contiguous tensor outside the buckets excepted: ``copy_`` makes it
+# contiguous on its device first). Blocks in host memory (the cpu tier) are written from
+# where they are: no copy (a non-contiguous tensor outside the buckets excepted).
+#
+# The file appears only complete: it is written under a temporary name
+# (``.tmp-<name>-<pid>-<random>``) in the same directory, fsynced, and renamed over the
+# final name; on an error the temporary file is removed.
+#
+# Its format follows the file name: ``*.safetensors`` is safetensors (metadata
+# ``{"format": "pt"}``, as transformers writes it), anything else ``torch.save``'s zip
+# format (``flatzero.deepspeed.pickle``). The keys are those of the state dict, in its order;
+# tied weights are one tensor under all their keys (``torch.save``: one storage;
+# safetensors: the bytes once per key, since the format cannot alias).]
 def write_weights(path: str | os.PathLike[str], plan: WeightsPlan) -> None:
     """Write the file ``plan`` describes to ``path``: complete, or not at all.
 

@@ -15,31 +15,7 @@ reads the dict. By job:
 - ``optimizer``: the ``optimizer`` and ``scheduler`` sections;
 - ``parse``: ``parse_config``, which puts them together.
 
-Every key falls in one of three kinds:
-
-- implemented: parsed, validated and used (batch sizes, ``zero_optimization`` stage 0-2
-  and bucket sizes, ``bf16``, ``fp16``, ``optimizer``, ``scheduler``,
-  ``gradient_clipping``, ``steps_per_print``, ``communication_data_type``, the
-  ``flatzero`` section);
-- without effect here: accepted and listed in ``EngineConfig.ignored`` (monitors,
-  profilers, stage-3 tuning keys under stage 1/2, switches flatzero always has on, ...);
-  ``initialize`` logs them once in one warning;
-- asking for something DeepSpeed has and flatzero does not implement (stage 3, NVMe or param
-  offload, quantized or hierarchical ZeRO, torch autocast, pipeline or tensor parallelism,
-  optimizer types other than Adam/AdamW/SGD, ...): an ``UnsupportedFeatureError`` (a
-  ``ValueError``) naming the key, its value and the fix; ``flatzero.patch_deepspeed()`` hands
-  such configs to the real DeepSpeed.
-
-Everything else that is wrong is a user error (``ValueError``/``TypeError``): an unknown key
-inside a section flatzero parses (as DeepSpeed's own validation does), a bad type or value,
-inconsistent batch sizes, and any ``"auto"`` value where a value has an effect (``"auto"``
-is the Hugging Face Trainer's placeholder; the Trainer replaces it before it calls
-``deepspeed.initialize``). ``steps_per_print`` may be ``inf`` (Accelerate's "never").
-
-The batch sizes follow DeepSpeed's rule: ``train_batch_size = train_micro_batch_size_per_gpu
-* gradient_accumulation_steps * world_size``; any two determine the third (with DeepSpeed's
-integer divisions), one alone sets ``gradient_accumulation_steps = 1``, and the three must
-then agree exactly.
+The kinds of keys: see the note in ``keys``; the batch-size rule: the note in ``sections``.
 """
 
 from .flatzero_section import FLATZERO_KEYS, FlatzeroKey

@@ -25,6 +25,11 @@ ACCUM_DTYPES: Mapping[str, torch.dtype] = {
 """``data_types.grad_accum_dtype`` names, as DeepSpeed's ``DtypeEnum`` spells them."""
 
 
+# [Note: DeepSpeed's batch-size rule.
+# The batch sizes follow DeepSpeed's rule: ``train_batch_size = train_micro_batch_size_per_gpu
+# * gradient_accumulation_steps * world_size``; any two determine the third (with DeepSpeed's
+# integer divisions), one alone sets ``gradient_accumulation_steps = 1``, and the three must
+# then agree exactly.]
 def parse_batch(top: Section, world_size: int) -> BatchConfig:
     """The batch sizes, with DeepSpeed's rule (``_set_batch_related_parameters``, with its
     integer divisions): any two give the third, one alone sets ``gas = 1``."""
