@@ -38,16 +38,23 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("device seam", ("accel",)),
     ("placement", ("devices", "hostmem", "params", "storage")),
     ("ranks", ("comm", "control")),
-    ("host and memory", ("cores", "memory", "report", "measure")),
+    ("host and memory", ("cores", "memory", "report")),
     ("flatten", ("flatten",)),
     ("optimizer", ("optim", "loading")),
     ("checkpoint", ("checkpoint",)),
-    ("engine", ("engine",)),
-    ("doors", ("flatzero", "patch", "run", "launch", "plan")),
+    ("deepspeed", ("deepspeed",)),
+    ("measuring", ("measure",)),
+    ("doors", ("flatzero", "run", "launch", "plan")),
     ("tools", ("bench", "demo", "testing")),
     ("command line", ("cli", "__main__")),
 )
-"""The floors from the ground up and the rooms on each."""
+"""The floors from the ground up and the rooms on each.
+
+``deepspeed`` is everything flatzero knows of DeepSpeed (the door's engine, the patch, the
+checkpoint format); no room below it mentions DeepSpeed. ``measure`` stands above it
+because its baselines reimplement DeepSpeed's flatten with DeepSpeed's padding and
+partition rule, whose only home is ``deepspeed.layout`` (pure: it imports only ``layout``);
+only ``plan``, the tools and the command line use ``measure``."""
 
 ROOMS: dict[str, str] = {
     "_version": "the version, readable without importing the package",
@@ -72,11 +79,10 @@ ROOMS: dict[str, str] = {
     "flatten": "flatten_parameters: tiers, their registry, tier choice, bucket by bucket",
     "optim": "ZeroOptimizer: fp32 shards, gradient reduction, the inner optimizer's step",
     "loading": "load_flat: flatten straight from a safetensors checkpoint",
-    "checkpoint": "save, load at any world size, export, DeepSpeed in and out",
-    "engine": "the DeepSpeed door: config parsing, initialize, the engine",
+    "checkpoint": "save, load at any world size, export to safetensors",
+    "deepspeed": "the DeepSpeed door (engine, config), patch_deepspeed, DeepSpeed's checkpoints",
     "flatzero": "the package's public names (flatzero.__all__)",
-    "patch": "patch_deepspeed: deepspeed.initialize routed through flatzero when it can",
-    "run": "python -m flatzero.run: a script under the patch without changing it",
+    "run": "python -m flatzero.run, the launcher: a script under deepspeed.patch, unchanged",
     "launch": "run a function on N local ranks as torchrun would (tests, bench, demo)",
     "plan": "flatzero plan: predicted memory, tier, bytes per link and init time",
     "bench": "flatzero bench: each benchmark against its baseline and the hardware limit",
@@ -137,13 +143,12 @@ TOOLS = ("bench", "testing")
 """Rooms that nothing on the product's path imports (``PRODUCT``), whatever the floors say."""
 
 PRODUCT = (
-    "engine",
+    "deepspeed",
     "optim",
     "flatten",
     "checkpoint",
     "plan",
     "loading",
-    "patch",
     "run",
     "launch",
     "flatzero",

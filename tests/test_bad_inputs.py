@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import flatzero
-from flatzero.engine.config import load_config_dict, parse_config
+from flatzero.deepspeed.engine.config import load_config_dict, parse_config
 
 _GOOD = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
 
@@ -137,7 +137,7 @@ _BAD_ARGUMENTS: list[tuple[str, Any, str]] = [
 
 
 def test_deepscale_config_is_read_as_deepspeed_does() -> None:
-    from flatzero.engine.initialize import _config_argument
+    from flatzero.deepspeed.engine.initialize import _config_argument
 
     class Old:
         deepscale_config = "ds.json"
@@ -388,7 +388,7 @@ def test_load_refuses_a_malformed_checkpoint(tmp_path: Path, saved: Path, name, 
     import shutil
 
     from flatzero.checkpoint import load_checkpoint
-    from flatzero.engine.checkpointing import _check_engine_state
+    from flatzero.deepspeed.engine.checkpointing import _check_engine_state
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved, ckpt)
@@ -414,7 +414,7 @@ def test_load_refuses_a_malformed_checkpoint(tmp_path: Path, saved: Path, name, 
 def test_the_saved_checkpoint_loads(tmp_path: Path, saved: Path) -> None:
     """The table's checkpoint itself loads (each case fails by its edit alone)."""
     from flatzero.checkpoint import load_checkpoint
-    from flatzero.engine.checkpointing import _check_engine_state
+    from flatzero.deepspeed.engine.checkpointing import _check_engine_state
 
     net, opt, sched = _zero(1)
     load_checkpoint(saved, opt, scheduler=sched, model=net, check_extra=_check_engine_state)

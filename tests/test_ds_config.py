@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from flatzero.config import DEFAULT_BUCKET_NUMEL
-from flatzero.engine.config import EngineConfig, parse_config
-from flatzero.engine.errors import UnsupportedFeatureError
+from flatzero.deepspeed.engine.config import EngineConfig, parse_config
+from flatzero.deepspeed.engine.errors import UnsupportedFeatureError
 from flatzero.optim import LossScaleConfig, ZeroConfig
 
 B = {"train_micro_batch_size_per_gpu": 2}
@@ -794,8 +794,8 @@ def test_flatzero_section_is_derived_from_the_dataclasses():
     from pathlib import Path
 
     from flatzero import FlattenConfig, ZeroConfig
-    from flatzero.engine.config import FLATZERO_KEYS, FlatzeroSection
-    from flatzero.engine.config.flatzero_section import SET_ELSEWHERE
+    from flatzero.deepspeed.engine.config import FLATZERO_KEYS, FlatzeroSection
+    from flatzero.deepspeed.engine.config.flatzero_section import SET_ELSEWHERE
 
     # Every field of the three dataclasses is a key of the section or set by another key.
     for owner in (FlattenConfig, ZeroConfig, FlatzeroSection):

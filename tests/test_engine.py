@@ -85,7 +85,7 @@ def train(engine, rank: int, world_size: int, steps: int = STEPS) -> list[float]
 
 def reference(world_size: int) -> dict[str, torch.Tensor]:
     """Plain AdamW on one process over all ranks' micro-batches, same schedule."""
-    from flatzero.engine import WarmupDecayLR
+    from flatzero.deepspeed.engine import WarmupDecayLR
 
     model = make_model()
     opt = torch.optim.AdamW(param_groups(model), betas=(0.9, 0.95))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from flatzero.engine.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from flatzero.deepspeed.engine.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 CASES = [
     (WarmupLR, {"warmup_min_lr": 0.001, "warmup_max_lr": 0.05, "warmup_num_steps": 7}),

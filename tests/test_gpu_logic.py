@@ -26,7 +26,7 @@ import flatzero.flatten.alloc as flatten_alloc
 import flatzero.flatten.tiers as tiers
 import flatzero.optim.prepare as prepare
 from flatzero import FlattenConfig, ZeroOptimizer, flatten_parameters, inject_oom
-from flatzero.engine.param_sync import bitwise_sum
+from flatzero.deepspeed.engine.param_sync import bitwise_sum
 from flatzero.flatten.choice import choose_tier
 from flatzero.flatten.registry import next_tier_down
 from flatzero.hostmem import staging_buffer

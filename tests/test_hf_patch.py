@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatzero import UnsupportedFeatureError
-from flatzero.engine.config import parse_config
+from flatzero.deepspeed.engine.config import parse_config
 from flatzero.launch import run_ranks
 from test_ds_config import ERRORS
 
@@ -114,7 +114,7 @@ def test_accelerate_config_keys_are_accepted():
 
 
 def test_compat_class_only_when_deepspeed_is_imported(monkeypatch):
-    from flatzero.engine.deepspeed_compat import deepspeed_engine_class
+    from flatzero.deepspeed.engine.deepspeed_compat import deepspeed_engine_class
 
     monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
     assert deepspeed_engine_class() is None
@@ -169,7 +169,7 @@ def _routing(rank: int, ws: int, tmp: str) -> dict[str, Any]:
     import flatzero
 
     _skip_shm_op()
-    from flatzero.engine import Engine
+    from flatzero.deepspeed.engine import Engine
 
     calls: list[dict[str, Any]] = []
 
@@ -178,8 +178,8 @@ def _routing(rank: int, ws: int, tmp: str) -> dict[str, Any]:
         return ("deepspeed", None, None, None)
 
     log = Recorder()
-    logging.getLogger("flatzero.patch").addHandler(log)
-    logging.getLogger("flatzero.patch").setLevel(logging.INFO)
+    logging.getLogger("flatzero.deepspeed.patch").addHandler(log)
+    logging.getLogger("flatzero.deepspeed.patch").setLevel(logging.INFO)
     real = deepspeed.initialize
     deepspeed.initialize = recorder
     out: dict[str, Any] = {"routes": {}, "errors": {}}
@@ -256,7 +256,7 @@ def _routing(rank: int, ws: int, tmp: str) -> dict[str, Any]:
         assert deepspeed.initialize is recorder
     finally:
         deepspeed.initialize = real
-        logging.getLogger("flatzero.patch").removeHandler(log)
+        logging.getLogger("flatzero.deepspeed.patch").removeHandler(log)
     out["log"] = log.lines
     return out
 
@@ -377,7 +377,7 @@ def _engine_api(rank: int, ws: int, tmp: str) -> dict[str, Any]:
     config = zero2()
     engine, opt, _, _ = flatzero.initialize(model=model, config=config)
     assert isinstance(engine, deepspeed.DeepSpeedEngine)
-    assert type(engine).__mro__[1] is flatzero.engine.Engine  # flatzero's methods first
+    assert type(engine).__mro__[1] is flatzero.deepspeed.engine.Engine  # flatzero's methods first
     assert engine.config == config and isinstance(engine.config, dict)
     assert engine.config.get("zero_optimization", {}).get("stage") == 2  # what Trainer reads
     assert engine.parsed_config.zero.stage == 2 and engine.steps_per_print() is None
@@ -490,7 +490,7 @@ def test_engine_as_accelerate_and_trainer_use_it(ranks):
 def test_client_link_without_flatten():
     """``LinkedParamGroup`` mapping behaviour (setdefault, iteration, deletion) on a stand-in
     optimizer; the linked values are flatzero's groups'."""
-    from flatzero.engine.client import LinkedParamGroup, link_client_optimizer
+    from flatzero.deepspeed.engine.client import LinkedParamGroup, link_client_optimizer
 
     p = nn.Parameter(torch.zeros(2))
     client = torch.optim.SGD([p], lr=0.1)
@@ -569,11 +569,11 @@ def test_launcher_usage_errors(capsys):
 def test_launcher_runs_a_module_as_main(tmp_path, monkeypatch):
     """``-m MODULE``: run as ``python -m`` would (the patch itself is stubbed here; the script
     test below runs the real one)."""
-    import flatzero.patch
+    import flatzero.deepspeed.patch
     import flatzero.run
 
     applied = []
-    monkeypatch.setattr(flatzero.patch, "patch_deepspeed", lambda: applied.append(True))
+    monkeypatch.setattr(flatzero.deepspeed.patch, "patch_deepspeed", lambda: applied.append(True))
     monkeypatch.setattr(flatzero.run, "_show_flatzero_logs", lambda: None)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -315,7 +315,7 @@ def test_review23_item3_extra_memory_is_one_block(
 ):
     engine, model = small_engine
     if copied:  # every block goes through the host copy a device bucket takes
-        from flatzero.checkpoint import weights16
+        from flatzero.deepspeed.engine import weights16
 
         monkeypatch.setattr(weights16, "_in_host_memory", lambda tensor: False)
     bound, total = _block_bound(engine, model)
@@ -356,7 +356,7 @@ def test_review23_item3_transformers_loads_both_files(tmp_path):
 
 
 def test_review23_item3_extra_state_is_pickled_or_refused(tmp_path):
-    from flatzero.checkpoint.weights16 import plan_weights, write_weights
+    from flatzero.deepspeed.engine.weights16 import plan_weights, write_weights
 
     bucket = torch.arange(8, dtype=torch.float32)
     state = {

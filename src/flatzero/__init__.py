@@ -3,13 +3,13 @@
 from ._version import __version__ as __version__
 from .checkpoint import export_checkpoint, load_checkpoint, save_checkpoint
 from .config import FlattenConfig
-from .engine import UnsupportedFeatureError, initialize
+from .deepspeed.engine import UnsupportedFeatureError, initialize
+from .deepspeed.patch import DeepSpeedPatch, patch_deepspeed
 from .flatten import FlatGroup, FlatParams, flatten_parameters, inject_oom
 from .flatten.registry import TIERS
 from .layout import Layout, ParamSpec, plan_layout
 from .loading import load_flat
 from .optim import LossScaleConfig, OffloadConfig, ZeroConfig, ZeroOptimizer
-from .patch import DeepSpeedPatch, patch_deepspeed
 from .report import InitReport
 from .storage.index import SafetensorsCheckpoint
 

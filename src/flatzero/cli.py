@@ -45,18 +45,6 @@ def _info(_args: argparse.Namespace) -> int:
     return 0
 
 
-def _export_deepspeed(args: argparse.Namespace) -> int:
-    """``flatzero export-deepspeed``: the DeepSpeed config file (``--ds-config``) is read
-    here, with the DeepSpeed door's reader (JSON or hjson, base64; duplicate keys refused),
-    so that ``checkpoint`` never imports ``engine``."""
-    from .checkpoint.deepspeed_export import export_deepspeed_main
-    from .engine.config import load_config_dict
-
-    if args.ds_config is not None:
-        args.ds_config = load_config_dict(args.ds_config)
-    return export_deepspeed_main(args)
-
-
 def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     """The command line's parser; ``with_bench=False`` leaves the benchmark harness
     unimported (``flatzero bench`` then only takes the rest of the line, unread)."""
@@ -76,7 +64,8 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     from .plan import cli as plan_cli
 
     plan_cli.add_info_arguments(info)
-    from .checkpoint import deepspeed_export, deepspeed_import, export
+    from .checkpoint import export
+    from .deepspeed.convert import cli as convert_cli
 
     def command(subparsers, name: str, help_text: str, add_arguments, run) -> None:
         p = subparsers.add_parser(name, help=help_text)
@@ -88,11 +77,9 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     command(sub, "export", "consolidated safetensors weights of a checkpoint",
             export.add_export_arguments, export.export_main)  # fmt: skip
     command(sub, "import-deepspeed", "a DeepSpeed ZeRO-1/2 checkpoint as a flatzero checkpoint",
-            deepspeed_import.add_import_deepspeed_arguments,
-            deepspeed_import.import_deepspeed_main)  # fmt: skip
+            convert_cli.add_import_arguments, convert_cli.import_main)  # fmt: skip
     command(sub, "export-deepspeed", "a flatzero checkpoint as a DeepSpeed ZeRO-1/2 checkpoint",
-            deepspeed_export.add_export_deepspeed_arguments,
-            _export_deepspeed)  # fmt: skip
+            convert_cli.add_export_arguments, convert_cli.export_main)  # fmt: skip
     command(sub, "plan", "predict memory, tier, bytes per link and init time of a job",
             plan_cli.add_arguments, plan_cli.run)  # fmt: skip
     bench = sub.add_parser("bench", help="benchmarks against baselines and hardware limits")

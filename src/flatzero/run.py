@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"flatzero.run: no such script: {script!r}\n\n{USAGE}", file=sys.stderr)
             raise SystemExit(2)
 
-    from .patch import patch_deepspeed
+    from .deepspeed.patch import patch_deepspeed
 
     _show_flatzero_logs()
     try:

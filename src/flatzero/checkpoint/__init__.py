@@ -1,17 +1,14 @@
-"""Checkpoints that load at any world size, export to safetensors, and import DeepSpeed's.
+"""Checkpoints that load at any world size and export to safetensors.
 
 - ``save_checkpoint`` / ``load_checkpoint``: one safetensors file per rank with its fp32
   master and optimizer-state shards, the layout and scalar state in ``meta.json``, written
   atomically; loaded at any world size or bucket size by reading only the needed slices.
 - ``export_checkpoint``: consolidated weights keyed by param name (HF-style shards).
-- ``import_deepspeed``: a DeepSpeed ZeRO-1/2 checkpoint as a flatzero checkpoint;
-  ``export_deepspeed``: the other way.
 
 See docs/checkpoints.md.
 """
 
 from .config import ExportConfig, LoadConfig, SaveConfig
-from .deepspeed_export import DeepSpeedExportResult, export_deepspeed
 from .export import ExportResult, export_checkpoint
 from .format import CheckpointDamaged, CheckpointMeta, available_tags, read_latest
 from .load import LoadResult, load_checkpoint, load_flat_params
@@ -22,7 +19,6 @@ __all__ = [
     "CheckpointDamaged",
     "CheckpointMeta",
     "CheckpointReader",
-    "DeepSpeedExportResult",
     "ExportConfig",
     "ExportResult",
     "LoadConfig",
@@ -30,7 +26,6 @@ __all__ = [
     "SaveConfig",
     "available_tags",
     "export_checkpoint",
-    "export_deepspeed",
     "load_checkpoint",
     "load_flat_params",
     "read_latest",

@@ -11,7 +11,7 @@ copy covers are padding (zero).
 
 Nothing here reads a file: ``execute`` takes a ``fetch(source, start, numel)`` callback.
 The same plans serve flatzero checkpoints (``index_layout``) and DeepSpeed checkpoints
-(``deepspeed_import`` builds its own index).
+(``flatzero.deepspeed.reader`` builds its own index).
 """
 
 from __future__ import annotations

@@ -21,24 +21,18 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import accel
+from ..deepspeed.layout import padded_numel, partition_range
 from ..params import rebind_param
 
 __all__ = [
-    "NCCL_START_ALIGNMENT_FACTOR",
     "BaselineResult",
     "available_bytes",
-    "deepspeed_padded_numel",
-    "deepspeed_partition_range",
     "flatten_legacy_cpu",
     "flatten_torch_cat",
     "trainable_params",
 ]
 
 logger = logging.getLogger(__name__)
-
-NCCL_START_ALIGNMENT_FACTOR = 2
-"""DeepSpeed's ``nccl_start_alignment_factor``: a group is padded to a multiple of this
-times the world size (elements), so that every partition starts 4-byte aligned for fp16."""
 
 
 @dataclass(frozen=True)
@@ -115,19 +109,6 @@ def trainable_params(group: Sequence[nn.Parameter]) -> list[nn.Parameter]:
             "a group with one torch.cat, so put each dtype in its own group"
         )
     return kept
-
-
-def deepspeed_padded_numel(numel: int, world_size: int) -> int:
-    """Elements of DeepSpeed's flat buffer for ``numel`` elements at ``world_size``."""
-    alignment = NCCL_START_ALIGNMENT_FACTOR * world_size
-    return -(-numel // alignment) * alignment
-
-
-def deepspeed_partition_range(total_numel: int, rank: int, world_size: int) -> tuple[int, int]:
-    """``(start, numel)`` of ``rank``'s partition of a flat buffer, as DeepSpeed cuts it."""
-    base, remainder = divmod(total_numel, world_size)
-    start = rank * base + min(rank, remainder)
-    return start, base + (1 if rank < remainder else 0)
 
 
 def available_bytes(device: torch.device) -> int:
@@ -246,7 +227,7 @@ def _master_partition(
     flat: torch.Tensor, rank: int, world_size: int, device: torch.device
 ) -> tuple[torch.Tensor, int]:
     """This rank's slice of ``flat``, cloned then cast to fp32 (DeepSpeed's two copies)."""
-    start, numel = deepspeed_partition_range(flat.numel(), rank, world_size)
+    start, numel = partition_range(flat.numel(), rank, world_size)
     part = flat.narrow(0, start, numel)
     cloned = part.detach().clone()
     moved = cloned.numel() * cloned.element_size()
@@ -342,12 +323,12 @@ def _run(
     dev = _target_device(groups, device)
     placement_s = _place(groups, dev)
     group_numel = tuple(sum(p.numel() for p in group) for group in groups)
-    padded_numel = tuple(deepspeed_padded_numel(n, world_size) for n in group_numel)
+    padded = tuple(padded_numel(n, world_size) for n in group_numel)
     done = [
         _flatten_group(
-            algorithm, group, padded, rank, world_size, dev, emulate_transfers, memory_check
+            algorithm, group, numel, rank, world_size, dev, emulate_transfers, memory_check
         )
-        for group, padded in zip(groups, padded_numel, strict=True)
+        for group, numel in zip(groups, padded, strict=True)
     ]
     return BaselineResult(
         algorithm=algorithm,
@@ -358,7 +339,7 @@ def _run(
         flatten_bytes=sum(g.flatten_bytes for g in done),
         master_bytes=sum(g.master_bytes for g in done),
         group_numel=group_numel,
-        padded_numel=padded_numel,
+        padded_numel=padded,
         flat_buffers=tuple(g.flat for g in done),
         master_partitions=tuple(g.master for g in done),
         rank=rank,

@@ -349,9 +349,9 @@ def deepspeed_init_memory(
     master partition (a clone of the rank's partition, then its fp32 copy) and, in
     ``initialize_optimizer_states``, a zeroed fp32 gradient partition, freed again.
     """
-    from ..measure.baselines import deepspeed_padded_numel
+    from ..deepspeed.layout import padded_numel
 
-    padded = [deepspeed_padded_numel(n, world_size) for n in group_numels]
+    padded = [padded_numel(n, world_size) for n in group_numels]
     model = sum(group_numels) * elt
     flat = sum(padded) * elt
     part = sum(p // world_size for p in padded)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..engine.config.reader import load_config_dict
+from ..deepspeed.engine.config.reader import load_config_dict
 from ..layout import ParamSpec
 from ..models import LlamaConfig, ModelConfig, Qwen3MoeConfig, build_model
 from ..models.zoo import PRESETS

@@ -11,10 +11,10 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..config import DEFAULT_BUCKET_NUMEL
+from ..deepspeed.layout import padded_numel
 from ..flatten.choice import TierDecision, decide_tier
 from ..flatten.registry import canonical_tier
 from ..layout import DEFAULT_ALIGNMENT, Layout, plan_layout
-from ..measure.baselines import deepspeed_padded_numel
 from ..optim.offload import OffloadHostBytes
 from .calibration import Calibration
 from .decision import deepspeed_path, free_at_init
@@ -292,7 +292,7 @@ def _deepspeed_methods(
     elt = itemsize(spec.dtype)
     ws = spec.world_size
     work = _work(layout)
-    flat = max(deepspeed_padded_numel(n, ws) for n in numels) * elt
+    flat = max(padded_numel(n, ws) for n in numels) * elt
     if spec.gpu is None:
         path, why = (
             "deepspeed_device",

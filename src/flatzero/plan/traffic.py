@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..deepspeed.layout import padded_numel, partition_range
 from ..flatten.registry import spec
 from ..layout import GroupLayout, Layout
-from ..measure.baselines import deepspeed_padded_numel, deepspeed_partition_range
 from .memory_model import itemsize
 
 __all__ = [
@@ -128,7 +128,7 @@ def deepspeed_bytes(
     """
     moved = dict.fromkeys(KINDS, 0)
     for numel in group_numels:
-        padded = deepspeed_padded_numel(numel, world_size)
+        padded = padded_numel(numel, world_size)
         if path == "deepspeed_device":
             moved["device_copy"] += padded * elt
         elif path == "deepspeed_legacy":
@@ -144,8 +144,8 @@ def deepspeed_bytes(
 def deepspeed_master_bytes(numel: int, elt: int, rank: int, world_size: int) -> int:
     """Bytes written building DeepSpeed's fp32 master partition of a group of ``numel``
     elements: a clone of the rank's partition, then its fp32 copy (none for fp32 params)."""
-    padded = deepspeed_padded_numel(numel, world_size)
-    _start, part = deepspeed_partition_range(padded, rank, world_size)
+    padded = padded_numel(numel, world_size)
+    _start, part = partition_range(padded, rank, world_size)
     return part * elt + (part * 4 if elt != 4 else 0)
 
 

@@ -1,0 +1,140 @@
+"""Which optimizer ``flatzero.initialize`` runs over the flat shards: the config's
+``optimizer`` section, or a client optimizer (an instance, or a function of the params), as
+``deepspeed.initialize`` accepts; and where the param groups come from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...optim import ZeroOptimizer
+from ...optim.inner import check_optimizer_class
+from ...optim.offload import check_host_kernel
+from ...params import ParamGroup
+from .config import EngineConfig
+from .errors import UnsupportedFeatureError
+
+__all__ = ["OptimizerChoice", "choose_optimizer"]
+
+_DEFAULT_LR = 1e-3
+"""torch.optim's usual default learning rate, for a group that names none."""
+
+
+@dataclass(frozen=True)
+class OptimizerChoice:
+    """The optimizer class ``initialize`` builds, its arguments and its param groups.
+
+    Attributes:
+        cls: the ``torch.optim`` class.
+        defaults: its keyword arguments (the config's ``optimizer.params``; none for a
+            client optimizer, whose param groups carry them).
+        name: the class and where it came from, for the report (``"AdamW (client)"``).
+        params: what the param groups are collected from (``collect_param_groups``): the
+            client's ``param_groups``, ``model_parameters``, or the model.
+        where: what ``params`` is called in errors.
+        client: the client optimizer, or None.
+    """
+
+    cls: type[torch.optim.Optimizer]
+    defaults: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+    params: Any = None
+    where: str = "model_parameters"
+    client: torch.optim.Optimizer | None = None
+
+    def lr_of(self, group: ParamGroup) -> float:
+        """The learning rate ``group`` starts with."""
+        return float(group.options.get("lr", self.defaults.get("lr", _DEFAULT_LR)))
+
+
+def _built_client(optimizer: Any, model: nn.Module, model_parameters: Any) -> torch.optim.Optimizer:
+    """The client optimizer instance (built from the params when a callable is given),
+    checked to be fresh and not flatzero's own."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, or a callable taking the params "
+                f"and returning one, got {type(optimizer).__name__}"
+            )
+        params = model_parameters if model_parameters is not None else model.parameters()
+        optimizer = optimizer(params)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"the optimizer callable returned a {type(optimizer).__name__}, not a "
+                "torch.optim.Optimizer"
+            )
+    if isinstance(optimizer, ZeroOptimizer):
+        raise TypeError(
+            "optimizer is already a ZeroOptimizer; pass the model and a plain torch.optim "
+            "optimizer (or a config 'optimizer' section) to flatzero.initialize"
+        )
+    if any(optimizer.state.values()):
+        raise ValueError(
+            f"the {type(optimizer).__name__} passed as optimizer already has state (it has "
+            "stepped); flatzero builds its own optimizer over the flat shards and cannot carry "
+            "that state over: pass a fresh optimizer, and restore state with "
+            "engine.load_checkpoint"
+        )
+    return optimizer
+
+
+def _client_choice(
+    optimizer: Any, cfg: EngineConfig, model: nn.Module, model_parameters: Any
+) -> OptimizerChoice:
+    client = _built_client(optimizer, model, model_parameters)
+    cls = type(client)
+    try:
+        check_optimizer_class(cls, elementwise=cfg.flatzero.elementwise_optimizer or None)
+    except TypeError as error:
+        raise UnsupportedFeatureError(
+            f"optimizer: {error}", key="optimizer", feature=f"the {cls.__name__}"
+        ) from None
+    if cfg.zero_optimizer.offload_optimizer is not None:
+        options = [{k: v for k, v in g.items() if k != "params"} for g in client.param_groups]
+        check_host_kernel(cls, options, {})
+    return OptimizerChoice(
+        cls,
+        name=f"{cls.__name__} (client)",
+        params=client.param_groups,
+        where="optimizer.param_groups",
+        client=client,
+    )
+
+
+def choose_optimizer(
+    optimizer: Any, cfg: EngineConfig, model: nn.Module, model_parameters: Any
+) -> OptimizerChoice:
+    """The optimizer of ``initialize``: the client's or the config's (exactly one).
+
+    Raises:
+        UnsupportedFeatureError: no optimizer at all, or a client optimizer that is not
+            elementwise.
+        ValueError / TypeError: both given, or a bad client optimizer (with optimizer
+            offload: one that cannot step host tensors).
+    """
+    if optimizer is not None:
+        if cfg.optimizer is not None:
+            raise ValueError(
+                "an optimizer was passed to flatzero.initialize and the config has an "
+                "'optimizer' section; give one of them"
+            )
+        return _client_choice(optimizer, cfg, model, model_parameters)
+    if cfg.optimizer is None:
+        raise UnsupportedFeatureError(
+            "flatzero.initialize needs an optimizer: add an 'optimizer' section to the config "
+            "(e.g. {'type': 'AdamW', 'params': {'lr': 1e-4}}) or pass optimizer=",
+            key="optimizer",
+            feature="an engine without an optimizer",
+        )
+    if isinstance(model_parameters, torch.Tensor):
+        model_parameters = [model_parameters]
+    cls = cfg.optimizer.torch_class
+    return OptimizerChoice(
+        cls,
+        cfg.optimizer.kwargs(),
+        f"{cls.__name__} (config {cfg.optimizer.type})",
+        model if model_parameters is None else model_parameters,
+    )

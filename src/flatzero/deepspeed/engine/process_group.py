@@ -1,0 +1,88 @@
+"""The process group of ``flatzero.initialize``, created the way ``deepspeed.initialize``
+creates it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ... import accel
+from ...devices import default_backend, local_device_index
+from ...ports import free_port
+
+__all__ = ["ensure_process_group"]
+
+logger = logging.getLogger(__name__)
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+_LAUNCHER_SIZES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+"""Variables in which a launcher that is not torchrun (``srun``, ``mpirun``) gives the
+number of processes it started."""
+
+
+def _check_not_one_of_many() -> None:
+    """Refuse to make a world of one process when a launcher started several: each task
+    would train alone, silently.
+
+    Raises:
+        ValueError: naming the launcher's variable and the torchrun variables missing.
+    """
+    for name in _LAUNCHER_SIZES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
+            raise ValueError(
+                f"{name}={value} says this is one of {value} processes, but "
+                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set, so "
+                "every process would train alone; launch with torchrun (srun torchrun ...), "
+                "or export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from the "
+                "launcher's variables (docs/multinode.md)"
+            )
+
+
+def _single_process_env() -> None:
+    """torchrun's environment for a world of one process (not launched by torchrun,
+    deepspeed or mpirun)."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
+def ensure_process_group(dist_init_required: bool | None) -> None:
+    """The default process group: the one initialized, else one from torchrun's
+    environment (NCCL with CUDA, gloo without), else a one-process gloo group.
+
+    Raises:
+        ValueError: ``dist_init_required`` is False and no group is initialized; or a
+            launcher started several processes without torchrun's environment.
+    """
+    if dist.is_initialized():
+        return
+    if dist_init_required is False:
+        raise ValueError(
+            "dist_init_required=False but torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group() first or drop dist_init_required"
+        )
+    device_type = accel.accelerator_type()
+    if not all(k in os.environ for k in _TORCHRUN_ENV):
+        _check_not_one_of_many()
+        _single_process_env()
+    backend = "gloo"
+    if device_type is not None:
+        accel.set_current(torch.device(device_type, local_device_index(device_type)))
+        backend = default_backend(device_type)
+    dist.init_process_group(backend, timeout=timedelta(minutes=30))
+    logger.info(
+        "initialized torch.distributed (%s): rank %d of %d",
+        dist.get_backend(),
+        dist.get_rank(),
+        dist.get_world_size(),
+    )
