@@ -29,7 +29,7 @@ def test_subcommands_parse(argv, capsys):
 
 def test_info_runs(capsys):
     assert main(["info"]) == 0
-    assert "tiers: auto, device, host, sharded, offload, cpu" in capsys.readouterr().out
+    assert "tiers: auto, device, host, sharded, host_park, cpu" in capsys.readouterr().out
 
 
 def _exit(argv: list[str], capsys) -> tuple[int, str]:
