@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from flatzero.bench.checkpoint_bench import CheckpointSpec, build, train_step
 from flatzero.checkpoint import SaveConfig, async_save, save, save_checkpoint, writer
 from flatzero.checkpoint.async_save import wait_for_save
+from flatzero_bench.checkpoint.checkpoint_bench import CheckpointSpec, build, train_step
 
 STAMPS: dict[str, float] = {}
 

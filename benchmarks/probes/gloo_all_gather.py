@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from collective_probe import measure, print_table
 
-from flatzero.bench.machine import describe_host
-from flatzero.bench.provenance import utc_timestamp
 from flatzero.comm import all_gather_into
+from flatzero_bench.common.machine import describe_host
+from flatzero_bench.common.provenance import utc_timestamp
 
 BUCKETS = 5
 NUMEL = 2**26

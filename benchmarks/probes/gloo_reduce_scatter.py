@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from collective_probe import measure, print_table
 
-from flatzero.bench.machine import describe_host
-from flatzero.bench.provenance import utc_timestamp
+from flatzero_bench.common.machine import describe_host
+from flatzero_bench.common.provenance import utc_timestamp
 
 NUMEL = 2**26
 CHUNK = 2**25

@@ -1,4 +1,4 @@
-"""``flatzero.bench.offload_trial`` with the all-gathers made synchronous.
+"""``flatzero_bench.offload.offload_trial`` with the all-gathers made synchronous.
 
 With ``GATHER_MODE=sync`` every all-gather flatzero starts (``comm._all_gather_single``)
 completes before the call returns, so none is in flight beside another; with
@@ -15,7 +15,7 @@ Each prints ``offload_trial``'s result line (``peak_rss_phase_bytes`` per step p
 import os
 
 import flatzero.comm as comm
-from flatzero.bench import offload_trial
+from flatzero_bench.offload import offload_trial
 
 
 def main() -> None:

@@ -39,20 +39,24 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from . import offload_step
-from .deepspeed_runner import without_unavailable_deepspeed
-from .machine import describe_host
-from .offload_kernel import DEFAULT_KERNEL_METHODS, HYPERPARAMETERS, KERNEL_METHODS
-from .offload_kernel import MARKER as KERNEL_MARKER
-from .offload_step import STEP_METHODS
-from .offload_trial import DOORS, PHASES, offload_config
-from .offload_trial import MARKER as TRIAL_MARKER
-from .ranks import threads_per_rank
-from .results import emit, print_skipped, result_head
-from .settings import parse_list
+from flatzero.testing.deepspeed import without_unavailable_deepspeed
+from flatzero_bench.common.machine import describe_host
+from flatzero_bench.common.paths import with_import_paths
+from flatzero_bench.common.ranks import threads_per_rank
+from flatzero_bench.common.results import emit, print_skipped, result_head
+from flatzero_bench.common.settings import parse_list
+from flatzero_bench.offload import offload_step
+from flatzero_bench.offload.offload_kernel import (
+    DEFAULT_KERNEL_METHODS,
+    HYPERPARAMETERS,
+    KERNEL_METHODS,
+)
+from flatzero_bench.offload.offload_kernel import MARKER as KERNEL_MARKER
+from flatzero_bench.offload.offload_step import STEP_METHODS
+from flatzero_bench.offload.offload_trial import DOORS, PHASES, offload_config
+from flatzero_bench.offload.offload_trial import MARKER as TRIAL_MARKER
 
 __all__ = ["PARTS", "add_arguments", "run"]
 
@@ -67,8 +71,7 @@ def _child_env(threads: int | None = None, extensions_dir: str | None = None) ->
     """The environment of a child process: this flatzero importable, DeepSpeed on the CPU,
     and ``threads`` OpenMP threads where given."""
     env = dict(os.environ)
-    package_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    with_import_paths(env)
     env.setdefault("DS_ACCELERATOR", "cpu")
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -109,7 +112,7 @@ def _build(args: argparse.Namespace) -> tuple[dict[str, Any] | None, str | None]
     target = tempfile.mkdtemp(prefix="flatzero-ds-ext-", dir=args.workdir)
     _progress(f"kernel: building DeepSpeed's cpu_adam into the empty {target} ...")
     rec = _child(
-        "flatzero.bench.offload_kernel",
+        "flatzero_bench.offload.offload_kernel",
         ["--build-only"],
         _child_env(extensions_dir=target),
         KERNEL_MARKER,
@@ -197,7 +200,9 @@ def _kernel(args: argparse.Namespace, has_deepspeed: bool) -> dict[str, Any]:
                     str(args.kernel_steps), "--warmup", str(args.kernel_warmup),
                     "--seed", str(run), "--methods", ",".join(methods)]  # fmt: skip
             env = _child_env(threads=n, extensions_dir=ext_dir)
-            rec = _child("flatzero.bench.offload_kernel", argv, env, KERNEL_MARKER, args.timeout_s)
+            rec = _child(
+                "flatzero_bench.offload.offload_kernel", argv, env, KERNEL_MARKER, args.timeout_s
+            )
             rec["run"] = run
             launches.append(rec)
             medians = ", ".join(
@@ -222,8 +227,8 @@ def _kernel(args: argparse.Namespace, has_deepspeed: bool) -> dict[str, Any]:
 
 def _step(args: argparse.Namespace, has_deepspeed: bool, ext_dir: str | None) -> dict[str, Any]:
     """The ``step`` part: one launch of ranks per world size (and run)."""
-    from ..launch import run_ranks
-    from . import offload_step
+    from flatzero.launch import run_ranks
+    from flatzero_bench.offload import offload_step
 
     methods = tuple(m for m in args.step_methods if has_deepspeed or "deepspeed" not in m)
     spec = offload_step.OffloadStepSpec(
@@ -286,7 +291,7 @@ def _launch_trial(
     """One ``torchrun`` job of ``offload_trial``; its result line."""
     argv = [
         "torch.distributed.run", "--standalone", "--nproc-per-node", str(ws),
-        "-m", "flatzero.bench.offload_trial", "--door", door, "--model", args.init_model,
+        "-m", "flatzero_bench.offload.offload_trial", "--door", door, "--model", args.init_model,
         "--stage", str(args.stage), "--bucket-numel", str(args.bucket_numel),
         "--seq", str(args.init_seq), "--steps", str(args.init_steps),
     ]  # fmt: skip
@@ -316,7 +321,7 @@ def _init(args: argparse.Namespace, doors: tuple[str, ...], ext_dir: str | None)
     """The ``init`` part: ``--init-warmup`` untimed launches of each door per world size,
     then ``--runs`` x ``--init-trials`` launches of each, alternating (order rotating),
     ``--settle-s`` seconds before each."""
-    from .trials import rotated
+    from flatzero_bench.common.trials import rotated
 
     for ws in args.world_sizes:
         for _ in range(args.init_warmup):
@@ -421,9 +426,9 @@ def _memory(
     gradient, ``memory_model.largest_gradient_bytes``). ``held_gradient_peak_bytes``: the
     reducer's own record of the most gradient bytes it held at once
     (``ZeroOptimizer.held_gradient_peak_bytes``)."""
-    from ..plan.memory_model import offload_host_memory
-    from ..plan.model_source import resolve_model
-    from ..plan.planner import PlanSpec, make_plan
+    from flatzero.plan.memory_model import offload_host_memory
+    from flatzero.plan.model_source import resolve_model
+    from flatzero.plan.planner import PlanSpec, make_plan
 
     launches = [rec for rec in (init or {}).get("launches", []) if rec["door"] == "flatzero"]
     rows = []
@@ -643,8 +648,8 @@ def _checked(args: argparse.Namespace) -> tuple[str, ...]:
     args.step_methods = tuple(m for m in args.step_methods.split(",") if m)
     if not args.step_methods or set(args.step_methods) - set(STEP_METHODS):
         raise SystemExit(f"--step-methods: choose from {', '.join(STEP_METHODS)}")
-    from .init_bench import MODELS as INIT_MODELS
-    from .step import MODELS as STEP_MODELS
+    from flatzero.models.bench_models import STEP_MODELS
+    from flatzero_bench.init.init_bench import MODELS as INIT_MODELS
 
     if args.step_model not in STEP_MODELS or args.init_model not in INIT_MODELS:
         raise SystemExit(

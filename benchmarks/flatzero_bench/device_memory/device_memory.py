@@ -36,16 +36,16 @@ from typing import Any
 
 import torch
 
-from .. import accel
-from ..config import FlattenConfig
-from ..flatten import flatten_parameters
-from ..launch import run_ranks
-from ..models import build_model, count_bytes, count_params
-from .baselines import flatten_torch_cat
-from .init_bench import MODELS
-from .ranks import rank_device
-from .results import emit, result_head
-from .settings import BENCH_DTYPES
+from flatzero import accel
+from flatzero.config import FlattenConfig
+from flatzero.flatten import flatten_parameters
+from flatzero.launch import run_ranks
+from flatzero.measure.baselines import flatten_torch_cat
+from flatzero.models import build_model, count_bytes, count_params
+from flatzero_bench.common.ranks import rank_device
+from flatzero_bench.common.results import emit, result_head
+from flatzero_bench.common.settings import BENCH_DTYPES
+from flatzero_bench.init.init_bench import MODELS
 
 __all__ = ["add_arguments", "run"]
 
@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table and one JSON line."""
     spec = MemorySpec(args.model, args.dtype, args.device, args.bucket_numel)
     if spec.device == "emu":
-        from ..testing.emulated import install
+        from flatzero.testing.emulated import install
 
         prepare = functools.partial(install, "emu", capacity_bytes=int(args.capacity_gib * 2**30))
         backend = "cpu:gloo,emu:emu-gloo"

@@ -8,7 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .provenance import command_line, utc_timestamp
+from flatzero_bench.common.provenance import command_line, utc_timestamp
 
 __all__ = ["emit", "print_skipped", "result_head"]
 

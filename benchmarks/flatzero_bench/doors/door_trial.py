@@ -1,7 +1,7 @@
 """One launch of ``flatzero bench doors``: one door's init and first step, or the limit.
 
 Run under ``torchrun`` (``python -m torch.distributed.run --standalone --nproc-per-node N
--m flatzero.bench.door_trial --door D ...``), as a user's training script is: a fresh
+-m flatzero_bench.doors.door_trial --door D ...``), as a user's training script is: a fresh
 process per rank. Each rank:
 
 1. joins the gloo process group torchrun describes (not timed, the same for both doors)
@@ -34,8 +34,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .launched import exit_now, report_ranks
-from .procmem import cpu_seconds, peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
+from flatzero.procmem import (
+    cpu_seconds,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+    trim_host_memory,
+)
+from flatzero_bench.common.launched import exit_now, report_ranks
 
 __all__ = ["DOORS", "MARKER", "door_config", "main", "must_write_bytes"]
 
@@ -50,7 +56,7 @@ GRADIENT_CLIPPING = 1.0
 def door_config(*, stage: int, bucket_numel: int) -> dict[str, Any]:
     """The DeepSpeed config both doors get: ZeRO ``stage``, bf16, clipping 1.0, micro-batch 1,
     the client optimizer kept (``zero_force_ds_cpu_optimizer: false``)."""
-    from .deepspeed_runner import deepspeed_config
+    from flatzero.testing.deepspeed import deepspeed_config
 
     config = deepspeed_config(stage=stage, dtype="bf16", bucket_numel=bucket_numel)
     config["gradient_clipping"] = GRADIENT_CLIPPING
@@ -65,7 +71,7 @@ def must_write_bytes(model_bytes: int, params: int, world_size: int) -> int:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m flatzero.bench.door_trial")
+    p = argparse.ArgumentParser(prog="python -m flatzero_bench.doors.door_trial")
     p.add_argument("--door", required=True, choices=[*DOORS, "limit"])
     p.add_argument("--model", required=True)
     p.add_argument("--stage", type=int, default=2, choices=[1, 2])
@@ -82,7 +88,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def _door_initialize(door: str) -> Callable[..., Any]:
     """The door's ``initialize``, its library imported as a script does at its top."""
     if door == "deepspeed":
-        from .deepspeed_runner import import_deepspeed
+        from flatzero.testing.deepspeed import import_deepspeed
 
         return import_deepspeed().initialize
     import flatzero
@@ -141,8 +147,8 @@ def _door(args: argparse.Namespace) -> dict[str, Any]:
     """This rank's launch of ``args.door``: the model built, then ``_timed``."""
     import torch
 
-    from ..models import build_model, count_bytes, count_params, count_tensors
-    from .init_bench import MODELS
+    from flatzero.models import build_model, count_bytes, count_params, count_tensors
+    from flatzero_bench.init.init_bench import MODELS
 
     door_initialize = _door_initialize(args.door)
     config = MODELS[args.model]()
@@ -173,10 +179,10 @@ def _limit(args: argparse.Namespace) -> dict[str, Any]:
     """The first touch of the bytes an init must write on this rank, all ranks at once."""
     import torch.distributed as dist
 
-    from ..cores import core_share
-    from ..models import build_model, count_bytes, count_params
-    from . import limits
-    from .init_bench import MODELS
+    from flatzero.cores import core_share
+    from flatzero.measure import limits
+    from flatzero.models import build_model, count_bytes, count_params
+    from flatzero_bench.init.init_bench import MODELS
 
     meta = build_model(MODELS[args.model](), device="meta")
     nbytes = must_write_bytes(count_bytes(meta), count_params(meta), dist.get_world_size())

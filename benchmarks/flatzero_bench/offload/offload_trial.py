@@ -2,7 +2,7 @@
 offload, its first steps, and the host memory they leave.
 
 Run under ``torchrun`` (``python -m torch.distributed.run --standalone --nproc-per-node N
--m flatzero.bench.offload_trial --door D ...``), a fresh process per rank as at a job's
+-m flatzero_bench.offload.offload_trial --door D ...``), a fresh process per rank as at a job's
 start. Each rank joins the gloo group, imports the door's library, builds the model (seed,
 bf16, on the host), trims its heap and, after a barrier, times ``flatzero.initialize`` or
 ``deepspeed.initialize`` with the same DeepSpeed config (``offload_config``: ZeRO stage,
@@ -36,8 +36,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .launched import exit_now, report_ranks
-from .procmem import cpu_seconds, peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
+from flatzero.procmem import (
+    cpu_seconds,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+    trim_host_memory,
+)
+from flatzero_bench.common.launched import exit_now, report_ranks
 
 __all__ = ["DOORS", "MARKER", "main", "offload_config"]
 
@@ -59,7 +65,7 @@ def offload_config(
     ``DeepSpeedCPUAdam`` from it, flatzero its fused host step), and with ``offload``
     ``offload_optimizer: {device: cpu, pin_memory: true}`` as in Hugging Face's ZeRO-2
     example."""
-    from .deepspeed_runner import deepspeed_config
+    from flatzero.testing.deepspeed import deepspeed_config
 
     config = deepspeed_config(stage=stage, dtype=dtype, bucket_numel=bucket_numel)
     config["gradient_clipping"] = 1.0
@@ -70,7 +76,7 @@ def offload_config(
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m flatzero.bench.offload_trial")
+    p = argparse.ArgumentParser(prog="python -m flatzero_bench.offload.offload_trial")
     p.add_argument("--door", required=True, choices=DOORS)
     p.add_argument("--model", required=True)
     p.add_argument("--stage", type=int, default=2, choices=[1, 2])
@@ -83,7 +89,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _initialize(door: str) -> Any:
     if door == "deepspeed":
-        from .deepspeed_runner import import_deepspeed
+        from flatzero.testing.deepspeed import import_deepspeed
 
         return import_deepspeed().initialize
     import flatzero
@@ -95,8 +101,8 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from ..models import build_model, count_bytes, count_params
-    from .init_bench import MODELS
+    from flatzero.models import build_model, count_bytes, count_params
+    from flatzero_bench.init.init_bench import MODELS
 
     initialize = _initialize(args.door)
     config = MODELS[args.model]()

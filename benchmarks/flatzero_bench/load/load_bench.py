@@ -38,17 +38,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import FlattenConfig
-from ..flatten import flatten_parameters
-from ..launch import run_ranks
-from ..models import build_model, count_bytes, count_params, load_model_safetensors
-from ..models import save_model_safetensors as save_model
-from .init_bench import MODELS
-from .limits import memcpy_seconds
-from .procmem import cpu_seconds, peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
-from .results import result_head
-from .settings import BENCH_DTYPES, TrialsSpec, parse_methods, spec_from_args
-from .trials import rotated, slowest_per_trial
+from flatzero.config import FlattenConfig
+from flatzero.flatten import flatten_parameters
+from flatzero.launch import run_ranks
+from flatzero.measure.limits import memcpy_seconds
+from flatzero.models import build_model, count_bytes, count_params, load_model_safetensors
+from flatzero.models import save_model_safetensors as save_model
+from flatzero.procmem import (
+    cpu_seconds,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+    trim_host_memory,
+)
+from flatzero_bench.common.results import result_head
+from flatzero_bench.common.settings import BENCH_DTYPES, TrialsSpec, parse_methods, spec_from_args
+from flatzero_bench.common.trials import rotated, slowest_per_trial
+from flatzero_bench.init.init_bench import MODELS
 
 __all__ = ["METHODS", "LoadSpec", "add_arguments", "run"]
 
@@ -108,7 +114,7 @@ def _load(spec: LoadSpec, method: str):
     if method == "full":
         load_model_safetensors(model, spec.checkpoint)
         return model, flatten_parameters(model, config=config)
-    from ..loading import load_flat
+    from flatzero.loading import load_flat
 
     return model, load_flat(model, spec.checkpoint, config=config)
 

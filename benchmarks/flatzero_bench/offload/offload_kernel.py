@@ -1,7 +1,7 @@
 """One launch of ``flatzero bench offload --what kernel``: the host optimizer kernels over
 one flat fp32 tensor, and DeepSpeed's ``cpu_adam`` JIT build.
 
-Run as its own process (``python -m flatzero.bench.offload_kernel --threads N ...``) with
+Run as its own process (``python -m flatzero_bench.offload.offload_kernel --threads N ...``) with
 ``OMP_NUM_THREADS=N`` in its environment, so that every kernel, torch's and DeepSpeed's
 (an OpenMP loop in its C++ op), runs on the same ``N`` threads; ``torch.set_num_threads(N)``
 is set too. Methods, each over its own copy of the same flat tensor (``--numel`` fp32
@@ -88,9 +88,9 @@ def host_step(flat: Any, threads: int, **hyperparameters: Any) -> tuple[Any, Cal
 
     import torch
 
-    from ..optim.inner import build_inner_optimizer, with_fused_default
-    from ..optim.offload import HOST
-    from ..optim.offload import host_step as step
+    from flatzero.optim.inner import build_inner_optimizer, with_fused_default
+    from flatzero.optim.offload import HOST
+    from flatzero.optim.offload import host_step as step
 
     adamw = torch.optim.AdamW
     inner = build_inner_optimizer(
@@ -108,7 +108,7 @@ def _optimizer(method: str, flat: Any, threads: int) -> tuple[Any, Callable[[], 
     if method.startswith("deepspeed"):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        from ..hostmem import HugePageFactories
+        from flatzero.hostmem import HugePageFactories
 
         opt = DeepSpeedCPUAdam([flat], bias_correction=True, adamw_mode=True, **HYPERPARAMETERS)
         if method not in HUGE_PAGE_METHODS:
@@ -132,7 +132,7 @@ def _state_of(opt: Any) -> Any:
 
 def _placed(method: str, values: Any) -> Any:
     """A copy of ``values`` in memory placed as ``method``'s library places it."""
-    from ..hostmem import empty_host
+    from flatzero.hostmem import empty_host
 
     if method in HUGE_PAGE_METHODS:
         return empty_host(values.numel(), values.dtype).copy_(values)
@@ -142,8 +142,8 @@ def _placed(method: str, values: Any) -> Any:
 def _kernels(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from ..cores import usable_cores
-    from .trials import rotated
+    from flatzero.cores import usable_cores
+    from flatzero_bench.common.trials import rotated
 
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(args.seed)
@@ -228,7 +228,7 @@ def _build(_: argparse.Namespace) -> dict[str, Any]:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m flatzero.bench.offload_kernel")
+    p = argparse.ArgumentParser(prog="python -m flatzero_bench.offload.offload_kernel")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--numel", type=int, default=50_000_000)
     p.add_argument("--steps", type=int, default=20)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .machine import usable_cores
+from flatzero_bench.common.machine import usable_cores
 
 __all__ = ["header", "plot", "table"]
 

@@ -26,20 +26,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import DEFAULT_BUCKET_NUMEL, FlattenConfig
-from ..cores import usable_cores
-from ..dtypes import SHORT_DTYPES, dtype_name
-from ..flatten import flatten_parameters
-from ..launch import run_ranks
-from ..models import build_model
-from ..plan.calibration import Calibration, measure
-from ..plan.hardware import get_host
-from ..plan.model_source import resolve_model
-from ..plan.planner import Plan, PlanSpec, make_plan, new_memory_sizes
-from .baselines import flatten_legacy_cpu, flatten_torch_cat
-from .procmem import trim_host_memory
-from .provenance import command_line, utc_timestamp
-from .settings import add_settle_argument
+from flatzero.config import DEFAULT_BUCKET_NUMEL, FlattenConfig
+from flatzero.cores import usable_cores
+from flatzero.dtypes import SHORT_DTYPES, dtype_name
+from flatzero.flatten import flatten_parameters
+from flatzero.launch import run_ranks
+from flatzero.measure.baselines import flatten_legacy_cpu, flatten_torch_cat
+from flatzero.models import build_model
+from flatzero.plan.calibration import Calibration, measure
+from flatzero.plan.hardware import get_host
+from flatzero.plan.model_source import resolve_model
+from flatzero.plan.planner import Plan, PlanSpec, make_plan, new_memory_sizes
+from flatzero.procmem import trim_host_memory
+from flatzero_bench.common.provenance import command_line, utc_timestamp
+from flatzero_bench.common.settings import add_settle_argument
 
 __all__ = ["METHODS", "add_arguments", "predict", "run"]
 

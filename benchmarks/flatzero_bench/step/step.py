@@ -28,48 +28,26 @@ steps, and ratios of each method to the baseline of its world size.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import platform
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
 import torch
 
-from ..launch import run_ranks
-from ..models import ModelConfig, build_model, count_params, scaled
-from .deepspeed_runner import without_unavailable_deepspeed
-from .machine import device_name, versions
-from .ranks import backend_for, rank_device, threads_per_rank
-from .results import emit, print_skipped, result_head
-from .settings import BENCH_DTYPES, spec_from_args
-from .step_methods import StepMethod, StepSpec, make_method, stage_of
+from flatzero.launch import run_ranks
+from flatzero.models import build_model, count_params
+from flatzero.models.bench_models import STEP_MODELS
+from flatzero.testing.deepspeed import without_unavailable_deepspeed
+from flatzero_bench.common.machine import device_name, versions
+from flatzero_bench.common.ranks import backend_for, rank_device, threads_per_rank
+from flatzero_bench.common.results import emit, print_skipped, result_head
+from flatzero_bench.common.settings import BENCH_DTYPES, spec_from_args
+from flatzero_bench.step.step_methods import StepMethod, StepSpec, make_method, stage_of
 
-__all__ = ["MODELS", "add_arguments", "run"]
-
-
-_LLAMA_SIZES = ("layers", "hidden", "heads", "kv_heads", "intermediate")
-
-
-def _llama(*sizes: int, **more: int) -> Callable[[], ModelConfig]:
-    """The Llama-3-8B shape at ``sizes`` (in the order of ``_LLAMA_SIZES``) and ``more``
-    (``head_dim``, ``vocab``), as a ``MODELS`` entry."""
-    given = dict(zip(_LLAMA_SIZES, sizes, strict=True))
-    return functools.partial(scaled, "llama-3-8b", **given, **more)
-
-
-MODELS = {
-    # _llama(layers, hidden, heads, kv_heads, intermediate, head_dim=..., vocab=...)
-    # Seconds per step on a laptop CPU: for tests and smoke runs.
-    "tiny": _llama(2, 64, 4, 2, 128, head_dim=16, vocab=512),
-    # ~22M params, a few hundred ms per step on 2 CPU cores.
-    "llama-22m": _llama(4, 512, 8, 4, 1536, head_dim=64, vocab=8192),
-    # ~0.43B params: the Llama-3-8B shape at 1/4 width and 12 layers (a GPU run).
-    "llama-0.4b": _llama(12, 1024, 8, 2, 3584),
-}
-"""Benchmark models by name: functions returning a model config."""
+__all__ = ["add_arguments", "run"]
 
 
 def _rank_main(rank: int, world_size: int, spec: StepSpec) -> dict[str, Any]:
@@ -79,7 +57,7 @@ def _rank_main(rank: int, world_size: int, spec: StepSpec) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(threads_per_rank(world_size))
-    config = MODELS[spec.model]()
+    config = STEP_MODELS[spec.model]()
     pristine = build_model(config, device="cpu", dtype=BENCH_DTYPES[spec.dtype], seed=0)
     state = {k: v.detach().clone() for k, v in pristine.state_dict().items()}
     n_params = count_params(pristine)
@@ -200,7 +178,7 @@ def _methods_for(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``flatzero bench step`` options."""
-    parser.add_argument("--model", default="llama-22m", choices=sorted(MODELS))
+    parser.add_argument("--model", default="llama-22m", choices=sorted(STEP_MODELS))
     parser.add_argument("--dtypes", default="fp32", help="comma-separated of fp32, bf16")
     parser.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1,2")
     parser.add_argument("--stages", default="2", help="ZeRO stages to compare, e.g. 1,2")

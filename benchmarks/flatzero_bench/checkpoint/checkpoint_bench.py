@@ -51,17 +51,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import LoadConfig, SaveConfig, image, load_checkpoint, save_checkpoint
-from ..checkpoint.async_save import release_snapshot, wait_for_save
-from ..checkpoint.checksum import DEFAULT_ALGORITHM
-from ..config import FlattenConfig
-from ..launch import run_ranks
-from ..models import build_model, count_params
-from ..optim import ZeroOptimizer
-from .init_bench import MODELS
-from .results import emit, result_head
-from .settings import BENCH_DTYPES, TrialsSpec, parse_methods, spec_from_args
-from .trials import bracketed, median_interval, rotated, slowest_per_trial
+from flatzero.checkpoint import LoadConfig, SaveConfig, image, load_checkpoint, save_checkpoint
+from flatzero.checkpoint.async_save import release_snapshot, wait_for_save
+from flatzero.checkpoint.checksum import DEFAULT_ALGORITHM
+from flatzero.config import FlattenConfig
+from flatzero.launch import run_ranks
+from flatzero.models import build_model, count_params
+from flatzero.optim import ZeroOptimizer
+from flatzero_bench.common.results import emit, result_head
+from flatzero_bench.common.settings import BENCH_DTYPES, TrialsSpec, parse_methods, spec_from_args
+from flatzero_bench.common.trials import bracketed, median_interval, rotated, slowest_per_trial
+from flatzero_bench.init.init_bench import MODELS
 
 __all__ = ["LOAD_METHODS", "SAVE_METHODS", "CheckpointSpec", "add_arguments", "run"]
 

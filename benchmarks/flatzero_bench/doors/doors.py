@@ -1,7 +1,7 @@
 """Door against door: flatzero.initialize vs deepspeed.initialize, one torchrun launch each.
 
 Every trial is its own ``torchrun`` job (``python -m torch.distributed.run --standalone
---nproc-per-node N -m flatzero.bench.door_trial``), a fresh process per rank as at a
+--nproc-per-node N -m flatzero_bench.doors.door_trial``), a fresh process per rank as at a
 job's start, of one script that builds the model (from a seed, bf16, on the host) and
 calls ``flatzero.initialize`` or ``deepspeed.initialize`` with the same DeepSpeed config
 (ZeRO-2 by default, bf16, ``gradient_clipping`` 1.0, micro-batch 1,
@@ -47,20 +47,20 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from .deepspeed_runner import without_unavailable_deepspeed
-from .door_trial import DOORS, MARKER, door_config, must_write_bytes
-from .doors_report import header, plot, table
-from .doors_stats import loss_diff, slowest_rank, summarize_run, summarize_runs
-from .init_bench import MODELS
-from .limits import SETTLE_SECONDS
-from .machine import describe_host
-from .ranks import threads_per_rank
-from .results import emit, print_skipped, result_head
-from .settings import parse_list
-from .trials import rotated
+from flatzero.measure.limits import SETTLE_SECONDS
+from flatzero.testing.deepspeed import without_unavailable_deepspeed
+from flatzero_bench.common.machine import describe_host
+from flatzero_bench.common.paths import with_import_paths
+from flatzero_bench.common.ranks import threads_per_rank
+from flatzero_bench.common.results import emit, print_skipped, result_head
+from flatzero_bench.common.settings import parse_list
+from flatzero_bench.common.trials import rotated
+from flatzero_bench.doors.door_trial import DOORS, MARKER, door_config, must_write_bytes
+from flatzero_bench.doors.doors_report import header, plot, table
+from flatzero_bench.doors.doors_stats import loss_diff, slowest_rank, summarize_run, summarize_runs
+from flatzero_bench.init.init_bench import MODELS
 
 __all__ = ["add_arguments", "compare_back_to_back", "run"]
 
@@ -72,7 +72,7 @@ def _launch(
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc-per-node", str(world_size),
-        "-m", "flatzero.bench.door_trial",
+        "-m", "flatzero_bench.doors.door_trial",
         "--door", door, "--model", args.model, "--stage", str(args.stage),
         "--bucket-numel", str(args.bucket_numel), "--seq", str(args.seq),
         "--seed", str(args.seed), "--limit-repeats", str(args.limit_repeats),
@@ -80,8 +80,7 @@ def _launch(
     ]  # fmt: skip
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(threads_per_rank(world_size))
-    package_root = str(Path(__file__).resolve().parents[2])  # so the job imports this flatzero
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    with_import_paths(env)  # so the job imports this flatzero and this harness
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(

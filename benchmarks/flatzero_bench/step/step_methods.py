@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import FlattenConfig
-from ..optim import ZeroConfig, ZeroOptimizer
-from .ranks import sync
+from flatzero.config import FlattenConfig
+from flatzero.optim import ZeroConfig, ZeroOptimizer
+from flatzero_bench.common.ranks import sync
 
 __all__ = ["LR", "MAX_GRAD_NORM", "StepMethod", "StepSpec", "make_method", "stage_of"]
 
@@ -27,7 +27,7 @@ class StepSpec:
     """One benchmark run's settings (identical on every rank).
 
     Attributes:
-        model: a key of ``step.MODELS``.
+        model: a key of ``models.bench_models.STEP_MODELS``.
         dtype: ``"fp32"`` or ``"bf16"`` (params; masters and optimizer state are fp32,
             except ``torch-adamw`` which keeps everything in the params' dtype).
         methods: the methods to run at this world size, the first one being the baseline.
@@ -142,7 +142,7 @@ class _TorchAdamW(StepMethod):
 
 class _DeepSpeed(StepMethod):
     def __init__(self, name: str, model: nn.Module, device: torch.device, spec: StepSpec):
-        from .deepspeed_runner import deepspeed_config, prepare_deepspeed
+        from flatzero.testing.deepspeed import deepspeed_config, prepare_deepspeed
 
         super().__init__(name, model, device)
         prepare_deepspeed()

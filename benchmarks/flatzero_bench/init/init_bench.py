@@ -37,30 +37,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import FlattenConfig
-from ..cores import core_share
-from ..flatten import flatten_parameters
-from ..launch import run_ranks
-from ..models import build_model, count_bytes, count_params, count_tensors
-from ..models.bench_models import MODELS
-from . import limits
-from .baselines import flatten_legacy_cpu, flatten_torch_cat
-from .deepspeed_runner import (
-    prepare_deepspeed,
-    time_deepspeed_initialize,
-    without_unavailable_deepspeed,
-)
-from .procmem import cpu_seconds, trim_host_memory
-from .ranks import backend_for, rank_device, sync
-from .results import emit, print_skipped, result_head
-from .settings import (
+from flatzero.config import FlattenConfig
+from flatzero.cores import core_share
+from flatzero.flatten import flatten_parameters
+from flatzero.launch import run_ranks
+from flatzero.measure import limits
+from flatzero.measure.baselines import flatten_legacy_cpu, flatten_torch_cat
+from flatzero.models import build_model, count_bytes, count_params, count_tensors
+from flatzero.models.bench_models import MODELS
+from flatzero.procmem import cpu_seconds, trim_host_memory
+from flatzero.testing.deepspeed import prepare_deepspeed, without_unavailable_deepspeed
+from flatzero_bench.common.deepspeed_init import time_deepspeed_initialize
+from flatzero_bench.common.ranks import backend_for, rank_device, sync
+from flatzero_bench.common.results import emit, print_skipped, result_head
+from flatzero_bench.common.settings import (
     BENCH_DTYPES,
     TrialsSpec,
     add_settle_argument,
     parse_methods,
     spec_from_args,
 )
-from .trials import rotated, slowest_per_trial
+from flatzero_bench.common.trials import rotated, slowest_per_trial
 
 __all__ = ["MODELS", "add_arguments", "run"]
 

@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..dtypes import SHORT_DTYPES
-from ..measure.settle import add_settle_argument
+from flatzero.dtypes import SHORT_DTYPES
+from flatzero.measure.settle import add_settle_argument
 
 __all__ = [
     "BENCH_DTYPES",

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .offload_trial import ADAMW, offload_config
-from .ranks import threads_per_rank
-from .settings import BENCH_DTYPES
-from .step_methods import StepMethod
+from flatzero_bench.common.ranks import threads_per_rank
+from flatzero_bench.common.settings import BENCH_DTYPES
+from flatzero_bench.offload.offload_trial import ADAMW, offload_config
+from flatzero_bench.step.step_methods import StepMethod
 
 __all__ = ["BASELINE", "STEP_METHODS", "OffloadStepSpec", "rank_main", "summarize"]
 
@@ -46,7 +46,7 @@ class OffloadStepSpec:
     """One launch's settings (identical on every rank).
 
     Attributes:
-        model: a key of ``step.MODELS``.
+        model: a key of ``models.bench_models.STEP_MODELS``.
         dtype: the params' dtype, ``"bf16"`` or ``"fp32"``.
         methods: of ``STEP_METHODS``.
         stage: ZeRO stage.
@@ -86,7 +86,7 @@ class _Engine(StepMethod):
         if spec.communication_data_type is not None:
             config["communication_data_type"] = spec.communication_data_type
         if name.startswith("deepspeed"):
-            from .deepspeed_runner import prepare_deepspeed
+            from flatzero.testing.deepspeed import prepare_deepspeed
 
             prepare_deepspeed()
             import deepspeed
@@ -121,8 +121,8 @@ class _Engine(StepMethod):
 def rank_main(rank: int, world_size: int, spec: OffloadStepSpec) -> dict[str, Any]:
     """This rank's copies of the model, one per method, trained on the same batches, the
     methods alternating step by step (the order reversed every other step)."""
-    from ..models import build_model, count_params
-    from .step import MODELS
+    from flatzero.models import build_model, count_params
+    from flatzero.models.bench_models import STEP_MODELS as MODELS
 
     torch.set_num_threads(threads_per_rank(world_size))
     config = MODELS[spec.model]()

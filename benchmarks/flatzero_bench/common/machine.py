@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..cores import usable_cores
+from flatzero.cores import usable_cores
 
 __all__ = ["cpu_name", "describe_host", "device_name", "usable_cores", "versions"]
 

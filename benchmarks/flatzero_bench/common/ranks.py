@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import accel
-from ..devices import local_device_index
-from .machine import usable_cores
+from flatzero import accel
+from flatzero.devices import local_device_index
+from flatzero_bench.common.machine import usable_cores
 
 __all__ = ["backend_for", "rank_device", "sync", "threads_per_rank"]
 
