@@ -8,7 +8,8 @@ that run them (nothing in flatzero changes): the snapshot landed, the rank file 
 the checksums ready, ``meta.json`` written and published. Printed per save: seconds
 from the call to each stamp, each step's seconds and the wait at the end.
 
-    python benchmarks/probes/async_save_timeline.py DIR [MODEL] [STEPS] [SAVES]
+    PYTHONPATH=benchmarks python benchmarks/probes/async_save_timeline.py \\
+        DIR [MODEL] [STEPS] [SAVES]
 """
 
 import os

@@ -10,7 +10,7 @@ Per way: the slowest rank's seconds, and rank 0's resident-set high-water mark a
 resident set before (heap trimmed, mark reset; ``/proc/self/status``). Every result is
 checked against the expected values. Run it under torchrun:
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 \
+    PYTHONPATH=benchmarks python -m torch.distributed.run --standalone --nproc-per-node 2 \
         benchmarks/probes/gloo_all_gather.py
 
 Prints a table and one JSON line.

@@ -11,7 +11,7 @@ times in one launch:
 Per way: the slowest rank's seconds, and rank 0's resident-set high-water mark above the
 resident set before (heap trimmed, mark reset). Results are checked against each other.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 \
+    PYTHONPATH=benchmarks python -m torch.distributed.run --standalone --nproc-per-node 2 \
         benchmarks/probes/gloo_reduce_scatter.py
 
 Prints a table and one JSON line.

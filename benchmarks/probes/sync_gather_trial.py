@@ -5,6 +5,7 @@ completes before the call returns, so none is in flight beside another; with
 ``GATHER_MODE=async`` (the default) nothing is patched. Comparing the two shows what the
 all-gathers in flight hold in a step's peak host memory on gloo:
 
+    export PYTHONPATH=benchmarks  # the harness, flatzero_bench
     for m in sync async; do GATHER_MODE=$m OMP_NUM_THREADS=1 python -m torch.distributed.run \\
         --standalone --nproc-per-node 2 benchmarks/probes/sync_gather_trial.py \\
         --door flatzero --model llama-0.4b --steps 3; done
