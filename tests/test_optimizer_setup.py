@@ -1,7 +1,8 @@
-"""Issue 23, items 9-12: the optimizer's setup compared by meaning, the fused default of a
+"""The optimizer's setup compared by meaning, the fused default of a
 client optimizer, the gradient accumulation dtype, and reentrant activation checkpointing.
 
-One run of 2 gloo ranks (a module fixture) serves items 9, 11 and 12; the references and
+One run of 2 gloo ranks (a module fixture) serves the setup, accumulation and checkpointing
+tests; the references and
 the world-size-1 runs are computed in this process.
 """
 
@@ -89,7 +90,7 @@ def fp32(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().clone() for n, p in params.items()}
 
 
-# ------------------------------------------------------------- item 9: setup by meaning
+# --------------------------------------------------------------------- setup by meaning
 @contextmanager
 def tensors_printed_on_cuda(index: int) -> Iterator[None]:
     """Make every tensor's ``repr`` end in ``device='cuda:<index>'``, as a tensor on that
@@ -110,7 +111,7 @@ class _Opaque:
     """An object whose ``repr`` holds its address."""
 
 
-def test_review23_item9_setup_fields_compare_meaning_not_text():
+def test_setup_fields_compare_meaning_not_text():
     arguments = {"lr": torch.tensor(LR), "betas": (torch.tensor(0.9), 0.999), "x": _Opaque()}
     with tensors_printed_on_cuda(0):
         on_0 = setup_fields(ZeroConfig(), torch.optim.AdamW, arguments)
@@ -125,7 +126,7 @@ def test_review23_item9_setup_fields_compare_meaning_not_text():
     assert meaning(torch.device("cuda", 3)) == meaning(torch.device("cuda", 0))
 
 
-def _item9(rank: int) -> dict[str, Any]:
+def _setup_by_meaning(rank: int) -> dict[str, Any]:
     """A tensor ``lr`` that prints differently on each rank builds; different values do not."""
     out: dict[str, Any] = {}
     data = batches()
@@ -153,22 +154,22 @@ def _item9(rank: int) -> dict[str, Any]:
     return out
 
 
-def test_review23_item9_tensor_lr_agrees_across_ranks(ranks):
+def test_tensor_lr_agrees_across_ranks(ranks):
     for out in ranks:
-        assert "error" not in out["item9"], out["item9"]["error"]
-    reprs = [r["item9"]["repr"] for r in ranks]
+        assert "error" not in out["setup"], out["setup"]["error"]
+    reprs = [r["setup"]["repr"] for r in ranks]
     assert reprs[0] != reprs[1], reprs  # the ranks' texts differ, as on two GPUs
     for rank, out in enumerate(ranks):
-        item = out["item9"]
+        item = out["setup"]
         assert item["same_lr"] == "built", (rank, item["same_lr"])
         assert "the ZeroOptimizer setup differs between ranks" in item["different_lr"], rank
         assert "optimizer arguments" in item["different_lr"], item["different_lr"]
         assert item["different_lr_unchanged"]
-    first, second = (r["item9"]["same_lr_params"] for r in ranks)
+    first, second = (r["setup"]["same_lr_params"] for r in ranks)
     assert all(torch.equal(first[n], second[n]) for n in first)
 
 
-# ----------------------------------------------------------- item 11: grad_accum_dtype
+# ------------------------------------------------------------------- grad_accum_dtype
 def accumulate(rank: int, world_size: int, grad_accum_dtype: torch.dtype | None) -> dict:
     """Stage 1, bf16 params, ``MICRO`` micro-batches per step: the fp32 masters after
     ``STEPS`` steps."""
@@ -250,7 +251,7 @@ def _engine_accumulate(rank: int, world_size: int) -> dict[str, Any]:
     return {"masters": masters, "buffer_dtypes": buffer_dtypes}
 
 
-def _item11(rank: int) -> dict[str, Any]:
+def _grad_accum(rank: int) -> dict[str, Any]:
     return {
         "engine": _guarded(_engine_accumulate, rank, WS),
         "fp32": _guarded(accumulate, rank, WS, torch.float32),
@@ -258,7 +259,7 @@ def _item11(rank: int) -> dict[str, Any]:
     }
 
 
-def test_review23_item11_grad_accum_fp32_at_world_size_1():
+def test_grad_accum_fp32_at_world_size_1():
     ref = fp32_accumulating_reference(1)
     honoured = rel_err(accumulate(0, 1, torch.float32), ref)
     in_bf16 = rel_err(accumulate(0, 1, None), ref)
@@ -267,10 +268,10 @@ def test_review23_item11_grad_accum_fp32_at_world_size_1():
     assert in_bf16 >= 5e-5, in_bf16  # bf16 accumulation is measurably off: the test can fail
 
 
-def test_review23_item11_grad_accum_fp32_at_world_size_2(ranks):
+def test_grad_accum_fp32_at_world_size_2(ranks):
     ref = fp32_accumulating_reference(WS)
     for out in ranks:
-        item = out["item11"]
+        item = out["grad_accum"]
         assert "error" not in item["engine"], item["engine"]["error"]
         engine = rel_err(item["engine"]["masters"], ref)
         print(f"engine with data_types.grad_accum_dtype fp32: relative error {engine:.2e}")
@@ -284,7 +285,7 @@ def test_review23_item11_grad_accum_fp32_at_world_size_2(ranks):
         assert in_bf16 >= 5e-5, in_bf16
 
 
-# ------------------------------------------------ item 12: reentrant checkpointing
+# -------------------------------------------------------- reentrant checkpointing
 @contextmanager
 def counted_reductions() -> Iterator[list[int]]:
     """Record the elements every gradient reduction takes in: a reduce-scatter (of a
@@ -354,9 +355,9 @@ def _param_in_two_segments(rank: int) -> dict[str, str]:
     return {"error_text": error}
 
 
-def test_review23_item12_param_in_two_reentrant_segments_is_refused_at_stage_2(ranks):
+def test_param_in_two_reentrant_segments_is_refused_at_stage_2(ranks):
     for out in ranks:
-        item = out["item12"]["two_segments"]
+        item = out["reentrant"]["two_segments"]
         assert "error" not in item, item["error"]
         assert "a gradient arrived twice for one param in one backward pass" in item["error_text"]
 
@@ -377,10 +378,10 @@ def plain_adamw_reference() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_review23_item12_reentrant_checkpointing_reduces_once(ranks, stage):
+def test_reentrant_checkpointing_reduces_once(ranks, stage):
     ref = plain_adamw_reference()
     for out in ranks:
-        got = out["item12"][stage]
+        got = out["reentrant"][stage]
         assert "error" not in got, got["error"]
         total = got["bucket_numel"]
         print(
@@ -411,9 +412,9 @@ def _guarded(fn: Callable[..., dict], *args: Any) -> dict:
 def _worker(rank: int, world_size: int) -> bytes:
     torch.set_num_threads(1)
     out = {
-        "item9": _guarded(_item9, rank),
-        "item11": _guarded(_item11, rank),
-        "item12": {
+        "setup": _guarded(_setup_by_meaning, rank),
+        "grad_accum": _guarded(_grad_accum, rank),
+        "reentrant": {
             **{stage: _guarded(_train_reentrant, rank, stage) for stage in (1, 2)},
             "two_segments": _guarded(_param_in_two_segments, rank),
         },

@@ -1,14 +1,15 @@
-"""Issue 23, items 6, 7 (pinned memory), 8 and 14: the flatten's memory after init, pinned
+"""The flatten's staging and memory: the allocator's cache after init, pinned
 staging that releases only flatzero's pages, a fill error on one rank agreed before the
 sharded all-gather, and the upload of bucket k + 1 overlapping the all-gather of bucket k.
 
 The device half runs on the emulated accelerator (``flatzero.testing.emulated``, exact
 counters) in one run of 2 spawned ranks (the module fixture ``emu_run``), whose worker
-does every item's device part in turn. Stream order cannot be observed there (it is
-synchronous), so item 14 and the pinned path run the streamed upload on CPU buffers with
+does every feature's device part in turn. Stream order cannot be observed there (it is
+synchronous), so the upload pipeline and the pinned path run the streamed upload on CPU
+buffers with
 the device seam's stream, event and pinning functions replaced by a recording fake
 (``_Recorder``), and the assertions are on the order of what a device would have been
-asked to do; its multi-rank part shares one run of 3 gloo ranks with item 8 (``gloo_run``).
+asked to do; its multi-rank part shares one run of 3 gloo ranks with the fill errors (``gloo_run``).
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def _kinds(log: list[tuple], kind: str) -> list[tuple]:
     return [e for e in log if e[0] == kind]
 
 
-# ------------------------------------------ item 6: the allocator's cache after the flatten
+# ------------------------------------------------- the allocator's cache after the flatten
 def _count_empty_cache() -> list[torch.device]:
     calls: list[torch.device] = []
     real = accel.empty_cache
@@ -190,7 +191,7 @@ def _empty_cache_counts(kind: str) -> dict:
     return counts
 
 
-def test_review23_item6_empty_cache_once_after_a_flatten_onto_an_accelerator(emu_run, monkeypatch):
+def test_empty_cache_once_after_a_flatten_onto_an_accelerator(emu_run, monkeypatch):
     for r in emu_run:
         assert r["empty_cache"]["device"] == (("device",), 1, {"emu"}), r
         assert r["empty_cache"]["host"] == (("sharded",), 1, {"emu"}), r
@@ -236,7 +237,7 @@ def _allocate_only_cases(kind: str) -> dict:
     return out
 
 
-def test_review23_item6_allocate_only_counts_every_bucket_when_params_hold_no_device_memory(
+def test_allocate_only_counts_every_bucket_when_params_hold_no_device_memory(
     emu_run,
 ):
     """``allocate_only`` used to be decided as params on the device (one bucket at a time);
@@ -255,7 +256,7 @@ def test_review23_item6_allocate_only_counts_every_bucket_when_params_hold_no_de
         assert r["exact on"] == ["emu"], r
 
 
-# ------------------------------------------------------ item 7: only flatzero's pinned pages
+# ------------------------------------------------------------- only flatzero's pinned pages
 def _check_pins_released(log: list[tuple], slots: int) -> None:
     pins = [e[1] for e in _kinds(log, "pin")]
     unpins = [e[1] for e in _kinds(log, "unpin")]
@@ -267,7 +268,7 @@ def _check_pins_released(log: list[tuple], slots: int) -> None:
     assert not _kinds(log, "pinned_empty")
 
 
-def test_review23_item7_flatzero_unpins_only_its_own_staging(monkeypatch, tmp_path: Path):
+def test_flatzero_unpins_only_its_own_staging(monkeypatch, tmp_path: Path):
     """The upload ring and the checkpoint writer's chunks are page-locked by registration
     and unpinned one by one at the end; the process-wide pinned cache (a DataLoader's
     pinned batches) is never emptied: the fake raises if it is."""
@@ -292,7 +293,7 @@ def test_review23_item7_flatzero_unpins_only_its_own_staging(monkeypatch, tmp_pa
     _check_pins_released(recorder.log, slots=2)
 
 
-def test_review23_item7_without_host_registration_torch_pinned_cache_is_kept(monkeypatch):
+def test_without_host_registration_torch_pinned_cache_is_kept(monkeypatch):
     """A backend that cannot register host memory gets staging from torch's pinned caching
     allocator; at the end it goes back to that cache, which is not emptied."""
     recorder = _Recorder(register=False)
@@ -321,7 +322,7 @@ class _Runtime:
         return 0
 
 
-def test_review23_item7_pin_host_registers_exactly_the_tensor(monkeypatch, caplog):
+def test_pin_host_registers_exactly_the_tensor(monkeypatch, caplog):
     runtime = _Runtime()
     module = type("Module", (), {"cudart": staticmethod(lambda: runtime)})()
     monkeypatch.setattr(accel, "accelerator_type", lambda: "cuda")
@@ -341,7 +342,7 @@ def test_review23_item7_pin_host_registers_exactly_the_tensor(monkeypatch, caplo
     assert not accel.pin_host(buffer)
 
 
-# ------------------------------------------- item 8: a fill error on one rank, every rank
+# -------------------------------------------------- a fill error on one rank, every rank
 def _failing_read(read: Callable, at_bucket: int) -> Callable:
     """``read`` (``TensorSource.copy_into``), raising when it reads bucket ``at_bucket``."""
 
@@ -379,7 +380,7 @@ def _read_errors(rank: int, buckets: list[int], tier: str) -> list[dict]:
     return results
 
 
-def test_review23_item8_a_read_error_on_one_rank_raises_on_every_rank_gloo(gloo_run):
+def test_a_read_error_on_one_rank_raises_on_every_rank_gloo(gloo_run):
     """Rank 1 of 3 fails to read bucket k: every rank raises the same error, naming rank 1
     and the original error, within the collective timeout (it used to leave ranks 0 and 2
     in the all-gather until the timeout); no parameter loses its data."""
@@ -396,7 +397,7 @@ def test_review23_item8_a_read_error_on_one_rank_raises_on_every_rank_gloo(gloo_
         assert "OSError" in per_rank[1][buckets.index(k)]["cause"]  # the original, chained
 
 
-def test_review23_item8_a_read_error_in_a_local_tier_raises_on_every_rank(gloo_run):
+def test_a_read_error_in_a_local_tier_raises_on_every_rank(gloo_run):
     """The same in a tier that fills locally (``cpu``): the failing rank used to raise its
     own error alone while the others waited in the group's closing agreement, until its
     process exited and gloo reported a lost peer; the failure now rides on that agreement."""
@@ -437,7 +438,7 @@ def _checkpoint_read_error(rank: int, kind: str, path: str) -> dict:
     return {"message": None}
 
 
-def test_review23_item8_a_checkpoint_read_error_on_one_rank_raises_on_every_rank_emulated(emu_run):
+def test_a_checkpoint_read_error_on_one_rank_raises_on_every_rank_emulated(emu_run):
     """``load_flat`` on the emulated device (the sharded tier, a safetensors source): rank
     1's third read fails; both ranks raise the same error naming it, and every param is
     either still on the meta device or holds the checkpoint's values."""
@@ -448,7 +449,7 @@ def test_review23_item8_a_checkpoint_read_error_on_one_rank_raises_on_every_rank
     assert all(r["kept"] for r in results), results
 
 
-# ---------------------------------- item 14: upload of bucket k + 1 while bucket k gathers
+# ------------------------------------------ upload of bucket k + 1 while bucket k gathers
 @contextlib.contextmanager
 def _small_chunks() -> Iterator[None]:
     """Staging chunks of 256 bytes (64 fp32 elements): several per slice, the ring reused."""
@@ -509,7 +510,7 @@ def _check_overlap(log: list[tuple]) -> None:
             assert ("event_sync", event) in log[:i], (i, entry)
 
 
-def test_review23_item14_upload_of_the_next_bucket_overlaps_the_all_gather(gloo_run):
+def test_upload_of_the_next_bucket_overlaps_the_all_gather(gloo_run):
     for r in (r["overlap"] for r in gloo_run):
         assert r["tiers"] == ("sharded",) and r["changed"] == [] and r["bitwise"]
         _check_overlap(r["log"])
@@ -530,7 +531,7 @@ def _emulated_pipeline(kind: str) -> dict:
     }
 
 
-def test_review23_item14_pipelined_sharded_upload_is_bitwise_on_the_emulated_device(emu_run):
+def test_pipelined_sharded_upload_is_bitwise_on_the_emulated_device(emu_run):
     for r in (r["pipeline"] for r in emu_run):
         assert r["tiers"] == ("sharded",) and r["on"] == ["emu"], r
         assert r["changed"] == [] and r["bitwise"], r
@@ -551,8 +552,9 @@ def _emulated_worker(rank: int, world_size: int, kind: str, path: str) -> dict:
 
 @pytest.fixture(scope="module")
 def emu_run(tmp_path_factory) -> list[dict]:
-    """Items 6, 8 and 14 on 2 ranks of the emulated accelerator, in one run."""
-    path = tmp_path_factory.mktemp("review23") / "model.safetensors"
+    """The cache, the fill errors and the upload pipeline on 2 ranks of the emulated
+    accelerator, in one run."""
+    path = tmp_path_factory.mktemp("staging") / "model.safetensors"
     save_file({n: p.detach().contiguous() for n, p in UnevenNet().named_parameters()}, path)
     return launch("emu", _emulated_worker, 2, str(path), timeout_s=30)
 
@@ -567,6 +569,6 @@ def _gloo_worker(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def gloo_run() -> list[dict]:
-    """Items 8 and 14 on 3 gloo ranks (host buffers), in one run; a rank that waited in a
-    collective the others never joined would fail it after 20 s."""
+    """The fill errors and the upload pipeline on 3 gloo ranks (host buffers), in one run;
+    a rank that waited in a collective the others never joined would fail it after 20 s."""
     return run_ranks(_gloo_worker, 3, timeout_s=20)

@@ -1,15 +1,16 @@
-"""Issue 23, items 4, 5 and 13: the training step's memory and host syncs.
+"""The training step's memory and host syncs.
 
-- item 4: gradient staging stays within ``ZeroConfig.reduce_staging_bytes`` when buckets
+- staging: gradient staging stays within ``ZeroConfig.reduce_staging_bytes`` when buckets
   (and a param) are larger than it, with the same results bit for bit as a budget that
   holds every bucket, and parity with plain AdamW;
-- item 5: ranks that leave different params without gradient neither hang nor hold
+- unused params: ranks that leave different params without gradient neither hang nor hold
   gradients back: a chunk whose params this backward pass will not reach is reduced at
   once, so only about one layer's gradients wait at any time;
-- item 13: a step reads nothing from the device (bf16/fp32; one read with fp16 loss
+- host syncs: a step reads nothing from the device (bf16/fp32; one read with fp16 loss
   scaling) and issues one all-reduce, for the norm, on the gradients' device.
 
-Two spawns: 2 gloo ranks for items 4 and 13, 3 for item 5. References run in the ranks.
+Two spawns: 2 gloo ranks for staging and host syncs, 3 for unused params. References run
+in the ranks.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from flatzero.optim import LossScaleConfig, ZeroConfig, ZeroOptimizer
 LR = 1e-2
 WIDTH = 32
 BUDGET = 4096
-"""Item 4's staging budget (bytes): 1024 fp32 elements, chunks of 512."""
+"""The staging test's budget (bytes): 1024 fp32 elements, chunks of 512."""
 UNUSED_BUDGET = 6144
-"""Item 5's staging budget (bytes)."""
+"""The unused-params test's staging budget (bytes)."""
 
 
 def _pack(obj: Any) -> bytes:
@@ -55,7 +56,7 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
-# ------------------------------------------------------------------------ item 4
+# ----------------------------------------------------------------------- staging
 class Wide(nn.Module):
     """An embedding of 12,800 elements (a bucket of its own, 25 chunks of the budget's 512)
     and three layers sharing buckets of up to 4,096 elements (more than the budget)."""
@@ -145,7 +146,7 @@ def _adamw_reference(world_size: int, steps: int = 3) -> dict[str, torch.Tensor]
     return _snapshot(model)
 
 
-def _item4(rank: int, world_size: int) -> dict[str, Any]:
+def _staging(rank: int, world_size: int) -> dict[str, Any]:
     out = {}
     for stage, dtype in (
         (2, torch.float32),
@@ -163,7 +164,7 @@ def _item4(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-def _check_item4(results: list[dict[str, Any]]) -> None:
+def _check_staging(results: list[dict[str, Any]]) -> None:
     for key in ("stage2_float32", "stage2_bfloat16", "stage1_bfloat16", "stage1_float32"):
         for rank, result in enumerate(results):
             chunked, whole = result[key]["chunked"], result[key]["whole"]
@@ -180,11 +181,11 @@ def _check_item4(results: list[dict[str, Any]]) -> None:
         torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_review23_item4_staging_bounded_by_budget(two_ranks):
-    _check_item4([r["item4"] for r in two_ranks])
+def test_staging_bounded_by_budget(two_ranks):
+    _check_staging([r["staging"] for r in two_ranks])
 
 
-# ------------------------------------------------------------------------ item 5
+# ---------------------------------------------------------------- unused params
 LAYERS = 8
 
 
@@ -216,7 +217,7 @@ def _inputs(step: int, rank: int) -> torch.Tensor:
 UNUSED_STEPS = 5
 
 
-def _item5(rank: int, world_size: int) -> dict[str, Any]:
+def _unused_params(rank: int, world_size: int) -> dict[str, Any]:
     model = Chain()
     opt = ZeroOptimizer(
         model.parameters(),
@@ -282,7 +283,7 @@ def three_ranks() -> list[dict[str, Any]]:
     return [_unpack(b) for b in run_ranks(_three_rank_worker, 3, timeout_s=120)]
 
 
-def test_review23_item5_unused_params_do_not_hold_back_reduction(three_ranks):
+def test_unused_params_do_not_hold_back_reduction(three_ranks):
     reference = three_ranks[0]["reference"]
     for rank, result in enumerate(three_ranks):
         assert result["buckets"] == LAYERS + 1
@@ -297,13 +298,13 @@ def test_review23_item5_unused_params_do_not_hold_back_reduction(three_ranks):
         assert result["held"][0] > 0, rank  # the first pass waits for the unused layers
 
 
-def test_review23_item5_gradient_after_its_chunk_was_reduced_raises():
+def test_gradient_after_its_chunk_was_reduced_raises():
     errors = run_ranks(_late_gradient_worker, 2, timeout_s=60)
     for error in errors:
         assert "counted as unused and already reduced as zero" in error, error
 
 
-# ------------------------------------------------------------------------ item 13
+# ------------------------------------------------------------------- host syncs
 _HOST_READS = ("item", "__float__", "__bool__", "__int__", "tolist")
 
 
@@ -428,7 +429,7 @@ def _engine_syncs(rank: int, world_size: int, clipping: float) -> dict[str, Any]
     return seen
 
 
-def _item13(rank: int, world_size: int) -> dict[str, Any]:
+def _syncs_per_case(rank: int, world_size: int) -> dict[str, Any]:
     return {
         "fp32": _step_syncs(rank, torch.float32, ZeroConfig()),
         "fp32_clip": _step_syncs(rank, torch.float32, ZeroConfig(max_grad_norm=0.1)),
@@ -443,12 +444,14 @@ def _item13(rank: int, world_size: int) -> dict[str, Any]:
 
 def _two_rank_worker(rank: int, world_size: int) -> bytes:
     torch.set_num_threads(1)
-    return _pack({"item4": _item4(rank, world_size), "item13": _item13(rank, world_size)})
+    return _pack(
+        {"staging": _staging(rank, world_size), "host_syncs": _syncs_per_case(rank, world_size)}
+    )
 
 
 def _three_rank_worker(rank: int, world_size: int) -> bytes:
     torch.set_num_threads(1)
-    return _pack(_item5(rank, world_size))
+    return _pack(_unused_params(rank, world_size))
 
 
 @pytest.fixture(scope="module")
@@ -460,9 +463,9 @@ NORM_ALL_REDUCE = ("all_reduce", "cpu", torch.float64, 1)
 """The step's one collective besides the all-gather of the buckets: the squared norm."""
 
 
-def test_review23_item13_no_host_sync_in_step(two_ranks):
+def test_no_host_sync_in_step(two_ranks):
     for result in two_ranks:
-        item = result["item13"]
+        item = result["host_syncs"]
         for case in ("fp32", "fp32_clip", "bf16_clip", "engine", "engine_clip"):
             seen = item[case]
             assert seen["reads"] == [], (case, seen["reads"])
@@ -481,13 +484,13 @@ def test_review23_item13_no_host_sync_in_step(two_ranks):
     # The engine's norm is read when asked for: the global one (the same on every rank),
     # the optimizer's own when the step clips.
     for case in ("engine", "engine_clip"):
-        norms = [r["item13"][case]["norm"] for r in two_ranks]
+        norms = [r["host_syncs"][case]["norm"] for r in two_ranks]
         assert norms[0] > 0 and norms == [norms[0]] * len(norms), (case, norms)
-    assert two_ranks[0]["item13"]["engine"]["optimizer_norm"] is None
-    assert two_ranks[0]["item13"]["engine_clip"]["optimizer_norm"] == norms[0]
+    assert two_ranks[0]["host_syncs"]["engine"]["optimizer_norm"] is None
+    assert two_ranks[0]["host_syncs"]["engine_clip"]["optimizer_norm"] == norms[0]
 
 
-def test_review23_item13_norm_all_reduced_on_the_shards_device(monkeypatch):
+def test_norm_all_reduced_on_the_shards_device(monkeypatch):
     """The squared norm stays where the gradient shards are (here the meta device, as a
     stand-in for a GPU of a ``cpu:gloo,cuda:nccl`` group) and is all-reduced there."""
     import flatzero.optim.norm as norm
