@@ -5,41 +5,7 @@ with ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
 ``LOCAL_WORLD_SIZE`` set, e.g. by ``torch.multiprocessing.spawn``). DeepSpeed is never a
 hard import: it is imported inside the functions here, and ``deepspeed_available`` says
 why it cannot be used when it cannot.
-
-What it takes to run DeepSpeed 0.19.8 cleanly on a CPU-only machine (found by running it):
-
-- ``DS_ACCELERATOR=cpu`` must be in the environment before ``deepspeed`` is first
-  imported (accelerator detection happens at import and is cached); without it DeepSpeed
-  guesses and logs a warning. ``_prepare_env`` sets it (if unset) and ``LOCAL_SIZE`` (the
-  CPU accelerator's device count; unset, it shells out to ``numactl`` to count NUMA nodes).
-- The process group is not re-initialized: ``deepspeed.comm.init_distributed`` sees
-  ``torch.distributed.is_initialized()`` and wraps the existing group in its
-  ``TorchBackend``; no new process groups are created per ``initialize`` call.
-- Creating that ``TorchBackend`` (once per process, on the first ``initialize``) JIT-builds
-  the ``deepspeed_shm_comm`` C++ op with ninja/g++ (about 40 s on 2 cores, cached in
-  ``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``; later processes only load
-  the ``.so``) and prints ``... built successfully`` to stdout. The op serves only
-  inference all-reduce, never ZeRO. ``prepare_deepspeed`` creates the backend once,
-  outside the timed region, with stdout captured, and by default marks the op
-  incompatible (``deepspeed.ops.__compatible_ops__``) so it is neither built nor loaded:
-  no compiler needed. No other op is compiled: the client ``torch.optim.AdamW`` with
-  ``zero_force_ds_cpu_optimizer: false`` avoids DeepSpeed's CPU Adam.
-- DeepSpeed's logger (``"DeepSpeed"``, its own stdout handler, not propagating) is set to
-  WARNING.
-- ``allgather_bucket_size`` must be even (``nccl_start_alignment_factor`` is 2).
-- With ``bf16`` enabled the engine casts every param that is not bf16 (inside
-  ``initialize``); models are required here to arrive in the requested dtype, so that the
-  timed region does the same work as flatzero's.
-- Between trials the engine must be destroyed. The ZeRO optimizer's gradient hooks live
-  in the autograd graph (C++, invisible to Python's cycle collector) and close over the
-  optimizer, so a dropped engine is never freed: measured +200 MB RSS and +292 live
-  tensors per trial for a 50M-param bf16 model at world size 2.
-  ``engine.destroy()`` (which calls the optimizer's ``destroy()``) removes the hooks;
-  ``release_engine`` does that, then ``gc.collect()`` and ``malloc_trim``. With it, over
-  10 alternating stage-1/2 trials RSS after each stays at the same level (±1 MB) and no
-  tensor stays alive. Without ``malloc_trim`` RSS creeps up by glibc heap
-  retention (not a leak), which is why ``trim_host_memory`` exists.
-
+See [Note: DeepSpeed 0.19.8 on a CPU-only machine] beside ``_prepare_env``.
 """
 
 from __future__ import annotations
@@ -75,6 +41,40 @@ EXPECTED_VERSION = "0.19.8"
 _prepare_seconds: float | None = None
 
 
+# [Note: DeepSpeed 0.19.8 on a CPU-only machine] What it takes to run it cleanly (found by
+# running it):
+#
+# - ``DS_ACCELERATOR=cpu`` must be in the environment before ``deepspeed`` is first
+#   imported (accelerator detection happens at import and is cached); without it DeepSpeed
+#   guesses and logs a warning. ``_prepare_env`` sets it (if unset) and ``LOCAL_SIZE`` (the
+#   CPU accelerator's device count; unset, it shells out to ``numactl`` to count NUMA nodes).
+# - The process group is not re-initialized: ``deepspeed.comm.init_distributed`` sees
+#   ``torch.distributed.is_initialized()`` and wraps the existing group in its
+#   ``TorchBackend``; no new process groups are created per ``initialize`` call.
+# - Creating that ``TorchBackend`` (once per process, on the first ``initialize``) JIT-builds
+#   the ``deepspeed_shm_comm`` C++ op with ninja/g++ (about 40 s on 2 cores, cached in
+#   ``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``; later processes only load
+#   the ``.so``) and prints ``... built successfully`` to stdout. The op serves only
+#   inference all-reduce, never ZeRO. ``prepare_deepspeed`` creates the backend once,
+#   outside the timed region, with stdout captured, and by default marks the op
+#   incompatible (``deepspeed.ops.__compatible_ops__``) so it is neither built nor loaded:
+#   no compiler needed. No other op is compiled: the client ``torch.optim.AdamW`` with
+#   ``zero_force_ds_cpu_optimizer: false`` avoids DeepSpeed's CPU Adam.
+# - DeepSpeed's logger (``"DeepSpeed"``, its own stdout handler, not propagating) is set to
+#   WARNING.
+# - ``allgather_bucket_size`` must be even (``nccl_start_alignment_factor`` is 2).
+# - With ``bf16`` enabled the engine casts every param that is not bf16 (inside
+#   ``initialize``); models are required here to arrive in the requested dtype, so that the
+#   timed region does the same work as flatzero's.
+# - Between trials the engine must be destroyed. The ZeRO optimizer's gradient hooks live
+#   in the autograd graph (C++, invisible to Python's cycle collector) and close over the
+#   optimizer, so a dropped engine is never freed: measured +200 MB RSS and +292 live
+#   tensors per trial for a 50M-param bf16 model at world size 2.
+#   ``engine.destroy()`` (which calls the optimizer's ``destroy()``) removes the hooks;
+#   ``release_engine`` does that, then ``gc.collect()`` and ``malloc_trim``. With it, over
+#   10 alternating stage-1/2 trials RSS after each stays at the same level (±1 MB) and no
+#   tensor stays alive. Without ``malloc_trim`` RSS creeps up by glibc heap
+#   retention (not a leak), which is why ``trim_host_memory`` exists.
 def _prepare_env() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     local = os.environ.get("LOCAL_WORLD_SIZE")
