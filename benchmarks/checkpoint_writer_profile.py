@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from flatzero.bench import checkpoint_bench as cb
 from flatzero.checkpoint import SaveConfig, save_checkpoint
 from flatzero.checkpoint.checkpointer import wait_for_save
+from flatzero_bench.checkpoint import checkpoint_bench as cb
 
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", "29731")

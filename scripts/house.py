@@ -38,14 +38,14 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("device seam", ("accel",)),
     ("placement", ("devices", "hostmem", "params", "storage")),
     ("ranks", ("comm", "control")),
-    ("host and memory", ("cores", "memory", "report")),
+    ("host and memory", ("cores", "memory", "procmem", "report")),
     ("flatten", ("flatten",)),
     ("optimizer", ("optim", "loading")),
     ("checkpoint", ("checkpoint",)),
     ("deepspeed", ("deepspeed",)),
     ("measuring", ("measure",)),
     ("doors", ("flatzero", "run", "launch", "plan")),
-    ("tools", ("bench", "demo", "testing")),
+    ("tools", ("harness", "demo", "testing")),
     ("command line", ("cli", "__main__")),
 )
 """The floors from the ground up and the rooms on each.
@@ -74,8 +74,9 @@ ROOMS: dict[str, str] = {
     "control": "the gloo control group and what ranks agree on over it (any rank failed)",
     "cores": "this process's usable cores, a rank's share of them, init's thread count",
     "memory": "free device memory, out-of-memory errors",
+    "procmem": "this process's RSS, peak RSS and CPU seconds; the host allocator trimmed",
     "report": "the init report: phases, bytes moved by kind, peaks",
-    "measure": "hardware rates and DeepSpeed's flatten algorithms, for plan and bench alike",
+    "measure": "hardware rates and DeepSpeed's flatten algorithms, for plan and the benchmarks",
     "flatten": "flatten_parameters: tiers, their registry, tier choice, bucket by bucket",
     "optim": "ZeroOptimizer: fp32 shards, gradient reduction, the inner optimizer's step",
     "loading": "load_flat: flatten straight from a safetensors checkpoint",
@@ -83,11 +84,11 @@ ROOMS: dict[str, str] = {
     "deepspeed": "the DeepSpeed door (engine, config), patch_deepspeed, DeepSpeed's checkpoints",
     "flatzero": "the package's public names (flatzero.__all__)",
     "run": "python -m flatzero.run, the launcher: a script under deepspeed.patch, unchanged",
-    "launch": "run a function on N local ranks as torchrun would (tests, bench, demo)",
+    "launch": "run a function on N local ranks as torchrun would (tests, benchmarks, demo)",
     "plan": "flatzero plan: predicted memory, tier, bytes per link and init time",
-    "bench": "flatzero bench: each benchmark against its baseline and the hardware limit",
+    "harness": "finds the benchmark harness (benchmarks/flatzero_bench) for bench and demo",
     "demo": "flatzero demo: the DeepSpeed door end to end in under a minute",
-    "testing": "an emulated accelerator (PrivateUse1 over CPU memory) for tests and bench",
+    "testing": "for tests and benchmarks: an emulated accelerator, the real DeepSpeed set up",
     "cli": "the flatzero command: parses, dispatches, prints one line on a user error",
     "__main__": "python -m flatzero",
 }
@@ -131,15 +132,15 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "emulated.collectives",
             ),
         ),
-        ("registration", ("emulated.registration", "emulated", "__init__")),
+        ("registration", ("emulated.registration", "emulated", "deepspeed", "__init__")),
     ),
 }
 """The floors inside a subpackage, for the rooms that have them: an import between two
 modules of the room may go to the same inner floor or below, never up. A room not listed
-(``optim``, ``checkpoint``, ``engine``, ``bench`` today) is checked for circles only;
+(``optim``, ``checkpoint``, ``deepspeed`` today) is checked for circles only;
 giving it floors is one entry here."""
 
-TOOLS = ("bench", "testing")
+TOOLS = ("harness", "testing")
 """Rooms that nothing on the product's path imports (``PRODUCT``), whatever the floors say."""
 
 PRODUCT = (
@@ -154,6 +155,34 @@ PRODUCT = (
     "flatzero",
 )
 """The product's path: the rooms a user's training or ``flatzero plan`` runs."""
+
+HARNESS = "flatzero_bench"
+"""The benchmark harness's package (``benchmarks/flatzero_bench``), outside ``src``."""
+
+HARNESS_TESTS = ("test_bench_*.py", "test_*_bench.py", "test_demo.py", "test_cli.py")
+"""The test files of the harness (``flatzero bench``, ``flatzero demo``, the command line):
+the only ones that may import it. Every other test is a product test."""
+
+TESTS = SRC.parent / "tests"
+
+
+def tests_importing_harness(tests: Path = TESTS) -> list[str]:
+    """The product tests under ``tests`` that import the harness, ``path:line`` each."""
+    out = []
+    for path in sorted(tests.rglob("*.py")):
+        if any(path.match(pattern) for pattern in HARNESS_TESTS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            if any(name.split(".")[0] == HARNESS for name in names):
+                out.append(f"{path.relative_to(tests.parent)}:{node.lineno}")
+    return out
+
 
 ALLOWED_UP: dict[tuple[str, str], str] = {}
 """Upward arrows accepted, as ``(importer, imported)`` modules, each with its reason (between

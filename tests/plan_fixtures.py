@@ -1,6 +1,6 @@
-"""What the tests of ``flatzero plan``'s host-memory formulas share: the bench's tiny model
-under a ZeroOptimizer that took one step (world size 1, in this process), and the plan of
-the same model and settings."""
+"""What the tests of ``flatzero plan`` share: the step benchmark's tiny model under a
+ZeroOptimizer that took one step (world size 1, in this process), the plan of the same
+model and settings, and a calibration of round rates."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from flatzero import FlattenConfig, ZeroOptimizer
-from flatzero.bench.step import MODELS
 from flatzero.models import build_model
+from flatzero.models.bench_models import STEP_MODELS as MODELS
+from flatzero.plan.calibration import Calibration
 from flatzero.plan.model_source import ModelSource
 from flatzero.plan.planner import Plan, PlanSpec, make_plan
 
@@ -58,4 +59,22 @@ def tiny_plan(config: Any, optimizer: str, **spec: Any) -> Plan:
             bucket_numel=BUCKET,
             **spec,
         )
+    )
+
+
+def calibration(scale: float = 1.0, *, plain: bool = True) -> Calibration:
+    """A calibration of round rates (GB/s) times ``scale``; ``plain``: with the plain
+    (huge-page-free) first-touch and cast rates."""
+    return Calibration(
+        cores=4,
+        memory_bytes=2**34,
+        memcpy_gbps=10 * scale,
+        thread_memcpy_gbps=5 * scale,
+        first_touch_gbps=2 * scale,
+        thread_first_touch_gbps=1 * scale,
+        cast_gbps=1.5 * scale,
+        thread_cast_gbps=1 * scale,
+        plain_first_touch_gbps=4 * scale if plain else None,
+        plain_cast_gbps=3 * scale if plain else None,
+        tensor_seconds=dict.fromkeys(("flatzero", "torch_cat", "legacy_cpu"), 0.0),
     )

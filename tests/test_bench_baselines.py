@@ -12,20 +12,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from flatzero.bench.baselines import (
+from flatzero.measure.baselines import (
     BaselineResult,
     deepspeed_padded_numel,
     deepspeed_partition_range,
     flatten_legacy_cpu,
     flatten_torch_cat,
 )
-from flatzero.bench.deepspeed_runner import deepspeed_available, deepspeed_config
-from flatzero.bench.limits import (
+from flatzero.measure.limits import (
     device_copy_seconds,
     first_touch_seconds,
     memcpy_seconds,
     pinned_h2d_seconds,
 )
+from flatzero.testing.deepspeed import deepspeed_available, deepspeed_config
 
 FLATTENERS = [flatten_torch_cat, flatten_legacy_cpu]
 
@@ -194,7 +194,7 @@ def _ds_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        from flatzero.bench.deepspeed_runner import time_deepspeed_initialize
+        from flatzero_bench.common.deepspeed_init import time_deepspeed_initialize
 
         torch.manual_seed(1234)  # same model on every rank
         model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8), nn.Linear(8, 3)).to(

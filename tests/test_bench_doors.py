@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from flatzero.bench.deepspeed_runner import deepspeed_available
-from flatzero.bench.doors_stats import slowest_rank, spread, summarize_run, summarize_runs
 from flatzero.cli import main
+from flatzero.testing.deepspeed import deepspeed_available
+from flatzero_bench.doors.doors_stats import slowest_rank, spread, summarize_run, summarize_runs
 
 
 def _fig(init: float, ttfs: float, cpu: float = 1.0, share: float = 0.5) -> dict[str, float]:

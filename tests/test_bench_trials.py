@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from flatzero.bench.trials import bracketed, median_interval
+from flatzero_bench.common.trials import bracketed, median_interval
 
 
 def test_median_interval_takes_the_widest_order_statistics_that_keep_the_coverage():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from flatzero.bench import checkpoint_bench
+from flatzero_bench.checkpoint import checkpoint_bench
 
 
 @pytest.mark.parametrize("what", ["load", "save"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from flatzero.bench import load_bench
+from flatzero_bench.load import load_bench
 
 
 def test_bench_load_smoke(tmp_path, capsys):

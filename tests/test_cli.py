@@ -180,3 +180,17 @@ def test_an_output_path_that_exists_or_cannot_be_made(argv, expected, checkpoint
     assert fill(expected) in lines[0], err
     after = {p: p.read_bytes() for p in sorted(checkpoint.rglob("*")) if p.is_file()}
     assert after == before  # nothing written or changed
+
+
+def test_bench_and_demo_say_where_the_harness_lives_when_it_is_missing(monkeypatch, capsys):
+    """From a wheel (no ``benchmarks/``), ``flatzero bench`` and ``flatzero demo`` name the
+    harness and where it was looked for, in one line with exit status 2."""
+    from flatzero import harness
+
+    monkeypatch.setattr(harness, "find_harness", lambda: False)
+    monkeypatch.setattr("flatzero.demo.find_harness", lambda: False)
+    for argv in (["bench", "init"], ["demo", "--steps", "1"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"flatzero {argv[0]}: error:" in err and "flatzero_bench" in err
+        assert "benchmarks" in err and len(err.strip().splitlines()) == 1

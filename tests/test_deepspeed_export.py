@@ -28,7 +28,6 @@ from safetensors.torch import load_file
 from torch import nn
 
 from flatzero import FlattenConfig
-from flatzero.bench.deepspeed_runner import deepspeed_available
 from flatzero.checkpoint import (
     CheckpointReader,
     ExportConfig,
@@ -45,6 +44,7 @@ from flatzero.deepspeed.reader import read_deepspeed
 from flatzero.launch import run_ranks
 from flatzero.optim import ZeroConfig, ZeroOptimizer
 from flatzero.storage.tensorfile import open_safetensors
+from flatzero.testing.deepspeed import deepspeed_available
 
 K, M = 3, 2  # steps before the save, steps after it
 BATCH, SEQ, VOCAB, LR = 4, 10, 48, 3e-3
@@ -167,7 +167,7 @@ def deepspeed_resume(rank: int, ws: int, root: Path, case: str) -> dict:
     """Load the export into a fresh DeepSpeed engine, train M steps, save DeepSpeed's own."""
     import deepspeed
 
-    from flatzero.bench.deepspeed_runner import release_engine
+    from flatzero.testing.deepspeed import release_engine
 
     dtype = "fp32" if case == WS1 else CASES[case][1]
     model, client = build(dtype, seed=123)  # another init: all must come from the export
@@ -200,7 +200,7 @@ def consolidated(directory: Path) -> dict[str, torch.Tensor]:
 def rank_main(rank: int, ws: int, root: str) -> bytes:
     from deepspeed.accelerator import get_accelerator
 
-    from flatzero.bench.deepspeed_runner import prepare_deepspeed
+    from flatzero.testing.deepspeed import prepare_deepspeed
 
     prepare_deepspeed(warmup=False)
     # DeepSpeed's CPU accelerator claims fp16 only with AVX512-FP16; torch runs it anyway

@@ -22,12 +22,12 @@ import torch.distributed as dist
 from torch import nn
 
 from flatzero import FlattenConfig
-from flatzero.bench.deepspeed_runner import deepspeed_available
 from flatzero.checkpoint import CheckpointReader, export_checkpoint, load_checkpoint
 from flatzero.deepspeed.convert import from_deepspeed
 from flatzero.deepspeed.reader import read_deepspeed
 from flatzero.launch import run_ranks
 from flatzero.optim import ZeroConfig, ZeroOptimizer
+from flatzero.testing.deepspeed import deepspeed_available
 
 K = 3
 M = 3
@@ -95,7 +95,7 @@ def train_deepspeed(rank: int, ws: int, ckpt: Path, dtype: str) -> list[float]:
     """K steps, save, M more steps with DeepSpeed; returns the last M global losses."""
     import deepspeed
 
-    from flatzero.bench.deepspeed_runner import release_engine
+    from flatzero.testing.deepspeed import release_engine
 
     torch.manual_seed(0)
     model = Tiny().to(DTYPES[dtype])
@@ -154,7 +154,7 @@ def resume_flatzero(ckpt: Path, dtype: str) -> dict:
 
 
 def deepspeed_then_flatzero(rank: int, ws: int, root: str) -> bytes:
-    from flatzero.bench.deepspeed_runner import prepare_deepspeed
+    from flatzero.testing.deepspeed import prepare_deepspeed
 
     prepare_deepspeed(warmup=False)
     out = {}

@@ -716,7 +716,7 @@ def _accum(stage: int, value: str, precision: str | None = "bf16") -> dict:
         ({**B, "bf16": {"enabled": True}, "data_types": {}}, None),
     ],
 )
-def test_review23_item11_grad_accum_dtype_is_honoured(config, expected):
+def test_grad_accum_dtype_is_honoured(config, expected):
     cfg = parse_config(config, world_size=1)
     assert cfg.zero_optimizer.grad_accum_dtype == expected
     assert not [k for k, _ in cfg.ignored if k.startswith("data_types")]
@@ -739,14 +739,14 @@ def test_review23_item11_grad_accum_dtype_is_honoured(config, expected):
         ),
     ],
 )
-def test_review23_item11_grad_accum_dtype_it_cannot_honour_is_refused(config, message):
+def test_grad_accum_dtype_it_cannot_honour_is_refused(config, message):
     with pytest.raises(UnsupportedFeatureError) as info:
         parse_config(config, world_size=1)
     assert str(info.value) == message
     assert info.value.key == "data_types.grad_accum_dtype"
 
 
-def test_review23_item11_other_data_types_keys_are_listed():
+def test_other_data_types_keys_are_listed():
     cfg = parse_config(
         {
             **B,

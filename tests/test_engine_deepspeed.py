@@ -68,7 +68,7 @@ def train(engine, rank: int) -> list[float]:
 
 
 def rank_main(rank: int, world_size: int) -> dict:
-    from flatzero.bench.deepspeed_runner import prepare_deepspeed, release_engine
+    from flatzero.testing.deepspeed import prepare_deepspeed, release_engine
 
     prepare_deepspeed()
     import deepspeed

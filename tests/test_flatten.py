@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from flatzero import FlattenConfig, flatten_parameters, inject_oom
-from flatzero.bench.procmem import trim_host_memory
+from flatzero.procmem import trim_host_memory
 
 TIERS = ["cpu", "device", "host", "sharded", "host_park"]
 

@@ -153,7 +153,7 @@ class NotElementwise(torch.optim.Optimizer):
 
 
 def _skip_shm_op() -> None:
-    """As ``flatzero.bench.deepspeed_runner`` does: DeepSpeed's CPU communication backend
+    """As ``flatzero.testing.deepspeed`` does: DeepSpeed's CPU communication backend
     (which the router initializes, as ``deepspeed.initialize`` would) otherwise JIT-compiles
     its ``deepspeed_shm_comm`` op (about 40 s with g++; inference all-reduce only)."""
     import deepspeed.ops

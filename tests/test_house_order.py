@@ -3,9 +3,10 @@
 Every module's imports, read with ``ast`` (at the top, inside functions, under
 ``TYPE_CHECKING``): no circle between modules or between rooms (a top-level module or a
 subpackage), no arrow up a floor but those ``house.ALLOWED_UP`` lists with a reason, none up
-an inner floor of a subpackage (``house.INNER_FLOORS``), and nothing on the product's path
-imports ``bench`` or ``testing``. The checker is itself
-checked: violations planted in a copy of the package's text are all found.
+an inner floor of a subpackage (``house.INNER_FLOORS``), nothing on the product's path
+imports ``harness`` or ``testing``, and no product test imports the benchmark harness
+(``flatzero_bench``). The checker is itself checked: violations planted in a copy of the
+package's text are all found.
 """
 
 from __future__ import annotations
@@ -62,6 +63,19 @@ def test_the_product_path_imports_no_tool(sources):
         if house.room_of(a.source) in house.PRODUCT and house.room_of(a.target) in house.TOOLS
     ]
     assert bad == []
+
+
+def test_no_product_test_imports_the_harness():
+    assert house.tests_importing_harness() == []
+
+
+def test_a_product_test_importing_the_harness_is_found(tmp_path):
+    (tmp_path / "tests" / "gpu").mkdir(parents=True)
+    (tmp_path / "tests" / "gpu" / "test_x.py").write_text("import flatzero_bench.common\n")
+    (tmp_path / "tests" / "test_y.py").write_text("def f():\n    from flatzero_bench import a\n")
+    (tmp_path / "tests" / "test_bench_z.py").write_text("import flatzero_bench\n")
+    found = house.tests_importing_harness(tmp_path / "tests")
+    assert found == ["tests/gpu/test_x.py:1", "tests/test_y.py:2"]
 
 
 def test_the_reader_sees_every_kind_of_import():
@@ -128,8 +142,8 @@ def test_planted_violations_are_caught(sources):
     found = _plant(sources, "flatzero.flatten.buffers", "from .api import flatten_parameters\n")
     assert any("circle" in p and "flatzero.flatten.buffers" in p for p in found)
     # the product imports the benchmark harness
-    found = _plant(sources, "flatzero.optim.zero", "def f():\n    from ..bench import limits\n")
-    assert any("(product) imports flatzero.bench" in p for p in found)
+    found = _plant(sources, "flatzero.optim.zero", "def f():\n    from ..harness import HARNESS\n")
+    assert any("(product) imports flatzero.harness" in p for p in found)
     # a new room nobody gave a floor
     found = _plant(sources, "flatzero.newroom", "from . import layout\n")
     assert found == ["room 'newroom' has no floor: add it to FLOORS and ROOMS in scripts/house.py"]

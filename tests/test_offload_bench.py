@@ -10,7 +10,7 @@ from flatzero.cli import _parser
 def test_offload_kernel_launch_in_process_and_its_table(capsys, monkeypatch):
     """One kernel launch's body (``offload_kernel.main``, here in this process: the
     command runs it as a child with OMP_NUM_THREADS set) and the command's summary."""
-    from flatzero.bench import offload_bench, offload_kernel
+    from flatzero_bench.offload import offload_bench, offload_kernel
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # what main sets, undone after the test
     argv = ["--threads", "1", "--numel", "4096", "--steps", "2", "--warmup", "1"]
@@ -31,7 +31,7 @@ def test_offload_kernel_launch_in_process_and_its_table(capsys, monkeypatch):
 
 def test_offload_step_methods_train_alike_in_process():
     """The step part's rank function at world size 1 (no process group, no DeepSpeed)."""
-    from flatzero.bench import offload_step
+    from flatzero_bench.offload import offload_step
 
     spec = offload_step.OffloadStepSpec(
         model="tiny", dtype="bf16", methods=("flatzero-offload", "flatzero"), stage=2,
@@ -51,8 +51,8 @@ def test_offload_init_and_memory_figures_from_launch_records():
     formula for the tiny model beside the bytes recorded."""
     import argparse
 
-    from flatzero.bench import offload_bench
     from flatzero.plan.model_source import resolve_model
+    from flatzero_bench.offload import offload_bench
 
     def launch(door, run, init_s, gain, phases=True):
         rank = {

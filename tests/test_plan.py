@@ -27,10 +27,10 @@ import pytest
 import torch
 
 from flatzero import FlattenConfig, flatten_parameters
-from flatzero.bench.baselines import flatten_legacy_cpu, flatten_torch_cat
 from flatzero.cores import usable_cores
 from flatzero.launch import run_ranks
 from flatzero.layout import plan_layout
+from flatzero.measure.baselines import flatten_legacy_cpu, flatten_torch_cat
 from flatzero.models import LlamaConfig, Qwen3MoeConfig, build_model, save_model_safetensors
 from flatzero.optim import ZeroConfig, ZeroOptimizer
 from flatzero.plan import (
@@ -48,6 +48,7 @@ from flatzero.plan.model_source import ModelSource, group_dicts, param_groups
 from flatzero.plan.planner import huge_pages_advice, new_memory_sizes
 from flatzero.plan.traffic import deepspeed_bytes, deepspeed_master_bytes, flatzero_bytes
 from flatzero.storage.index import SafetensorsCheckpoint
+from plan_fixtures import calibration as _calibration
 
 LLAMA = LlamaConfig(
     vocab_size=97,
@@ -364,22 +365,6 @@ def test_issue_7677_shape_at_one_gpu():
     assert big.methods["host"].bytes_moved["all_gather"] == 0
 
 
-def _calibration(scale: float = 1.0, *, plain: bool = True) -> Calibration:
-    return Calibration(
-        cores=4,
-        memory_bytes=2**34,
-        memcpy_gbps=10 * scale,
-        thread_memcpy_gbps=5 * scale,
-        first_touch_gbps=2 * scale,
-        thread_first_touch_gbps=1 * scale,
-        cast_gbps=1.5 * scale,
-        thread_cast_gbps=1 * scale,
-        plain_first_touch_gbps=4 * scale if plain else None,
-        plain_cast_gbps=3 * scale if plain else None,
-        tensor_seconds=dict.fromkeys(("flatzero", "torch_cat", "legacy_cpu"), 0.0),
-    )
-
-
 def test_calibration_reaches_the_time_model():
     """A CPU job's predicted init is its new bytes at the calibrated rates, each rank with
     its share of the cores (4 cores, 2 ranks: 2 threads each, half the node's rate)."""
@@ -570,7 +555,6 @@ def _plan_args(*argv: str) -> argparse.Namespace:
 
 
 def test_calibration_file_and_host_bandwidth_reach_the_plan(tmp_path, capsys):
-    from flatzero.bench.plan_bench import PlanBenchSpec, predict
     from flatzero.cli import main
 
     path = tmp_path / "cal.json"
@@ -595,10 +579,6 @@ def test_calibration_file_and_host_bandwidth_reach_the_plan(tmp_path, capsys):
     )
     data = json.loads(capsys.readouterr().out)
     assert data["rates"]["first_touch_gbps"] == 1.0 and data["calibration"]["cast_gbps"] == 1.5
-    spec = PlanBenchSpec("tiny", "bf16", 2**26, 1, 0, 0.0, ("flatzero", "legacy_cpu"))
-    guess = predict(spec, 2, _calibration())
-    assert guess["flatzero"]["seconds"] == data["methods"]["cpu"]["time"]["seconds"]
-    assert guess["legacy_cpu"]["seconds"] == data["methods"]["deepspeed_legacy"]["time"]["seconds"]
     spec = spec_from_args(
         _plan_args("--model", "tiny", "--host-bandwidth", "64", "--gpus-per-node", "4")
     )

@@ -37,8 +37,8 @@ def test_plan_adds_autograd_largest_gradient_in_backward(capsys):
     the model (in the params' dtype), as a plain backward pass shows."""
     import torch
 
-    from flatzero.bench.step import MODELS
     from flatzero.models import build_model
+    from flatzero.models.bench_models import STEP_MODELS as MODELS
 
     config = MODELS["tiny"]()
     model = build_model(config, device="cpu", dtype=torch.bfloat16, seed=0)

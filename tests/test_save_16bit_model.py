@@ -1,4 +1,4 @@
-"""Issue 23 item 3: ``engine.save_16bit_model`` streams the weights from the flat buckets.
+"""``engine.save_16bit_model`` streams the weights from the flat buckets.
 
 - The file loads with ``load_state_dict(strict=True)`` and holds the trained weights bit for
   bit, keyed exactly as ``model.state_dict()`` (tied weights, a frozen param and buffers
@@ -184,7 +184,7 @@ def failures(tmp_path_factory) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("ws", [1, 2])
-def test_review23_item3_file_holds_the_trained_weights_bitwise(worlds, ws):
+def test_file_holds_the_trained_weights_bitwise(worlds, ws):
     for rank, out in enumerate(worlds[ws]):
         for dtype in DTYPES:
             for name in NAMES:
@@ -196,7 +196,7 @@ def test_review23_item3_file_holds_the_trained_weights_bitwise(worlds, ws):
                 assert trainable == full, (rank, dtype, name)
 
 
-def test_review23_item3_failed_write_on_rank0_raises_on_both_ranks(failures):
+def test_failed_write_on_rank0_raises_on_both_ranks(failures):
     zero, one = failures
     path = "errors/a_file/out/pytorch_model.bin"
     assert zero["unwritable"].startswith("NotADirectoryError: [Errno 20] cannot write /")
@@ -209,7 +209,7 @@ def test_review23_item3_failed_write_on_rank0_raises_on_both_ranks(failures):
         assert one[f"full/{name}"].startswith("RuntimeError: save_16bit_model: rank 0 failed")
 
 
-def test_review23_item3_failed_write_leaves_no_partial_file(failures):
+def test_failed_write_leaves_no_partial_file(failures):
     for rank, out in enumerate(failures):
         for name in NAMES:
             assert out[f"full/{name}/unchanged"], (rank, name)
@@ -231,7 +231,7 @@ def _killed_mid_write(rank: int, ws: int, root: str, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_review23_item3_process_killed_mid_write_leaves_the_old_file(tmp_path, name):
+def test_process_killed_mid_write_leaves_the_old_file(tmp_path, name):
     root = tmp_path / "killed"
     with pytest.raises(RuntimeError, match="rank 0"):
         run_ranks(_killed_mid_write, 1, str(root), name, timeout_s=60)
@@ -310,9 +310,7 @@ def _block_bound(engine, model: torch.nn.Module) -> tuple[int, int]:
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("copied", [False, True], ids=["host-buffers", "device-like-copies"])
-def test_review23_item3_extra_memory_is_one_block(
-    small_engine, tmp_path, monkeypatch, name, copied
-):
+def test_extra_memory_is_one_block(small_engine, tmp_path, monkeypatch, name, copied):
     engine, model = small_engine
     if copied:  # every block goes through the host copy a device bucket takes
         from flatzero.deepspeed.engine import weights16
@@ -331,7 +329,7 @@ def test_review23_item3_extra_memory_is_one_block(
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
 
 
-def test_review23_item3_transformers_loads_both_files(tmp_path):
+def test_transformers_loads_both_files(tmp_path):
     transformers = pytest.importorskip("transformers")
     import flatzero
     from test_engine_hf import make
@@ -355,7 +353,7 @@ def test_review23_item3_transformers_loads_both_files(tmp_path):
     engine.destroy()
 
 
-def test_review23_item3_extra_state_is_pickled_or_refused(tmp_path):
+def test_extra_state_is_pickled_or_refused(tmp_path):
     from flatzero.deepspeed.engine.weights16 import plan_weights, write_weights
 
     bucket = torch.arange(8, dtype=torch.float32)

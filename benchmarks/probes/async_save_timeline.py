@@ -8,7 +8,8 @@ that run them (nothing in flatzero changes): the snapshot landed, the rank file 
 the checksums ready, ``meta.json`` written and published. Printed per save: seconds
 from the call to each stamp, each step's seconds and the wait at the end.
 
-    python benchmarks/probes/async_save_timeline.py DIR [MODEL] [STEPS] [SAVES]
+    PYTHONPATH=benchmarks python benchmarks/probes/async_save_timeline.py \\
+        DIR [MODEL] [STEPS] [SAVES]
 """
 
 import os
@@ -18,7 +19,6 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from flatzero.bench.checkpoint_bench import CheckpointSpec, build, train_step
 from flatzero.checkpoint import (
     SaveConfig,
     async_save,
@@ -29,6 +29,7 @@ from flatzero.checkpoint import (
     writer,
 )
 from flatzero.checkpoint.checkpointer import wait_for_save
+from flatzero_bench.checkpoint.checkpoint_bench import CheckpointSpec, build, train_step
 
 STAMPS: dict[str, float] = {}
 

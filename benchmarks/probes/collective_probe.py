@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from flatzero.bench.procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
+from flatzero.procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
 
 
 def measure(run: Callable[[], None]) -> tuple[float, int]:

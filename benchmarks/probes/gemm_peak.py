@@ -9,7 +9,7 @@ weight's bytes. 2 bytes per element in bf16 means the gradient alone, no fp32 te
 
 import torch
 
-from flatzero.bench.procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
+from flatzero.procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
 
 OUT_FEATURES, IN_FEATURES = 128256, 1024
 

@@ -10,7 +10,7 @@ Per way: the slowest rank's seconds, and rank 0's resident-set high-water mark a
 resident set before (heap trimmed, mark reset; ``/proc/self/status``). Every result is
 checked against the expected values. Run it under torchrun:
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 \
+    PYTHONPATH=benchmarks python -m torch.distributed.run --standalone --nproc-per-node 2 \
         benchmarks/probes/gloo_all_gather.py
 
 Prints a table and one JSON line.
@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from collective_probe import measure, print_table
 
-from flatzero.bench.machine import describe_host
-from flatzero.bench.provenance import utc_timestamp
 from flatzero.comm import all_gather_into
+from flatzero_bench.common.machine import describe_host
+from flatzero_bench.common.provenance import utc_timestamp
 
 BUCKETS = 5
 NUMEL = 2**26

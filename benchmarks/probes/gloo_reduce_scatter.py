@@ -11,7 +11,7 @@ times in one launch:
 Per way: the slowest rank's seconds, and rank 0's resident-set high-water mark above the
 resident set before (heap trimmed, mark reset). Results are checked against each other.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 \
+    PYTHONPATH=benchmarks python -m torch.distributed.run --standalone --nproc-per-node 2 \
         benchmarks/probes/gloo_reduce_scatter.py
 
 Prints a table and one JSON line.
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from collective_probe import measure, print_table
 
-from flatzero.bench.machine import describe_host
-from flatzero.bench.provenance import utc_timestamp
+from flatzero_bench.common.machine import describe_host
+from flatzero_bench.common.provenance import utc_timestamp
 
 NUMEL = 2**26
 CHUNK = 2**25

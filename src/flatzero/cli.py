@@ -7,6 +7,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from . import harness
+
 __all__ = ["USER_ERRORS", "main", "one_line"]
 
 USER_ERRORS = (ValueError, TypeError, OSError)
@@ -45,9 +47,14 @@ def _info(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _harness_missing(_args: argparse.Namespace) -> int:
+    raise harness.harness_missing("flatzero bench")
+
+
 def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     """The command line's parser; ``with_bench=False`` leaves the benchmark harness
-    unimported (``flatzero bench`` then only takes the rest of the line, unread)."""
+    unimported (``flatzero bench`` then only takes the rest of the line, unread), as does
+    a flatzero without the harness (``flatzero bench`` then says where it lives)."""
     parser = argparse.ArgumentParser(
         prog="flatzero",
         description="ZeRO-1/2 for PyTorch with initialization as fast as the hardware allows.",
@@ -83,32 +90,14 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     command(sub, "plan", "predict memory, tier, bytes per link and init time of a job",
             plan_cli.add_arguments, plan_cli.run)  # fmt: skip
     bench = sub.add_parser("bench", help="benchmarks against baselines and hardware limits")
-    if not with_bench:  # another command runs: the harness (bench/) stays unimported
+    if not with_bench or not harness.find_harness():
+        # another command runs, or no harness here: it stays unimported (flatzero.harness)
         bench.add_argument("rest", nargs=argparse.REMAINDER)
+        bench.set_defaults(run=_harness_missing)
         return parser
-    from .bench import (
-        checkpoint_bench,
-        device_memory,
-        doors,
-        init_bench,
-        load_bench,
-        offload_bench,
-        plan_bench,
-        step,
-    )
+    from flatzero_bench.commands import add_benchmarks
 
-    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
-    for name, module in (
-        ("init", init_bench),
-        ("step", step),
-        ("load", load_bench),
-        ("checkpoint", checkpoint_bench),
-        ("doors", doors),
-        ("plan", plan_bench),
-        ("device-memory", device_memory),
-        ("offload", offload_bench),
-    ):
-        command(bench_sub, name, module.__doc__.splitlines()[0], module.add_arguments, module.run)
+    add_benchmarks(bench, command)
     return parser
 
 

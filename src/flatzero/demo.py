@@ -5,7 +5,7 @@
    width and experts; unfused experts, so many small tensors) on every rank.
 3. Times flattening alone, in process, on fresh copies: each flatten tier that runs here
    (``flatten_parameters``) against DeepSpeed 0.19's whole-group ``torch.cat`` and its
-   older CPU path (``flatzero.bench``'s re-implementations of DeepSpeed's flatten), then
+   older CPU path (``flatzero.measure``'s re-implementations of DeepSpeed's flatten), then
    initializes the model through ``flatzero.initialize`` with a DeepSpeed config and
    prints the init report.
 4. Trains some steps on a small synthetic corpus (ZeRO-2, gradient accumulation,
@@ -38,6 +38,7 @@ import torch.distributed as dist
 from .cli_types import count
 from .config import FlattenConfig
 from .flatten import flatten_parameters
+from .harness import find_harness, harness_missing
 from .launch import run_ranks
 from .models import build_model, count_bytes, count_params, count_tensors, scaled
 
@@ -137,9 +138,10 @@ def _micro_batch(spec: DemoSpec, corpus: torch.Tensor, step: int, micro: int, ra
 def _time_inits(spec: DemoSpec, rank: int, ws: int) -> dict[str, list[float]]:
     """Seconds of each init method on fresh copies of the model, ``trials`` times, each
     starting from the same allocator state, the order rotating between trials."""
-    from .bench.procmem import trim_host_memory
-    from .bench.trials import rotated
+    from flatzero_bench.common.trials import rotated
+
     from .measure.baselines import flatten_legacy_cpu, flatten_torch_cat
+    from .procmem import trim_host_memory
 
     methods = [f"flatzero {t}" for t in TIERS_ON_CPU] + [TORCH_CAT, LEGACY]
     times: dict[str, list[float]] = {m: [] for m in methods}
@@ -271,7 +273,7 @@ def _describe_model(spec: DemoSpec) -> tuple[int, int, int]:
 
 def _slowest_median(ranks: list[dict[str, Any]]) -> dict[str, float]:
     """Per init method, seconds: the slowest rank per trial, the median over trials."""
-    from .bench.trials import slowest_per_trial
+    from flatzero_bench.common.trials import slowest_per_trial
 
     methods = list(ranks[0]["times"])
     return {
@@ -313,6 +315,7 @@ def _check_reload(spec: DemoSpec, global_steps: int) -> bool:
 
 def run_demo(spec: DemoSpec) -> dict[str, Any]:
     """Run the demo, print as it goes; returns the results (also in ``out/demo.json``)."""
+    _need_harness()
     t_start = time.perf_counter()
     out = Path(spec.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -352,7 +355,7 @@ def run_demo(spec: DemoSpec) -> dict[str, Any]:
 
 def _compare_doors(spec: DemoSpec) -> dict[str, Any]:
     """``flatzero.initialize`` against ``deepspeed.initialize``, fresh launches; printed."""
-    from .bench.doors import compare_back_to_back
+    from flatzero_bench.doors.doors import compare_back_to_back
 
     print(
         f"\nflatzero.initialize against deepspeed.initialize on {spec.door_model} "
@@ -376,6 +379,12 @@ def _compare_doors(spec: DemoSpec) -> dict[str, Any]:
     for door, why in skipped.items():
         print(f"  {door}: skipped ({why})")
     return figures
+
+
+def _need_harness() -> None:
+    """Make the benchmark harness importable (its trials and door comparison), or raise."""
+    if not find_harness():
+        raise harness_missing("flatzero demo")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -403,7 +412,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``flatzero demo``: exit status 0 when the reloaded weights match."""
-    from .bench.settings import spec_from_args
+    _need_harness()
+    from flatzero_bench.common.settings import spec_from_args
 
     result = run_demo(spec_from_args(DemoSpec, args, out=os.fspath(args.out)))
     return 0 if result["reload_ok"] else 1

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from flatzero.bench.init_bench import MODELS
 from flatzero.cli import main
 from flatzero.models import build_model
+from flatzero_bench.init.init_bench import MODELS
 
 
 def test_device_memory_bench_fills_the_memory_columns(capsys):

@@ -74,7 +74,7 @@ def test_offload_host_memory_is_the_formula_on_cuda():
     param) within 10 %. (On the CPU-only VM the device's memory is host memory too, so
     the same check there includes gloo's buffers and autograd's gradients.)"""
     from flatzero import FlattenConfig
-    from flatzero.bench.procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
+    from flatzero.procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
 
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)

@@ -2,7 +2,8 @@
 
 What a product feature needs from measurement lives here, not in the benchmark harness:
 ``plan`` calibrates its time model with these rates and predicts DeepSpeed's paths with
-these algorithms, and ``bench`` reports against them. Nothing here imports ``bench``.
+these algorithms, and the harness (``benchmarks/flatzero_bench``) reports against them.
+Nothing here imports the harness.
 
 - ``limits``: hardware limits (memcpy, first touch of new memory, device copy, pinned
   upload), each measured for the bytes at hand.

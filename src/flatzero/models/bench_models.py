@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
+from .config import ModelConfig
 from .zoo import scaled
 
-__all__ = ["MODELS"]
+__all__ = ["MODELS", "STEP_MODELS"]
 
 
 def _narrow_moe(expert_layout: str):
@@ -50,3 +54,26 @@ MODELS = {
     ),
 }
 """Benchmark models by name: functions returning a model config."""
+
+
+_LLAMA_SIZES = ("layers", "hidden", "heads", "kv_heads", "intermediate")
+
+
+def _llama(*sizes: int, **more: int) -> Callable[[], ModelConfig]:
+    """The Llama-3-8B shape at ``sizes`` (in the order of ``_LLAMA_SIZES``) and ``more``
+    (``head_dim``, ``vocab``), as a ``STEP_MODELS`` entry."""
+    given = dict(zip(_LLAMA_SIZES, sizes, strict=True))
+    return functools.partial(scaled, "llama-3-8b", **given, **more)
+
+
+STEP_MODELS = {
+    # _llama(layers, hidden, heads, kv_heads, intermediate, head_dim=..., vocab=...)
+    # Seconds per step on a laptop CPU: for tests and smoke runs.
+    "tiny": _llama(2, 64, 4, 2, 128, head_dim=16, vocab=512),
+    # ~22M params, a few hundred ms per step on 2 CPU cores.
+    "llama-22m": _llama(4, 512, 8, 4, 1536, head_dim=64, vocab=8192),
+    # ~0.43B params: the Llama-3-8B shape at 1/4 width and 12 layers (a GPU run).
+    "llama-0.4b": _llama(12, 1024, 8, 2, 3584),
+}
+"""The step benchmark's models by name (``flatzero bench step --model``, the plan's
+step fixtures): functions returning a model config."""

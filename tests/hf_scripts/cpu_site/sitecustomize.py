@@ -5,7 +5,7 @@ Accelerate need to run on a CPU-only machine, set up in every rank before the sc
   is 1 with DeepSpeed); give it gloo.
 - DeepSpeed's CPU communication backend JIT-compiles its ``deepspeed_shm_comm`` op (about
   40 s with g++; used only for inference all-reduce, never by ZeRO): mark it incompatible,
-  as ``flatzero.bench.deepspeed_runner`` does.
+  as ``flatzero.testing.deepspeed`` does.
 
 Only in processes a launcher started as a rank (``LOCAL_RANK`` set), not in the launcher.
 """

@@ -1,0 +1,1 @@
+"""What the benchmarks share: settings, trials, results, the machine, child processes."""

@@ -1,0 +1,1 @@
+"""``flatzero bench device-memory``: peak device memory and bytes moved at init."""

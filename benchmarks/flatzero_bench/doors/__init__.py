@@ -1,0 +1,1 @@
+"""``flatzero bench doors``: flatzero.initialize against deepspeed.initialize, fresh jobs."""

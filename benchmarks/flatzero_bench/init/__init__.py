@@ -1,0 +1,1 @@
+"""``flatzero bench init``: flatten and initialize against DeepSpeed and the hardware."""

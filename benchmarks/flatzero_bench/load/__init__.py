@@ -1,0 +1,1 @@
+"""``flatzero bench load``: direct load into the flat buffers against load plus flatten."""

@@ -1,0 +1,1 @@
+"""``flatzero bench offload``: optimizer offload kernel, step and init against DeepSpeed."""

@@ -1,0 +1,1 @@
+"""``flatzero bench plan``: flatzero plan's predicted CPU init time against a measured one."""

@@ -1,0 +1,1 @@
+"""``flatzero bench step``: the training step against AdamW and DeepSpeed ZeRO."""

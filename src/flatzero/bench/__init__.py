@@ -1,1 +1,0 @@
-"""Benchmark support: DeepSpeed-faithful baselines, hardware limits, a real DeepSpeed runner."""
