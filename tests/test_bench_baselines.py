@@ -12,13 +12,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from flatzero.measure.baselines import (
-    BaselineResult,
-    deepspeed_padded_numel,
-    deepspeed_partition_range,
-    flatten_legacy_cpu,
-    flatten_torch_cat,
-)
+from flatzero.deepspeed.layout import padded_numel as deepspeed_padded_numel
+from flatzero.deepspeed.layout import partition_range as deepspeed_partition_range
+from flatzero.measure.baselines import BaselineResult, flatten_legacy_cpu, flatten_torch_cat
 from flatzero.measure.limits import (
     device_copy_seconds,
     first_touch_seconds,

@@ -155,7 +155,7 @@ def _assert_share(records: list[dict], launcher_says: str | None) -> None:
         ("spawn", None),
     ],
 )
-def test_review23_item1_every_launcher_shares_the_cores_by_the_ranks_on_the_host(
+def test_every_launcher_shares_the_cores_by_the_ranks_on_the_host(
     launcher, launcher_says, tmp_path
 ):
     records = _launch(launcher, tmp_path)
@@ -165,7 +165,7 @@ def test_review23_item1_every_launcher_shares_the_cores_by_the_ranks_on_the_host
     _assert_share(records, launcher_says)
 
 
-def test_review23_item2_torchrun_omp_one_init_uses_the_whole_share(tmp_path):
+def test_torchrun_omp_one_init_uses_the_whole_share(tmp_path):
     records = _launch("torchrun", tmp_path)
     for r in records:
         # torchrun starts several ranks per node with OMP_NUM_THREADS=1 ...

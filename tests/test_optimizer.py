@@ -122,7 +122,7 @@ def test_fused_kernels_take_the_clip_factor_as_grad_scale():
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
-def test_review23_item10_client_adamw_keeps_fused():
+def test_client_adamw_keeps_fused():
     """``fused=None``/``foreach=None`` (a client ``torch.optim.AdamW(params, lr=...)``'s
     groups and defaults carry both) choose nothing: the fused kernel is used. A value is a
     choice and is kept."""

@@ -72,11 +72,11 @@ def _v2_layout(tmp_path: Path, cpu_max: dict[str, str], cgroup: str = "/job.slic
     ("cpu_max", "cores"),
     [("max 100000", None), ("150000 100000", 1.5), ("200000 50000", 4.0), ("max", None)],
 )
-def test_review23_item1_cgroup_v2_cpu_max_is_the_quota_in_cores(tmp_path, cpu_max, cores):
+def test_cgroup_v2_cpu_max_is_the_quota_in_cores(tmp_path, cpu_max, cores):
     assert cgroup_cpu_quota(**_v2_layout(tmp_path, {"job.slice/rank": cpu_max})) == cores
 
 
-def test_review23_item1_cgroup_v2_quota_is_the_tightest_of_the_cgroup_and_its_ancestors(
+def test_cgroup_v2_quota_is_the_tightest_of_the_cgroup_and_its_ancestors(
     tmp_path,
 ):
     files = {"job.slice/rank": "max 100000", "job.slice": "300000 100000", "": "max 100000"}
@@ -87,7 +87,7 @@ def test_review23_item1_cgroup_v2_quota_is_the_tightest_of_the_cgroup_and_its_an
     assert cgroup_cpu_quota(**_v2_layout(tmp_path, files)) == 3.0
 
 
-def test_review23_item1_cgroup_v1_cfs_quota_on_a_hybrid_host(tmp_path):
+def test_cgroup_v1_cfs_quota_on_a_hybrid_host(tmp_path):
     # The cpu controller on v1 (at a mount point with a space in it), beside an empty v2
     # hierarchy, as systemd's hybrid layout has it; this machine's layout too.
     cpu = tmp_path / "cg v1" / "cpu,cpuacct"
@@ -113,7 +113,7 @@ def test_review23_item1_cgroup_v1_cfs_quota_on_a_hybrid_host(tmp_path):
     assert cgroup_cpu_quota(mountinfo, proc_cgroup) is None
 
 
-def test_review23_item1_cgroup_seen_from_inside_a_container(tmp_path):
+def test_cgroup_seen_from_inside_a_container(tmp_path):
     # Without a cgroup namespace the mount shows the container's own cgroup at its mount
     # point: its root field is that cgroup, and the process's path is not below the mount.
     mount = tmp_path / "cpu"
@@ -128,11 +128,11 @@ def test_review23_item1_cgroup_seen_from_inside_a_container(tmp_path):
     assert cgroup_cpu_quota(mountinfo, proc_cgroup) == 1.5
 
 
-def test_review23_item1_no_cgroup_files_means_no_quota(tmp_path):
+def test_no_cgroup_files_means_no_quota(tmp_path):
     assert cgroup_cpu_quota(tmp_path / "none", tmp_path / "none") is None
 
 
-def test_review23_item1_usable_cores_are_capped_by_the_quota(monkeypatch):
+def test_usable_cores_are_capped_by_the_quota(monkeypatch):
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setattr(threads, "cgroup_cpu_quota", lambda: 1.5)
     assert usable_cores() == 1
@@ -144,14 +144,14 @@ def test_review23_item1_usable_cores_are_capped_by_the_quota(monkeypatch):
     assert usable_cores() == cores
 
 
-def test_review23_item1_the_quota_bounds_the_share(monkeypatch):
+def test_the_quota_bounds_the_share(monkeypatch):
     monkeypatch.setattr(threads, "cgroup_cpu_quota", lambda: 1.5)
     share = core_share(None)
     assert (share.threads, share.quota_cores, share.ranks_on_host) == (1, 1.5, 1)
     assert share.affinity_cores == len(os.sched_getaffinity(0))
 
 
-def test_review23_item1_the_report_says_how_the_share_was_derived():
+def test_the_report_says_how_the_share_was_derived():
     share = CoreShare(
         threads=3,
         affinity_cores=16,
@@ -174,7 +174,7 @@ def test_review23_item1_the_report_says_how_the_share_was_derived():
 
 # ------------------------------------------------- ranks counted, not read from env
 @pytest.mark.parametrize("name", LAUNCHER_LOCAL_SIZES)
-def test_review23_item1_launcher_variables_are_only_a_cross_check(name, monkeypatch, caplog):
+def test_launcher_variables_are_only_a_cross_check(name, monkeypatch, caplog):
     for other in LAUNCHER_LOCAL_SIZES:
         monkeypatch.delenv(other, raising=False)
     monkeypatch.setenv(name, "8")
@@ -202,7 +202,7 @@ def _pinned_worker(rank: int, world_size: int, how: str) -> dict:
 
 
 @needs_affinity
-def test_review23_item1_affinity_restricted_ranks_share_only_their_own_cores():
+def test_affinity_restricted_ranks_share_only_their_own_cores():
     for r in run_ranks(_pinned_worker, 2, "same core", timeout_s=60):
         assert r["usable"] == 1
         assert r["share"] == (1, 2, 2)
@@ -211,7 +211,7 @@ def test_review23_item1_affinity_restricted_ranks_share_only_their_own_cores():
 
 @needs_affinity
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
-def test_review23_item1_ranks_pinned_to_their_own_cores_keep_them():
+def test_ranks_pinned_to_their_own_cores_keep_them():
     quota = cgroup_cpu_quota()
     for r in run_ranks(_pinned_worker, 2, "own cores", timeout_s=60):
         assert r["usable"] == min(r["cpus"], math.floor(quota) if quota else r["cpus"])
@@ -241,7 +241,7 @@ def _subgroup_worker(rank: int, world_size: int) -> dict:
     return {"ranks_on_host": shares, "created": created}
 
 
-def test_review23_item1_subgroups_count_their_ranks_over_one_reused_control_group():
+def test_subgroups_count_their_ranks_over_one_reused_control_group():
     results = run_ranks(_subgroup_worker, 3, timeout_s=60)
     assert [r["ranks_on_host"] for r in results] == [[2, 2], [2, 2], [1, 1]]
     assert [r["created"] for r in results] == [[[0, 1]], [[0, 1]], []]
@@ -270,9 +270,7 @@ def one_thread():
 
 
 @pytest.mark.parametrize("host_threads", [None, 3])
-def test_review23_item2_init_uses_the_share_whatever_the_user_set(
-    one_thread, monkeypatch, host_threads
-):
+def test_init_uses_the_share_whatever_the_user_set(one_thread, monkeypatch, host_threads):
     seen = _threads_during_init(monkeypatch)
     flat = flatten_parameters(
         nn.Linear(10, 10), config=FlattenConfig(progress=False, host_threads=host_threads)
@@ -283,7 +281,7 @@ def test_review23_item2_init_uses_the_share_whatever_the_user_set(
     assert torch.get_num_threads() == 1
 
 
-def test_review23_item2_the_users_setting_is_back_after_an_error(one_thread, monkeypatch):
+def test_the_users_setting_is_back_after_an_error(one_thread, monkeypatch):
     def failing(*args, **kwargs):
         raise RuntimeError("planted")
 

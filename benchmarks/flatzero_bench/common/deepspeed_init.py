@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatzero.measure.baselines import deepspeed_partition_range
+from flatzero.deepspeed.layout import partition_range as deepspeed_partition_range
 from flatzero.procmem import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
 from flatzero.testing.deepspeed import deepspeed_config, prepare_deepspeed, release_engine
 from flatzero_bench.common.settings import BENCH_DTYPES

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-import test_review23_step as step_tests  # tests/ is on sys.path (rootdir of this package)
+import test_step_memory as step_tests  # tests/ is on sys.path (rootdir of this package)
 from flatzero import FlattenConfig
 from flatzero.optim import LossScaleConfig, ZeroConfig, ZeroOptimizer
 from flatzero.testing.emulated import kernels
@@ -70,7 +70,7 @@ def _worker(rank: int, world_size: int, kind: str) -> dict:
     return out
 
 
-def test_review23_item13_no_host_sync_in_step_on_the_device(kind):
+def test_no_host_sync_in_step_on_the_device(kind):
     results = launch(kind, _worker, 2, timeout_s=300)
     for result in results:
         for name, seen in result.items():
