@@ -17,7 +17,7 @@ import flatzero.comm as comm
 from flatzero import FlattenConfig
 from flatzero.checkpoint.optimizer_state import capture
 from flatzero.comm import all_gather_buckets_from_own_slices, all_gather_into
-from flatzero.control import raise_if_any_failed
+from flatzero.control import Failures, every_rank_or_none, raise_if_any_failed
 from flatzero.launch import run_ranks
 from flatzero.optim import GroupState, ShardedOptimizerState, ZeroOptimizer
 
@@ -45,6 +45,61 @@ def test_raise_if_any_failed_raises_on_every_rank(error_type):
     elsewhere = f"{error_type}: failed on another rank: rank 1: OSError: disk full on rank 1"
     assert out[0] == out[2] == elsewhere  # what failed, on every rank
     assert run_ranks(_agree_worker, 2, -1, error_type, timeout_s=60) == ["ok", "ok"]
+
+
+def _every_rank_or_none_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """The context manager on 3 ranks: a caught error on rank 1 is raised on every rank;
+    ``suppress`` says ``failed`` everywhere; a factory decides every rank's error."""
+    out: dict[str, Any] = {}
+    try:
+        with every_rank_or_none(None, "failed elsewhere", catch=(OSError,)):
+            reached = "block"
+            if rank == 1:
+                raise OSError("disk full")
+        out["plain"] = reached
+    except Exception as e:
+        out["plain"] = f"{type(e).__name__}: {e}"
+    with every_rank_or_none(None, catch=(MemoryError,), suppress=True) as vote:
+        if rank == 2:
+            raise MemoryError("no room")
+    out["vote"] = (vote.failed, type(vote.error).__name__)
+
+    def factory(failures: Failures) -> BaseException:
+        kinds = ",".join(failures.kinds)
+        return KeyError(f"{failures.first.rank} {failures.first.kind} {kinds} {failures.mine}")
+
+    try:
+        with every_rank_or_none(None, catch=(ValueError,), error_type=factory):
+            if rank != 0:
+                raise ValueError(f"bad on {rank}")
+    except KeyError as e:
+        out["factory"] = str(e)
+    return out
+
+
+def test_every_rank_or_none_raises_on_every_rank_or_none():
+    out = run_ranks(_every_rank_or_none_worker, 3, timeout_s=60)
+    assert out[1]["plain"] == "OSError: disk full"  # its own error, unchanged
+    assert (
+        out[0]["plain"]
+        == out[2]["plain"]
+        == ("RuntimeError: failed elsewhere: rank 1: OSError: disk full")
+    )
+    assert [o["vote"] for o in out] == [(True, "NoneType")] * 2 + [(True, "MemoryError")]
+    assert out[0]["factory"] == "'1 ValueError ValueError,ValueError None'"
+    assert out[2]["factory"] == "'1 ValueError ValueError,ValueError bad on 2'"
+
+
+def test_every_rank_or_none_without_a_process_group():
+    with every_rank_or_none(None, "unused"):
+        pass
+    with pytest.raises(OSError, match="mine"), every_rank_or_none(None, "unused"):
+        raise OSError("mine")
+    with pytest.raises(KeyError), every_rank_or_none(None, "unused", catch=(OSError,)):
+        raise KeyError("not caught: raised on this rank alone, as a bug is")
+    with every_rank_or_none(None, suppress=True) as vote:
+        raise ValueError("x")
+    assert vote.failed and isinstance(vote.error, ValueError)
 
 
 def _gather_worker(rank: int, world_size: int) -> list[list[float]]:

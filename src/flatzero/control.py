@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from types import TracebackType
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -31,8 +33,12 @@ from .comm import all_reduce_max, all_reduce_max_each, world_size_of
 from .devices import collectives_run_on_cpu
 
 __all__ = [
+    "ErrorFactory",
+    "Failures",
+    "RankError",
     "any_rank_failed",
     "control_group",
+    "every_rank_or_none",
     "host_work_timeout",
     "prepare_control_groups",
     "raise_if_any_failed",
@@ -187,6 +193,44 @@ def wait_for_host_work(group: dist.ProcessGroup | None, nbytes: int) -> None:
 _ERROR_CHARS = 1000
 """The most characters of a rank's error passed on to the other ranks."""
 
+_Simple = str | int | float | bool | None
+
+
+class RankError(NamedTuple):
+    """The first failing rank's error, as every rank of the group learns it."""
+
+    rank: int
+    """Its rank in the control group."""
+    kind: str
+    """Its exception's class name."""
+    message: str
+    """``str(error)``, at most ``_ERROR_CHARS`` characters."""
+    fields: dict[str, _Simple]
+    """The exception's own attributes with simple values (e.g. a config key), so that other
+    ranks can raise an error of the same kind."""
+
+
+class Failures(NamedTuple):
+    """What every rank knows once some rank of the group failed."""
+
+    mine: BaseException | None
+    """This rank's own error, or None."""
+    first: RankError
+    """The first failing rank's error."""
+    kinds: tuple[str, ...]
+    """Every failing rank's exception class name, in rank order."""
+
+
+ErrorFactory = Callable[[Failures], BaseException]
+"""The error a rank raises once some rank failed (its own, or one naming the first)."""
+
+
+def _describe(error: BaseException) -> tuple[str, str, dict[str, _Simple]]:
+    fields = {
+        k: v for k, v in vars(error).items() if not k.startswith("_") and isinstance(v, _Simple)
+    }
+    return type(error).__name__, str(error)[:_ERROR_CHARS], fields
+
 
 def any_rank_failed(error: BaseException | None, group: dist.ProcessGroup | None) -> bool:
     """Whether any rank of ``group`` passed an ``error`` (the same answer on every rank).
@@ -198,34 +242,105 @@ def any_rank_failed(error: BaseException | None, group: dist.ProcessGroup | None
     return all_reduce_max(int(error is not None), control_group(group)) > 0
 
 
+def _failures(error: BaseException | None, group: dist.ProcessGroup | None) -> Failures:
+    """(Called once some rank failed; collective.) Every failing rank's error, gathered."""
+    control = control_group(group)
+    found: list[tuple[str, str, dict[str, _Simple]] | None] = [None] * world_size_of(control)
+    mine = None if error is None else _describe(error)
+    if len(found) > 1:
+        dist.all_gather_object(found, mine, group=control)
+    else:
+        found[0] = mine
+    failed = [(r, f) for r, f in enumerate(found) if f is not None]
+    rank, (kind, message, fields) = failed[0]
+    return Failures(error, RankError(rank, kind, message, fields), tuple(f[0] for _, f in failed))
+
+
 def raise_if_any_failed(
     error: BaseException | None,
     group: dist.ProcessGroup | None,
     elsewhere: str,
     *,
-    error_type: type[Exception] = RuntimeError,
+    error_type: type[Exception] | ErrorFactory = RuntimeError,
 ) -> None:
-    """Raise on every rank of ``group`` when any rank failed: a rank's own ``error``, or
-    ``error_type(elsewhere)`` on the ranks that had none, followed by the first failing
-    rank's error (``"...: rank 1: ValueError: ..."``), so that every rank's message says
-    what was wrong. Collective (``any_rank_failed``; the errors are gathered only when one
-    failed).
+    """Raise on every rank of ``group`` when any rank failed: a rank's own ``error``, or on
+    the ranks that had none ``error_type(elsewhere + ": rank R: Kind: message")`` naming the
+    first failing rank's error, so that every rank's message says what was wrong. An
+    ``ErrorFactory`` instead decides every rank's error from the ``Failures``. Collective
+    (``any_rank_failed``; the errors are gathered only when one failed).
 
     Args:
         error: this rank's error, or None.
         group: the ranks that agree (their control group takes the all-reduce).
         elsewhere: the message on ranks without an error of their own ("saving the
             checkpoint failed on another rank (see its error)").
-        error_type: the exception those ranks raise.
+        error_type: the exception those ranks raise, or a factory of every rank's error.
     """
     if not any_rank_failed(error, group):
         return
-    control = control_group(group)
-    found: list[str | None] = [None] * world_size_of(control)
-    if len(found) > 1:
-        text = None if error is None else f"{type(error).__name__}: {error}"[:_ERROR_CHARS]
-        dist.all_gather_object(found, text, group=control)
+    failures = _failures(error, group)
+    if not isinstance(error_type, type):
+        raise error_type(failures)
     if error is not None:
         raise error
-    first = next(((r, t) for r, t in enumerate(found) if t is not None), None)
-    raise error_type(elsewhere if first is None else f"{elsewhere}: rank {first[0]}: {first[1]}")
+    first = failures.first
+    raise error_type(f"{elsewhere}: rank {first.rank}: {first.kind}: {first.message}")
+
+
+class every_rank_or_none:
+    """Every rank raises or none: the one idiom for work that may fail on some ranks before
+    a collective that every rank must enter.
+
+    ``with every_rank_or_none(group, "saving failed on another rank"): work()`` runs the
+    work; an exception of a ``catch`` type is not raised at once but agreed on (on the
+    control group, after the optional ``wait_bytes`` host-work wait): the failing rank
+    raises its own error, every other rank ``error_type`` naming it (see
+    ``raise_if_any_failed``). An exception of another type propagates on its rank alone,
+    as a bug does. With ``suppress=True`` nothing is raised: ``failed`` says, the same on
+    every rank, whether any rank failed, and ``error`` holds this rank's own.
+    Collective on leaving the block.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        elsewhere: str = "",
+        *,
+        catch: tuple[type[BaseException], ...] = (Exception,),
+        error_type: type[Exception] | ErrorFactory = RuntimeError,
+        wait_bytes: int | None = None,
+        suppress: bool = False,
+    ) -> None:
+        self.group = group
+        self.elsewhere = elsewhere
+        self.catch = catch
+        self.error_type = error_type
+        self.wait_bytes = wait_bytes
+        self.suppress = suppress
+        self.failed = False
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> every_rank_or_none:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if exc is not None and not isinstance(exc, self.catch):
+            return False
+        self.error = exc
+        if self.wait_bytes is not None:
+            wait_for_host_work(self.group, self.wait_bytes)
+        if self.suppress:
+            self.failed = any_rank_failed(exc, self.group)
+            return True
+        try:
+            raise_if_any_failed(exc, self.group, self.elsewhere, error_type=self.error_type)
+        except BaseException as raised:
+            if raised is exc:
+                return False  # this rank's own error goes on with its own traceback
+            raise
+        return False

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather_buckets_from_own_slices, all_reduce_max, world_size_of
-from ..control import control_group, wait_for_host_work
+from ..comm import all_gather_buckets_from_own_slices
+from ..control import Failures, control_group, every_rank_or_none
 from ..flatten import FlatParams
 from ..layout import Layout
 from ..optim import ZeroOptimizer
@@ -109,35 +109,29 @@ class _Read:
 _ELSEWHERE = "loading the checkpoint failed on another rank (see its error); nothing was changed"
 
 
-def _all_ok(error: BaseException | None, group: dist.ProcessGroup | None, nbytes: int) -> None:
-    """Raise on every rank if ``error`` happened on any rank, once every rank has read its
-    ``nbytes`` (on the control group, never behind GPU work): ``CheckpointDamaged`` on every
+def _load_failure(failures: Failures) -> BaseException:
+    """Every rank's error once some rank failed to read: ``CheckpointDamaged`` on every
     rank when every error was one (a missing, incomplete or corrupt checkpoint), else
-    ``ValueError`` (or the rank's own ``TypeError``) on every rank, so that all ranks take
-    the same way out. One all-reduce."""
-    wait_for_host_work(group, nbytes)
-    code = 0 if error is None else 1 if isinstance(error, CheckpointDamaged) else 2
-    worst = all_reduce_max(code, control_group(group))
-    if worst == 0:
-        return
-    elsewhere = _ELSEWHERE + _first_error(error, group)
-    if worst == 1:
-        raise error if error is not None else CheckpointDamaged(elsewhere)
-    if isinstance(error, CheckpointDamaged):
-        raise ValueError(str(error)) from error
-    raise error if error is not None else ValueError(elsewhere)
+    ``ValueError`` (or the rank's own ``TypeError``), so that all ranks take the same way
+    out; ranks without an error of their own name the first failing rank's."""
+    mine, first = failures.mine, failures.first
+    elsewhere = f"{_ELSEWHERE}: rank {first.rank}: {first.message}"
+    if all(kind == CheckpointDamaged.__name__ for kind in failures.kinds):
+        return mine if mine is not None else CheckpointDamaged(elsewhere)
+    if isinstance(mine, CheckpointDamaged):
+        error = ValueError(str(mine))
+        error.__cause__ = mine
+        return error
+    return mine if mine is not None else ValueError(elsewhere)
 
 
-def _first_error(error: BaseException | None, group: dist.ProcessGroup | None) -> str:
-    """``": rank N: <its error>"`` of the first rank that failed (collective: every rank
-    calls it once any failed), so every rank's message says what was wrong."""
-    control = control_group(group)
-    found: list[str | None] = [None] * world_size_of(control)
-    if len(found) == 1:
-        return ""
-    dist.all_gather_object(found, None if error is None else str(error)[:1000], group=control)
-    first = next(((r, t) for r, t in enumerate(found) if t is not None), None)
-    return "" if first is None else f": rank {first[0]}: {first[1]}"
+def _every_rank_reads(group: dist.ProcessGroup | None) -> every_rank_or_none:
+    """A load's reading, agreed on once every rank has read (on the control group, never
+    behind GPU work): one rank's error is an error on every rank (``_load_failure``). The
+    block sets ``wait_bytes`` to the bytes it read, which sizes the wait for the others."""
+    return every_rank_or_none(
+        group, catch=(ValueError, TypeError, OSError), error_type=_load_failure, wait_bytes=0
+    )
 
 
 def _group_sources(
@@ -246,9 +240,7 @@ def _read_everything(
     when the reader opens it, the rank files read, the state against the optimizer and
     the scheduler); every rank learns whether all could, and that all read the same
     checkpoint."""
-    error: BaseException | None = None
-    read: _Read | None = None
-    try:
+    with _every_rank_reads(optimizer.flat.process_group) as reading:
         reader = CheckpointReader(directory, tag)
         flat = optimizer.flat
         plans = reader.plan(flat.layout, flat.rank, rename=rename, strict=config.strict)
@@ -264,11 +256,7 @@ def _read_everything(
             _check_model_rest(reader, model)
         if check_extra is not None:
             _check_extra(reader, check_extra)
-    except (ValueError, TypeError, OSError) as e:
-        error = e
-    elements = read.elements if read is not None else 0
-    _all_ok(error, optimizer.flat.process_group, elements * 4)
-    assert read is not None
+        reading.wait_bytes = read.elements * 4
     agree_on_checkpoint(read.reader, optimizer.flat.process_group)
     return read
 
@@ -495,10 +483,8 @@ def load_flat_params(
     """
     t0 = time.perf_counter()
     control_group(flat.process_group)  # created (collective) now, not while some rank reads
-    error: BaseException | None = None
     shards: list[torch.Tensor] = []
-    reader = None
-    try:
+    with _every_rank_reads(flat.process_group) as reading:
         reader = CheckpointReader(directory, tag)
         plans = reader.plan(flat.layout, flat.rank, rename=rename, strict=strict)
         for group, plan in zip(flat.groups, plans, strict=True):
@@ -510,10 +496,7 @@ def load_flat_params(
                 shard.copy_(current)
             reader.read(plan, MASTER, shard, verify=verify)
             shards.append(shard)
-    except (ValueError, TypeError, OSError) as e:
-        error = e
-    _all_ok(error, flat.process_group, sum(s.numel() for s in shards) * 4)
-    assert reader is not None
+        reading.wait_bytes = sum(s.numel() for s in shards) * 4
     agree_on_checkpoint(reader, flat.process_group)
     flat.before_state_changes()  # an asynchronous save still copying the masters
     for group, shard in zip(flat.groups, shards, strict=True):

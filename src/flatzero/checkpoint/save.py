@@ -46,12 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import world_size_of
-from ..control import (
-    control_group,
-    host_work_timeout,
-    raise_if_any_failed,
-    wait_for_host_work,
-)
+from ..control import control_group, every_rank_or_none, host_work_timeout
 from ..flatten import FlatParams
 from ..optim import ZeroOptimizer
 from ..storage.image import FileImage
@@ -87,10 +82,18 @@ __all__ = ["Save", "save_checkpoint"]
 logger = logging.getLogger(__name__)
 
 
-def _all_ok(error: BaseException | None, group: dist.ProcessGroup | None, what: str) -> None:
-    """Raise on every rank if ``error`` happened on any rank (on the control group)."""
-    raise_if_any_failed(
-        error, group, f"saving the checkpoint failed on another rank while {what} (see its error)"
+def _every_rank_or_none(
+    group: dist.ProcessGroup | None,
+    what: str,
+    catch: tuple[type[BaseException], ...],
+    wait_bytes: int | None = None,
+) -> every_rank_or_none:
+    """A save's step that raises on every rank if it failed on any (on the control group)."""
+    return every_rank_or_none(
+        group,
+        f"saving the checkpoint failed on another rank while {what} (see its error)",
+        catch=catch,
+        wait_bytes=wait_bytes,
     )
 
 
@@ -124,10 +127,12 @@ def _prune(root: Path, keep_last: int, keep: set[str]) -> None:
 def _create_tmp(staged: StagedDirectory, flat: FlatParams, config: SaveConfig) -> None:
     """Rank 0 creates the temporary directory (removing stale ones first); every rank
     learns whether that worked."""
-    error: BaseException | None = None
     root, final = staged.final.parent, staged.final
-    if flat.rank == 0:
-        try:
+    # wait_bytes=0: the others wait while rank 0 may be removing stale directories
+    with _every_rank_or_none(
+        flat.process_group, f"creating {staged.tmp}", (OSError, ValueError), wait_bytes=0
+    ):
+        if flat.rank == 0:
             root.mkdir(parents=True, exist_ok=True)
             restore_lost(root)
             if final.exists() and not config.overwrite:
@@ -143,10 +148,6 @@ def _create_tmp(staged: StagedDirectory, flat: FlatParams, config: SaveConfig) -
                     protected=copy_of_lost,
                 )
             staged.create()
-        except (OSError, ValueError) as e:
-            error = e
-    wait_for_host_work(flat.process_group, 0)  # rank 0 may be removing stale directories
-    _all_ok(error, flat.process_group, f"creating {staged.tmp}")
 
 
 class Save:
@@ -213,14 +214,8 @@ class Save:
         """Collect what is saved, agree on the tag and create the temporary directory
         (collective; every rank raises if any rank failed)."""
         group = optimizer.flat.process_group
-        error: BaseException | None = None
-        collected: Collected | None = None
-        try:
+        with _every_rank_or_none(group, "collecting the state to save", (ValueError, TypeError)):
             collected = collect(optimizer, tag, scheduler, model, extra)
-        except (ValueError, TypeError) as e:
-            error = e
-        _all_ok(error, group, "collecting the state to save")
-        assert collected is not None
         agreed, nonce = _agree_tag(collected.tag, group)
         staged = StagedDirectory.beside(root / agreed, nonce)
         _create_tmp(staged, optimizer.flat, config)
@@ -257,23 +252,21 @@ class Save:
         file record (in rank order) and the model rest's. On any failure rank 0 removes
         ``tmp``."""
         flat = self.flat
-        error: BaseException | None = None
-        record = rest_record = None
-        try:
-            record, rest_record = self._write_files()
-        except (OSError, ValueError, TypeError) as e:
-            error = e
         group = flat.process_group
         try:
             # Allow for the most any rank writes: rank 0 its shards (every rank's are the
             # same size) and the model's rest.
-            wait_for_host_work(group, self.collected.written_at_most())
-            _all_ok(error, group, f"writing its rank file into {self.tmp}")
+            with _every_rank_or_none(
+                group,
+                f"writing its rank file into {self.tmp}",
+                (OSError, ValueError, TypeError),
+                wait_bytes=self.collected.written_at_most(),
+            ):
+                record, rest_record = self._write_files()
         except BaseException:
             if flat.rank == 0:
                 self.staged.discard()
             raise
-        assert record is not None  # else _all_ok raised
         if world_size_of(group) == 1:
             return [record], rest_record
         records: list[Any] = [None] * flat.world_size
@@ -302,15 +295,15 @@ class Save:
 
     def _publish(self, meta: CheckpointMeta) -> None:
         """Rank 0 publishes (``_publish_here``); every rank learns whether that worked."""
-        error: BaseException | None = None
-        if self.flat.rank == 0:
-            try:
+        # wait_bytes=0: the others wait while rank 0 writes meta.json, renames and prunes
+        with _every_rank_or_none(
+            self.flat.process_group,
+            f"publishing {self.root / meta.tag}",
+            (OSError, ValueError, TypeError),
+            wait_bytes=0,
+        ):
+            if self.flat.rank == 0:
                 self._publish_here(meta)
-            except (OSError, ValueError, TypeError) as e:
-                error = e
-        # rank 0 writes meta.json, renames and prunes
-        wait_for_host_work(self.flat.process_group, 0)
-        _all_ok(error, self.flat.process_group, f"publishing {self.root / meta.tag}")
 
     def write(self) -> list[FileRecord]:
         """Write every rank's files and publish (collective); every rank's file record."""
@@ -385,27 +378,25 @@ class Save:
         (on an accelerator: the device's next work is queued after its copy)."""
         flat = self.flat
         checkpointer = checkpointer_of(self.optimizer)
-        error: BaseException | None = None
         wanted = self._wanted()
         try:
-            self.images, self.staging = snapshot(
-                checkpointer, wanted, deferrable=[True, False][: len(wanted)]
-            )
-        except (RuntimeError, OSError) as e:  # out of host memory
-            error = e
-        staging = self.staging
-        try:
-            _all_ok(
-                error, flat.process_group, f"copying its shards into host memory for {self.tmp}"
-            )
+            with _every_rank_or_none(
+                flat.process_group,
+                f"copying its shards into host memory for {self.tmp}",
+                (RuntimeError, OSError),  # out of host memory
+            ):
+                self.images, self.staging = snapshot(
+                    checkpointer, wanted, deferrable=[True, False][: len(wanted)]
+                )
+            staging = self.staging
             assert staging is not None
             fault_point("snapshot_taken", flat.rank)
             self.background = checkpointer.start(
                 self._write_in_background, self.staged.final, flat.process_group
             )
         except BaseException:
-            if staging is not None:  # no device copy may still write the reused buffer
-                staging.wait_device_copies()
+            if self.staging is not None:  # no device copy may still write the reused buffer
+                self.staging.wait_device_copies()
             if flat.rank == 0:
                 self.staged.discard()
             raise

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..comm import check_same_everywhere, world_size_of
 from ..config import FlattenConfig
-from ..control import control_group, raise_if_any_failed
+from ..control import control_group, every_rank_or_none
 from ..devices import backend_of, collectives_run_on
 from ..flatten import FlatParams, flatten_parameters
 from ..flatten.alloc import allocate_agreed
@@ -125,21 +125,19 @@ def flat_params_for(
     """
     given = isinstance(params, FlatParams)
     deciders = params.deciders if given else process_group
-    error = refused
-    if error is None:
-        try:
-            if given:
-                _probe(optimizer, [g.options for g in params.groups], defaults, offload)
-                check_unclaimed(p for g in params.groups for p in g.params)
-                _check_given_flat(params, process_group)
-            else:
-                groups = collect_param_groups(params)
-                _refuse_empty_groups(groups)
-                _probe(optimizer, [g.options for g in groups], defaults, offload)
-                check_unclaimed(p for g in groups for p in (*g.params, *g.frozen))
-        except (ValueError, TypeError) as e:
-            error = e
-    raise_if_any_failed(error, deciders, _REFUSED_ELSEWHERE, error_type=ValueError)
+    catch = (ValueError, TypeError) + (() if refused is None else (type(refused),))
+    with every_rank_or_none(deciders, _REFUSED_ELSEWHERE, catch=catch, error_type=ValueError):
+        if refused is not None:
+            raise refused
+        if given:
+            _probe(optimizer, [g.options for g in params.groups], defaults, offload)
+            check_unclaimed(p for g in params.groups for p in g.params)
+            _check_given_flat(params, process_group)
+        else:
+            groups = collect_param_groups(params)
+            _refuse_empty_groups(groups)
+            _probe(optimizer, [g.options for g in groups], defaults, offload)
+            check_unclaimed(p for g in groups for p in (*g.params, *g.frozen))
     if given:
         fields = {"layout digest": params.layout.digest(), **setup}
         check_same_everywhere("the ZeroOptimizer setup", fields, control_group(deciders))

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..comm import check_same_everywhere, rank_of, world_size_of
 from ..config import FlattenConfig
-from ..control import control_group, raise_if_any_failed
+from ..control import control_group, every_rank_or_none
 from ..flatten import FlatParams
 from ..gcpause import paused_gc
 from .agreement import meaning, setup_fields
@@ -497,21 +497,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._load(lambda: ShardedOptimizerState.from_state_dict(state_dict))
 
     def _load(self, parse: Callable[[], ShardedOptimizerState]) -> None:
-        error: ValueError | None = None
-        state: ShardedOptimizerState | None = None
-        try:
+        with every_rank_or_none(
+            self.flat.deciders,
+            "load_state_dict failed on another rank (see its error); nothing changed",
+            catch=(ValueError,),
+            error_type=ValueError,
+        ):
             state = parse()
             check_loadable(state, self.sharded_state())
             check_options(type(self.inner), state)
-        except ValueError as e:
-            error = e
-        raise_if_any_failed(
-            error,
-            self.flat.deciders,
-            "load_state_dict failed on another rank (see its error); nothing changed",
-            error_type=ValueError,
-        )
-        assert state is not None
         options = {f"param group {i}": meaning(g.options) for i, g in enumerate(state.groups)}
         check_same_everywhere(  # hyperparameters are not sharded: one rank's would diverge
             "the loaded hyperparameters (every rank must load the same)",

@@ -14,12 +14,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ...comm import check_same_everywhere
-from ...control import control_group, raise_if_any_failed, wait_for_host_work
+from ...control import control_group, every_rank_or_none
 from .client import link_client_optimizer
 from .rank_agreement import (
     agree_on_checkpoint_to_load,
-    agree_on_errors,
     check_shared_directory,
+    user_errors_agreed,
 )
 
 if TYPE_CHECKING:
@@ -145,13 +145,10 @@ class EngineCheckpoints:
             # resumes into the directory it came from); flatzero replaces it atomically.
             "config": SaveConfig(update_latest=save_latest, overwrite=True),
         }
-        error: BaseException | None = None
-        try:  # what the save would refuse on one rank, refused on every rank first
+        # what the save would refuse on one rank, refused on every rank first
+        with user_errors_agreed("save_checkpoint", self._pg, catch=(ValueError, TypeError)):
             check_tag(tag)
             encode_value(extra, "client_state")
-        except (ValueError, TypeError) as e:
-            error = e
-        agree_on_errors(error, "save_checkpoint", self._pg)
         check_shared_directory(Path(save_dir), self._pg)
         if self.parsed_config.replicated:
             self._save_on_rank0(
@@ -169,14 +166,9 @@ class EngineCheckpoints:
         watchdog), as long as writing ``nbytes`` bytes may take; then every rank raises if
         it failed (ranks other than 0 with ``RuntimeError(elsewhere)``)."""
         control_group(self._pg)  # created (collective) before rank 0 starts writing
-        error: BaseException | None = None
-        if self.global_rank == 0:
-            try:
+        with every_rank_or_none(self._pg, elsewhere, catch=(BaseException,), wait_bytes=nbytes):
+            if self.global_rank == 0:
                 save()
-            except BaseException as e:
-                error = e
-        wait_for_host_work(self._pg, nbytes)
-        raise_if_any_failed(error, self._pg, elsewhere)
 
     def load_checkpoint(
         self,
@@ -221,12 +213,9 @@ class EngineCheckpoints:
         if not agree_on_checkpoint_to_load(Path(load_dir), tag, self._pg):
             self._warn_nothing_to_load(Path(load_dir) / "latest")
             return None, None
-        error: ValueError | None = None
-        try:
+        # before the load's collectives
+        with user_errors_agreed("load_checkpoint", self._pg, catch=(ValueError,)):
             _refuse_deepspeed_checkpoint(Path(load_dir), tag)
-        except ValueError as e:
-            error = e
-        agree_on_errors(error, "load_checkpoint", self._pg)  # before the load's collectives
         config = LoadConfig(
             strict=load_module_strict,
             load_optimizer_states=load_optimizer_states and not load_module_only,

@@ -50,7 +50,7 @@ from .lr_scheduler import build_scheduler, check_client_scheduler, probe_schedul
 from .optimizer_choice import OptimizerChoice, choose_optimizer
 from .param_sync import place_rest, sync_params
 from .process_group import ensure_process_group
-from .rank_agreement import agree_on_config, agree_on_errors
+from .rank_agreement import agree_on_config, user_errors_agreed
 from .report import EngineInitReport
 from .weights import Weights, check_checkpoint_argument, get_weights
 
@@ -141,13 +141,10 @@ def _parsed(config: Any, world_size: int, rank: int, earlier: BaseException | No
     whose arguments were refused: ``earlier``) raises its error and the others a
     ``ValueError`` naming it; configs that parse to different settings are a
     ``ValueError`` on every rank (``agree_on_config``)."""
-    error = earlier
-    if error is None:
-        try:
-            cfg = parse_config(config, world_size=world_size)
-        except Exception as e:
-            error = e
-    agree_on_errors(error, "the DeepSpeed config (or initialize's arguments)", None)
+    with user_errors_agreed("the DeepSpeed config (or initialize's arguments)", None):
+        if earlier is not None:
+            raise earlier
+        cfg = parse_config(config, world_size=world_size)
     agree_on_config(cfg, None)
     if cfg.ignored and rank == 0:
         logger.warning(
@@ -168,18 +165,14 @@ def _optimizer_and_groups(
     """The optimizer, the param groups, a probe of the scheduler and the checkpoint
     argument, checked on every rank before the first collective that needs them: a user
     error on one rank (its client optimizer, an empty param group, a scheduler parameter)
-    is an error on every rank (``agree_on_errors``), never a hang in the flatten's
+    is an error on every rank (``user_errors_agreed``), never a hang in the flatten's
     collectives."""
-    error: BaseException | None = None
-    try:
+    with user_errors_agreed("flatzero.initialize's optimizer, params or scheduler", None):
         choice = choose_optimizer(optimizer, cfg, model, model_parameters)
         groups = collect_param_groups(choice.params, names_from=model, where=choice.where)
         probe_scheduler(cfg.scheduler, [choice.lr_of(g) for g in groups])
         check_client_scheduler(lr_scheduler, choice.client)
         kind = check_checkpoint_argument(groups, checkpoint)
-    except Exception as e:
-        error = e
-    agree_on_errors(error, "flatzero.initialize's optimizer, params or scheduler", None)
     what = "checkpoint= (every rank must load the same)"
     fix = "Pass the same checkpoint= on every rank, on a file system every rank shares"
     check_same_everywhere(what, {"kind": kind}, control_group(None), fix=fix)
@@ -385,17 +378,13 @@ def initialize(
         )
     if choice.client is not None:
         link_client_optimizer(choice.client, zero_opt)  # its schedulers drive flatzero's
-    error: BaseException | None = None
     try:
-        try:
+        with user_errors_agreed("flatzero.initialize's scheduler or data loader", None):
             with phases("scheduler"):
                 scheduler = build_scheduler(
                     lr_scheduler, cfg.scheduler, zero_opt, choice.client, len(groups)
                 )
             dataloader = _dataloader(training_data, collate_fn, cfg)
-        except Exception as e:
-            error = e
-        agree_on_errors(error, "flatzero.initialize's scheduler or data loader", None)
     except BaseException:
         zero_opt.close()  # release the params' hooks: the model stays usable
         raise

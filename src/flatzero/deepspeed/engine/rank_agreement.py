@@ -11,7 +11,7 @@ same error.
 - ``agree_on_checkpoint_to_load``: whether ``load_dir/latest`` exists, on every rank;
 - ``check_shared_directory``: that a checkpoint directory is one shared path (rank 0
   writes a marker, every other rank must see it);
-- ``agree_on_errors``: a user error found on one rank (its optimizer, param groups,
+- ``user_errors_agreed``: a user error found on one rank (its optimizer, param groups,
   scheduler, arguments) raised on every rank before the collective that would wait for it.
 """
 
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from ...comm import all_reduce_max_each, check_same_everywhere, rank_of, world_size_of
-from ...control import control_group
+from ...control import ErrorFactory, Failures, control_group, every_rank_or_none
 from .errors import UnsupportedFeatureError
 
 if TYPE_CHECKING:
@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 __all__ = [
     "agree_on_checkpoint_to_load",
     "agree_on_config",
-    "agree_on_errors",
     "check_shared_directory",
+    "user_errors_agreed",
 ]
 
 _MARKER_PREFIX = ".flatzero-shared-check-"
@@ -77,42 +77,35 @@ def agree_on_config(cfg: EngineConfig, group: dist.ProcessGroup | None) -> None:
     )
 
 
-def agree_on_errors(
-    error: BaseException | None, what: str, group: dist.ProcessGroup | None
-) -> None:
-    """Raise on every rank when any rank found a user error (``error``), before a
-    collective the failing rank would not join. The failing rank raises its own error;
-    every other rank an error of the same kind (``UnsupportedFeatureError``, so that
+def _same_kind(what: str) -> ErrorFactory:
+    """Every rank's error once some rank found a user error: the failing rank raises its
+    own; every other rank an error of the same kind (``UnsupportedFeatureError``, so that
     ``patch_deepspeed`` hands every rank to DeepSpeed alike; ``TypeError``; else
-    ``ValueError``) whose message is ``what`` and the first failing rank's message.
-    Collective: one small all-reduce when no rank failed.
-    """
-    if world_size_of(group) == 1:
-        if error is not None:
-            raise error
-        return
-    control = control_group(group)
-    if not all_reduce_max_each([int(error is not None)], control)[0]:
-        return
-    mine = None
-    if error is not None:
-        mine = (
-            type(error).__name__,
-            str(error),
-            getattr(error, "key", None),
-            getattr(error, "feature", None),
-        )
-    found: list[tuple[str, str, str | None, str | None] | None] = [None] * world_size_of(group)
-    dist.all_gather_object(found, mine, group=control)
-    if error is not None:
-        raise error
-    rank, (kind, message, key, feature) = next((r, f) for r, f in enumerate(found) if f is not None)
-    others = sum(f is not None for f in found) - 1
-    text = f"{what} failed on rank {rank}" + (f" (and {others} more)" if others else "")
-    text += f": {kind}: {message}"
-    if key is not None and feature is not None and kind == UnsupportedFeatureError.__name__:
-        raise UnsupportedFeatureError(text, key=key, feature=feature)
-    raise (TypeError if kind == "TypeError" else ValueError)(text)
+    ``ValueError``) whose message is ``what`` and the first failing rank's message."""
+
+    def make(failures: Failures) -> BaseException:
+        if failures.mine is not None:
+            return failures.mine
+        first, others = failures.first, len(failures.kinds) - 1
+        text = f"{what} failed on rank {first.rank}" + (f" (and {others} more)" if others else "")
+        text += f": {first.kind}: {first.message}"
+        key, feature = first.fields.get("key"), first.fields.get("feature")
+        if first.kind == UnsupportedFeatureError.__name__ and key and feature:
+            return UnsupportedFeatureError(text, key=str(key), feature=str(feature))
+        return (TypeError if first.kind == "TypeError" else ValueError)(text)
+
+    return make
+
+
+def user_errors_agreed(
+    what: str,
+    group: dist.ProcessGroup | None,
+    catch: tuple[type[BaseException], ...] = (Exception,),
+) -> every_rank_or_none:
+    """A check of the user's input that raises on every rank if it failed on any, before a
+    collective the failing rank would not join (``_same_kind`` says which error). One small
+    all-reduce when no rank failed."""
+    return every_rank_or_none(group, catch=catch, error_type=_same_kind(what))
 
 
 def agree_on_checkpoint_to_load(
