@@ -498,3 +498,37 @@ def problems(
         if pair not in present:
             out.append(f"ALLOWED_UP lists {pair[0]} -> {pair[1]}, which no longer climbs: drop it")
     return out
+
+
+MAX_FUNCTION_LINES = 75
+"""The most lines a function's body may take, its docstring aside."""
+
+MAX_MODULE_LINES = 550
+"""The most lines a module may take, but those of ``SIZE_EXEMPT`` rooms."""
+
+SIZE_EXEMPT = ("models", "demo", "cli")
+"""Rooms whose modules may be longer: model definitions, the demo's script, the command
+line's table of commands."""
+
+
+def oversized(sources: Mapping[str, str]) -> list[str]:
+    """Modules over ``MAX_MODULE_LINES`` lines and functions whose body (docstring aside)
+    is over ``MAX_FUNCTION_LINES`` lines, as ``"module: what (N lines)"``."""
+    found = []
+    for module, text in sources.items():
+        lines = text.count("\n")
+        if (
+            lines > MAX_MODULE_LINES
+            and room_of(module.removesuffix(".__init__")) not in SIZE_EXEMPT
+        ):
+            found.append(f"{module}: the module ({lines} lines)")
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = node.body
+            if ast.get_docstring(node) is not None and len(body) > 1:
+                body = body[1:]
+            length = (node.end_lineno or body[-1].lineno) - body[0].lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"{module}: {node.name} ({length} lines)")
+    return found

@@ -223,3 +223,23 @@ def test_a_room_gets_inner_floors_with_one_entry():
         "add it to INNER_FLOORS['optim'] in scripts/house.py",
         "INNER_FLOORS['optim'] lists 'gone', which is no module of 'optim'",
     ]
+
+
+def test_no_module_or_function_is_too_long(sources):
+    assert house.oversized(sources) == []
+
+
+def test_the_size_check_finds_long_modules_and_functions():
+    lines = [f"    x{i} = {i}\n" for i in range(house.MAX_FUNCTION_LINES + 1)]
+    body = "".join(lines)
+    planted = {
+        "flatzero.long": "def f():\n" + body,
+        # the docstring does not count: 75 lines of code under 4 of docstring pass
+        "flatzero.documented": 'def g():\n    """Doc.\n\n    more\n    """\n' + "".join(lines[1:]),
+        "flatzero.big": "x = 1\n" * (house.MAX_MODULE_LINES + 1),
+        "flatzero.models.big": "x = 1\n" * (house.MAX_MODULE_LINES + 1),
+    }
+    assert house.oversized(planted) == [
+        f"flatzero.long: f ({house.MAX_FUNCTION_LINES + 1} lines)",
+        f"flatzero.big: the module ({house.MAX_MODULE_LINES + 1} lines)",
+    ]

@@ -1,36 +1,10 @@
 """``save_checkpoint``: every rank writes its own shard file; the directory appears complete.
 
-Protocol (collective; every rank of the optimizer's process group calls it):
-
-1. The ranks agree on the tag and on rank 0's random nonce.
-2. Rank 0 creates ``DIR/.tmp-<tag>-<nonce>/`` (first putting back a tag that a save
-   killed while replacing it lost, see ``recovery``, and removing stale ``.tmp-*`` left by
-   killed saves). All ranks learn whether that worked.
-3. Every rank writes and fsyncs its rank file there (its master and optimizer-state
-   shards, optionally its RNG states); rank 0 also writes the model's frozen params and
-   buffers when a model is given. Nothing is gathered: each rank writes its own shard.
-4. Rank 0 collects the small file records, writes ``meta.json``, fsyncs, renames the
-   directory to ``DIR/<tag>/`` (exchanges it with an existing one, ``atomic.publish``)
-   and then points ``DIR/latest`` at it.
-
-An error on any rank makes every rank raise and rank 0 remove the temporary directory; a
-process killed mid-save leaves only the ``.tmp-*`` directory, which loaders ignore.
-
-With ``asynchronous=True``, steps 3 and 4 run in a background thread of every rank from a
-copy of the rank's tensors in host memory, and the ranks meet through marks in the
-temporary directory instead of collectives (``async_save``).
-
 One ``Save`` object holds a save's state from start to end: the root, the agreed tag, the
 temporary directory (``atomic.StagedDirectory``), what was collected (``collect``), and
 for an asynchronous save its snapshot and background thread (the optimizer's
 ``checkpointer.Checkpointer`` keeps the thread until the next save, load or
-``wait_for_save`` waits for it).
-
-Every agreement (the tag, errors, the file records) runs on the process group's control
-group (``flatzero.control``: gloo, never queued behind GPU work or the NCCL watchdog).
-Where ranks wait for writing (their own and rank 0's files, rank 0's publishing), they
-first meet in ``wait_for_host_work`` with a timeout that fits the bytes written, then take
-the quick error agreement.
+``wait_for_save`` waits for it). The steps: [Note: the save protocol].
 """
 
 from __future__ import annotations
@@ -148,6 +122,28 @@ def _create_tmp(staged: StagedDirectory, flat: FlatParams, config: SaveConfig) -
                     protected=copy_of_lost,
                 )
             staged.create()
+
+
+# [Note: the save protocol]
+# Collective; every rank of the optimizer's process group calls it:
+# 1. The ranks agree on the tag and on rank 0's random nonce.
+# 2. Rank 0 creates ``DIR/.tmp-<tag>-<nonce>/`` (first putting back a tag that a save
+#    killed while replacing it lost, see ``recovery``, and removing stale ``.tmp-*`` left
+#    by killed saves). All ranks learn whether that worked.
+# 3. Every rank writes and fsyncs its rank file there (its master and optimizer-state
+#    shards, optionally its RNG states); rank 0 also writes the model's frozen params and
+#    buffers when a model is given. Nothing is gathered: each rank writes its own shard.
+# 4. Rank 0 collects the small file records, writes ``meta.json``, fsyncs, renames the
+#    directory to ``DIR/<tag>/`` (exchanges it with an existing one, ``atomic.publish``)
+#    and then points ``DIR/latest`` at it.
+# An error on any rank makes every rank raise and rank 0 remove the temporary directory
+# (``every_rank_or_none``); a process killed mid-save leaves only the ``.tmp-*``
+# directory, which loaders ignore. With ``asynchronous=True``, steps 3 and 4 run in a
+# background thread of every rank from a copy of the rank's tensors in host memory, and
+# the ranks meet through marks in the temporary directory instead of collectives
+# (``async_save``). Every agreement runs on the process group's control group (gloo,
+# never queued behind GPU work or the NCCL watchdog); where ranks wait for writing, they
+# first meet in ``wait_for_host_work`` with a timeout that fits the bytes written.
 
 
 class Save:

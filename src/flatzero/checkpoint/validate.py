@@ -3,31 +3,12 @@
 The layout digest in ``meta.json`` says the layout was not changed since the save; it says
 nothing of the other fields, and a hand-edited file can carry a matching digest (or none).
 ``CheckpointMeta.from_dict`` checks that the fields are there; this module checks what
-they say, on every rank, before the load changes a weight:
-
-- ``check_meta``: ``meta.json`` alone. The layout is consistent (world size, alignment,
-  bucket sizes and shard offsets, every param inside its bucket, no overlaps, names
-  unique); the rank files' and ``model_rest``'s names are plain file names; every tensor
-  record's dtype is known and its shape is its group's shard; every group's state names,
-  scalar state (``step`` a non-negative number) and hyperparameters decode; the loss
-  scaler's state is finite and positive; the bucket order is a list of bucket indices;
-  ``stage``, ``optimizer``, ``saved_at`` have their types. A ``CheckpointDamaged``.
-- ``check_rank_files``: the tensors of the rank files this rank reads have the dtype and
-  shape ``meta.json`` records. A ``CheckpointDamaged``.
-- ``check_for_optimizer``: the saved state fits the optimizer it is loaded into: its
-  hyperparameters pass the optimizer class's own checks (``AdamW(lr=-1)`` is refused), its
-  state names are the ones that class keeps with them. A ``ValueError``.
-- ``check_scheduler_state``: the saved scheduler state has the keys and value types of the
-  live scheduler's ``state_dict()`` (``load_state_dict`` of torch's schedulers accepts
-  anything and fails at the next ``step()``). A ``ValueError``.
-- ``check_rng``: the saved Python, NumPy and torch RNG states are set on throwaway
-  generators first. A ``CheckpointDamaged``.
-- ``agree_on_load_settings``: every rank loads the same way (what it restores).
-- ``agree_on_checkpoint``: every rank opened the same checkpoint (the same tag and
-  ``meta.json``): ranks given different directories that each hold a ``latest`` would
-  otherwise load different weights. A ``ValueError`` on every rank.
-
-Every message names the file, the field and what to do.
+they say, on every rank, before the load changes a weight: ``meta.json`` alone
+(``check_meta``), the rank files' tensors (``check_rank_files``), the fit to the optimizer
+(``check_for_optimizer``) and to the scheduler (``check_scheduler_state``), the RNG states
+(``check_rng``), and that every rank loads the same way (``agree_on_load_settings``) from
+the same checkpoint (``agree_on_checkpoint``). Each function's docstring says what it
+checks and what it raises; every message names the file, the field and what to do.
 """
 
 from __future__ import annotations
@@ -185,7 +166,13 @@ def _check_buckets(group: Any, where: str, f: _Field) -> None:
 # ------------------------------------------------------------------------ meta.json
 def check_meta(meta: CheckpointMeta, directory: Path) -> None:
     """Raise ``CheckpointDamaged`` naming ``meta.json`` and the field unless every field of
-    ``meta`` is usable (see the module's docstring)."""
+    ``meta`` is usable: the layout is consistent (world size, alignment, bucket sizes and
+    shard offsets, every param inside its bucket, no overlaps, names unique); the rank
+    files' and ``model_rest``'s names are plain file names; every tensor record's dtype is
+    known and its shape is its group's shard; every group's state names, scalar state
+    (``step`` a non-negative number) and hyperparameters decode; the loss scaler's state is
+    finite and positive; the bucket order is a list of bucket indices; ``stage``,
+    ``optimizer``, ``saved_at`` have their types."""
     f = _Field(directory / META)
     _check_layout(meta.layout, f)
     if meta.stage is not None and meta.stage not in (0, 1, 2):

@@ -15,12 +15,9 @@ Hugging Face Trainer and Accelerate never call ``flatzero.initialize``: Accelera
 - A user error (bad value, misspelled key, inconsistent batch sizes) is raised as it is,
   whoever would have run the config.
 
-Every call logs one line on rank 0 (logger ``flatzero.deepspeed.patch``) saying which engine
-runs and why: INFO for flatzero, WARNING when DeepSpeed takes it. After flatzero built the engine,
-``deepspeed.comm`` is initialized over the process group as ``deepspeed.initialize`` would
-do (a no-op under Accelerate, which did it already), so scripts that call ``deepspeed.comm``
-keep working. ``python -m flatzero.run`` applies the patch and runs a script unchanged (see
-``flatzero.run``).
+Every call logs one line on rank 0 (this module's logger) saying which engine runs and
+why: INFO for flatzero, WARNING when DeepSpeed takes it. ``python -m flatzero.run``
+applies the patch and runs a script unchanged.
 """
 
 from __future__ import annotations
@@ -179,7 +176,7 @@ def _make_router(original: Callable[..., Any]) -> Callable[..., Any]:
             else:
                 summary = _flatzero_summary(result[0])
                 _log(logging.INFO, "deepspeed.initialize -> flatzero: %s", summary)
-                _init_deepspeed_comm()
+                _init_deepspeed_comm()  # as deepspeed.initialize would; a no-op under Accelerate
                 return result
         _log(logging.WARNING, "deepspeed.initialize -> DeepSpeed%s: %s", version, reason)
         if distributed_port is not None:

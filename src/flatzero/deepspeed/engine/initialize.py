@@ -272,6 +272,56 @@ def _report(
 
 # Over 60 lines only by DeepSpeed's signature and its docstring; the body is the steps.
 @paused_gc()
+def _scheduler_and_loader(
+    lr_scheduler: Any,
+    cfg: EngineConfig,
+    zero_opt: ZeroOptimizer,
+    choice: OptimizerChoice,
+    group_count: int,
+    data: tuple[Any, Callable[..., Any] | None],
+    phases: _Phases,
+) -> tuple[Any, Any]:
+    """The LR scheduler and the data loader (``data``: the dataset and ``collate_fn``),
+    built after the optimizer; an error on one rank is an error on every rank, and the
+    optimizer's hooks are then released so that the model stays usable."""
+    try:
+        with user_errors_agreed("flatzero.initialize's scheduler or data loader", None):
+            with phases("scheduler"):
+                scheduler = build_scheduler(
+                    lr_scheduler, cfg.scheduler, zero_opt, choice.client, group_count
+                )
+            return scheduler, _dataloader(*data, cfg)
+    except BaseException:
+        zero_opt.close()
+        raise
+
+
+def _config_in_a_process_group(
+    args: Any,
+    model: nn.Module | None,
+    mpu: Any,
+    mesh_param: Any,
+    config: Any,
+    config_params: Any,
+    dist_init_required: bool | None,
+) -> tuple[Any, BaseException | None]:
+    """The config argument and what refused the arguments (None: nothing), once the
+    process group exists; ``args.local_rank`` is set from ``LOCAL_RANK`` as DeepSpeed
+    does. A refusal is raised at once without a process group, else handed to every rank
+    before its first collective (``_parsed``)."""
+    refused: BaseException | None = None
+    try:
+        config = _config_argument(model, mpu, mesh_param, config, config_params, args)
+    except Exception as e:
+        if not dist.is_initialized():
+            raise  # no process group: no rank can be waiting for this one
+        refused = e
+    ensure_process_group(dist_init_required)
+    if args is not None and hasattr(args, "local_rank"):
+        args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return config, refused
+
+
 def initialize(
     args: Any = None,
     model: nn.Module | None = None,
@@ -341,16 +391,9 @@ def initialize(
         Nothing has been flattened when any of these is raised.
     """
     phases = _Phases()
-    refused: BaseException | None = None
-    try:
-        config = _config_argument(model, mpu, mesh_param, config, config_params, args)
-    except Exception as e:
-        if not dist.is_initialized():
-            raise  # no process group: no rank can be waiting for this one
-        refused = e  # the other ranks get it before their first collective
-    ensure_process_group(dist_init_required)
-    if args is not None and hasattr(args, "local_rank"):
-        args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    config, refused = _config_in_a_process_group(
+        args, model, mpu, mesh_param, config, config_params, dist_init_required
+    )
     with phases("config"):
         cfg = _parsed(config, world_size_of(None), rank_of(None), refused)
         choice, groups = _optimizer_and_groups(
@@ -378,28 +421,15 @@ def initialize(
         )
     if choice.client is not None:
         link_client_optimizer(choice.client, zero_opt)  # its schedulers drive flatzero's
-    try:
-        with user_errors_agreed("flatzero.initialize's scheduler or data loader", None):
-            with phases("scheduler"):
-                scheduler = build_scheduler(
-                    lr_scheduler, cfg.scheduler, zero_opt, choice.client, len(groups)
-                )
-            dataloader = _dataloader(training_data, collate_fn, cfg)
-    except BaseException:
-        zero_opt.close()  # release the params' hooks: the model stays usable
-        raise
+    scheduler, dataloader = _scheduler_and_loader(
+        lr_scheduler, cfg, zero_opt, choice, len(groups), (training_data, collate_fn), phases
+    )
     report = _report(cfg, weights, choice, scheduler, sync, phases)
     engine_class = deepspeed_engine_class() or Engine  # isinstance DeepSpeedEngine if imported
     engine = engine_class(
-        model,
-        zero_opt,
-        scheduler,
-        cfg,
-        report,
-        process_group=None,
-        training_dataloader=dataloader,
-        client_optimizer=choice.client,
-    )
+        model, zero_opt, scheduler, cfg, report, process_group=None,
+        training_dataloader=dataloader, client_optimizer=choice.client,
+    )  # fmt: skip
     if weights.checkpoint_dir is not None:
         engine.load_checkpoint(weights.checkpoint_dir, checkpoint_tag, load_module_only=True)
     if rank_of(None) == 0:
