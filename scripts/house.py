@@ -99,7 +99,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     # ("driver" is flatzero.flatten.driver, "emulated.state" is
     # flatzero.testing.emulated.state) and the room's own __init__.py is "__init__".
     "flatten": (
-        ("pieces", ("alloc", "buffers", "threads", "faults", "source")),
+        ("pieces", ("alloc", "buffers", "faults", "source")),
         ("tiers", ("tiers", "registry")),
         ("choice and driver", ("choice", "driver")),
         ("api", ("api", "__init__")),

@@ -139,8 +139,8 @@ def test_planted_violations_are_caught(sources):
     assert not any(p.startswith("modules import each other") for p in found)
     assert any(p.startswith("rooms import each other") and "memory" in p for p in found)
     # a circle inside one room
-    found = _plant(sources, "flatzero.flatten.buffers", "from .api import flatten_parameters\n")
-    assert any("circle" in p and "flatzero.flatten.buffers" in p for p in found)
+    found = _plant(sources, "flatzero.flatten.faults", "from .api import flatten_parameters\n")
+    assert any("circle" in p and "flatzero.flatten.faults" in p for p in found)
     # the product imports the benchmark harness
     found = _plant(sources, "flatzero.optim.zero", "def f():\n    from ..harness import HARNESS\n")
     assert any("(product) imports flatzero.harness" in p for p in found)
@@ -161,9 +161,9 @@ def test_an_allowed_arrow_that_no_longer_climbs_is_reported(sources):
 
 def test_planted_inner_violations_are_caught(sources):
     # an arrow up inside a room, lazy: a piece of the flatten asks the tier choice
-    found = _plant(sources, "flatzero.flatten.threads", "def f():\n    from .choice import x\n")
+    found = _plant(sources, "flatzero.flatten.faults", "def f():\n    from .choice import x\n")
     assert any(
-        p.startswith("flatzero.flatten.threads (inner floor 'pieces') imports ")
+        p.startswith("flatzero.flatten.faults (inner floor 'pieces') imports ")
         and "flatzero.flatten.choice (inner floor 'choice and driver')" in p
         and p.endswith("(lazy): an arrow up inside 'flatten'")
         for p in found
@@ -187,12 +187,12 @@ def test_planted_inner_violations_are_caught(sources):
     ]
     # an arrow up inside a room accepted by ALLOWED_UP, and reported once it no longer climbs
     planted = dict(sources)
-    planted["flatzero.flatten.threads"] += "def f():\n    from .choice import x\n"
-    allowed = {("flatzero.flatten.threads", "flatzero.flatten.choice"): "planted"}
+    planted["flatzero.flatten.faults"] += "def f():\n    from .choice import x\n"
+    allowed = {("flatzero.flatten.faults", "flatzero.flatten.choice"): "planted"}
     assert house.problems(house.arrows(planted), _names(planted), allowed) == []
     stale = house.problems(house.arrows(sources), _names(sources), allowed)
     assert stale == [
-        "ALLOWED_UP lists flatzero.flatten.threads -> flatzero.flatten.choice, which no "
+        "ALLOWED_UP lists flatzero.flatten.faults -> flatzero.flatten.choice, which no "
         "longer climbs: drop it"
     ]
 

@@ -1,8 +1,8 @@
 """DeepSpeed's ZeRO-1/2 flat partitions as a flatzero ``Layout`` (pure metadata).
 
 The only home of DeepSpeed's padding and partition rule (``padded_numel``,
-``partition_range``): the checkpoint reader and writer, ``measure``'s baselines and
-``plan`` all use it from here.
+``partition_range``) and of its checkpoint's file names: the checkpoint reader and writer,
+``measure``'s baselines and ``plan`` all use them from here.
 
 DeepSpeed 0.19 (``runtime/zero/stage_1_and_2.py``) flattens every optimizer group into
 one buffer: the group's trainable params with at least one element, in the group's order
@@ -23,13 +23,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import torch
+
 from ..layout import BucketLayout, GroupLayout, Layout, ParamSlot, ParamSpec
 
 __all__ = [
     "ALIGNMENT_FACTOR",
+    "MODEL_STATES",
     "alignment_paddings",
     "deepspeed_layout",
     "group_padding",
+    "optim_file_name",
     "padded_numel",
     "partition_range",
     "round_robin_order",
@@ -120,3 +124,14 @@ def group_padding(group: GroupLayout, rank: int) -> int:
     width = group.shard_numel
     used = group.buckets[0].used
     return min(width, max(0, (rank + 1) * width - used))
+
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+"""DeepSpeed's model-states file of a data-parallel ZeRO-1/2 run."""
+
+
+def optim_file_name(rank: int, dtype: torch.dtype) -> str:
+    """Rank ``rank``'s optimizer-state file (``bf16_``-prefixed when training in bf16, as
+    DeepSpeed names and looks for it)."""
+    prefix = "bf16_" if dtype == torch.bfloat16 else ""
+    return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"

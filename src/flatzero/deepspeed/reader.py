@@ -19,7 +19,7 @@ from ..checkpoint.reshard import ParamRecord, index_layout
 from ..dtypes import dtype_name
 from ..layout import Layout, ParamSpec
 from . import pickle as ds_pickle
-from .layout import deepspeed_layout
+from .layout import MODEL_STATES, deepspeed_layout
 
 __all__ = ["DeepSpeedCheckpoint", "read_deepspeed"]
 
@@ -47,7 +47,6 @@ __all__ = ["DeepSpeedCheckpoint", "read_deepspeed"]
 # (``DeepSpeedCheckpoint.fetcher``). DeepSpeed itself is not needed, and nothing in the
 # files runs: they are read with torch's ``weights_only`` unpickler, DeepSpeed's few pickled
 # classes as inert records (``deepspeed_pickle``); anything else is refused.]
-_MODEL_STATES = "mp_rank_00_model_states.pt"
 _OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 
 
@@ -103,7 +102,7 @@ class DeepSpeedCheckpoint:
         if len(parts) != len(groups):
             raise ValueError(
                 f"{self.optim_files[rank]} has {len(parts)} fp32 partitions but "
-                f"{_MODEL_STATES} describes {len(groups)} groups"
+                f"{MODEL_STATES} describes {len(groups)} groups"
             )
         paddings = sd.get("group_paddings") or [0] * len(parts)
         for gi, (part, group) in enumerate(zip(parts, groups, strict=True)):
@@ -162,7 +161,7 @@ class DeepSpeedCheckpoint:
 def _resolve_ds_tag(ds_dir: Path, tag: str | None) -> tuple[str, Path]:
     if not ds_dir.is_dir():
         raise ValueError(f"DeepSpeed checkpoint directory {ds_dir} does not exist")
-    if tag is None and (ds_dir / _MODEL_STATES).is_file():
+    if tag is None and (ds_dir / MODEL_STATES).is_file():
         return ds_dir.name, ds_dir
     if tag is None:
         latest = ds_dir / "latest"
@@ -173,14 +172,14 @@ def _resolve_ds_tag(ds_dir: Path, tag: str | None) -> tuple[str, Path]:
             )
         tag = latest.read_text(encoding="utf-8").strip()
     path = ds_dir / tag
-    if not (path / _MODEL_STATES).is_file():
+    if not (path / MODEL_STATES).is_file():
         if list(path.glob("zero_pp_rank_*_mp_rank_00_model_states.pt")):
             raise ValueError(
                 f"{path} is a ZeRO stage 3 checkpoint (per-rank model states); only ZeRO stage "
                 "1 and 2 checkpoints can be imported"
             )
         raise ValueError(
-            f"{path / _MODEL_STATES} does not exist: not a DeepSpeed ZeRO-1/2 checkpoint of "
+            f"{path / MODEL_STATES} does not exist: not a DeepSpeed ZeRO-1/2 checkpoint of "
             "a data-parallel (not tensor- or pipeline-parallel) run"
         )
     return tag, path
@@ -188,7 +187,7 @@ def _resolve_ds_tag(ds_dir: Path, tag: str | None) -> tuple[str, Path]:
 
 def _model_states(path: Path) -> dict[str, Any]:
     """``mp_rank_00_model_states.pt``, checked to come from a data-parallel ZeRO-1/2 run."""
-    model_path = path / _MODEL_STATES
+    model_path = path / MODEL_STATES
     states = ds_pickle.load(model_path)
     if not isinstance(states, dict) or "param_shapes" not in states or "module" not in states:
         raise ValueError(

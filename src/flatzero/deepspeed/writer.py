@@ -32,9 +32,7 @@ from .target import DeepSpeedTarget
 
 __all__ = [
     "DEEPSPEED_VERSION",
-    "MODEL_STATES",
     "DeepSpeedPlan",
-    "optim_file_name",
     "plan_deepspeed",
     "write_model_states",
     "write_optim_states",
@@ -71,16 +69,6 @@ __all__ = [
 # looks up its frozen params there and ignores the rest).]
 DEEPSPEED_VERSION = "0.19.8"
 """The DeepSpeed version whose format is written (``ds_version``)."""
-
-MODEL_STATES = "mp_rank_00_model_states.pt"
-"""DeepSpeed's model-states file of a data-parallel ZeRO-1/2 run."""
-
-
-def optim_file_name(rank: int, dtype: torch.dtype) -> str:
-    """Rank ``rank``'s optimizer-state file (``bf16_``-prefixed when training in bf16, as
-    DeepSpeed names and looks for it)."""
-    prefix = "bf16_" if dtype == torch.bfloat16 else ""
-    return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from torch import nn
 
 from .. import accel
 from ..comm import all_gather_buckets_from_own_slices
+from ..cores import init_threads
 from ..flatten.buffers import FlatParams
-from ..flatten.threads import init_threads
 from ..hostmem import empty_host
 from .config import OffloadConfig
 from .inner import build_inner_optimizer, scale_grads, step_with_grad_scale, with_fused_default

@@ -16,8 +16,8 @@ import torch
 
 from ..comm import all_gather_buckets_from_own_slices
 from ..control import control_group
+from ..cores import core_share
 from ..flatten.buffers import FlatParams
-from ..flatten.threads import core_share
 from .config import OffloadConfig
 from .inner import scale_grads, step_with_grad_scale
 from .offload import HOST, HostOffload, OffloadHostBytes

@@ -34,15 +34,10 @@ from ...checkpoint.atomic import staged_directory, write_latest
 from ...checkpoint.format import LATEST, META, TMP_PREFIX, CheckpointMeta, check_tag, decode_value
 from ...checkpoint.optimizer_state import saved_step
 from ...checkpoint.reader import CheckpointReader
+from ..layout import MODEL_STATES, optim_file_name
 from ..state import deepspeed_scheduler
 from ..target import deepspeed_target
-from ..writer import (
-    MODEL_STATES,
-    optim_file_name,
-    plan_deepspeed,
-    write_model_states,
-    write_optim_states,
-)
+from ..writer import plan_deepspeed, write_model_states, write_optim_states
 from .incoming import ENGINE_STATE_KEY
 
 __all__ = [
