@@ -505,10 +505,10 @@ def test_issue_7677_config_at_its_world_sizes():
 def test_defaults_and_mapping():
     cfg = parse_config(B, world_size=1)
     assert cfg.zero.stage == 0 and cfg.precision.dtype == "fp32" and cfg.optimizer is None
-    assert cfg.gradient_clipping is None and cfg.steps_per_print == 10
+    assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print is None  # DeepSpeed's defaults
     assert cfg.bucket_numel == DEFAULT_BUCKET_NUMEL
     zc = cfg.zero_config()
-    assert zc.stage == 1 and zc.max_grad_norm is None and zc.loss_scale is None  # stage 0 runs as 1
+    assert zc.stage == 1 and zc.max_grad_norm == 1.0 and zc.loss_scale is None  # stage 0 runs as 1
     assert cfg.flatten_config().dtype is None  # fp32: each param keeps its dtype
 
     cfg = parse_config(

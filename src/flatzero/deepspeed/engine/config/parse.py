@@ -19,6 +19,10 @@ from .sections import parse_batch, parse_data_types, parse_precision, parse_zero
 
 __all__ = ["parse_config"]
 
+GRADIENT_CLIPPING_DEFAULT = 1.0
+"""DeepSpeed's clipping when the config has no ``gradient_clipping`` key (its
+``GRADIENT_CLIPPING_DEFAULT``): the global gradient norm is clipped at 1.0; 0 turns it off."""
+
 _COMM_DTYPES = {**SHORT_DTYPES, "bfp16": SHORT_DTYPES["bf16"]}
 """``communication_data_type`` choices (``bfp16`` is DeepSpeed's other name of bf16)."""
 
@@ -34,12 +38,12 @@ class _TopKeys(NamedTuple):
 
 
 def _read_top_keys(top: Section) -> _TopKeys:
-    clip = top.number("gradient_clipping", 0.0, minimum=0.0)
-    spp = top.raw("steps_per_print", 10)
+    clip = top.number("gradient_clipping", GRADIENT_CLIPPING_DEFAULT, minimum=0.0)
+    spp = top.raw("steps_per_print", None)
     if isinstance(spp, float) and spp == math.inf:
         spp = None  # Accelerate's "never": it always sets inf
     elif spp is not None:
-        spp = top.int("steps_per_print", 10)
+        spp = top.int("steps_per_print", None)
     comm = top.raw("communication_data_type", None)
     if comm is not None:
         comm = top.choice("communication_data_type", None, tuple(_COMM_DTYPES))

@@ -230,8 +230,8 @@ class EngineConfig:
         optimizer: the ``optimizer`` section, or None (a client optimizer must be passed).
         scheduler: the ``scheduler`` section, or None.
         flatzero: the ``flatzero`` keys only ``initialize`` reads.
-        steps_per_print: log progress every this many optimizer steps (None: never; the
-            config's ``null`` or ``inf``).
+        steps_per_print: log progress every this many optimizer steps (None: never, as
+            DeepSpeed 0.19 when the key is absent; also the config's ``null`` or ``inf``).
         dataloader_drop_last: ``drop_last`` of the data loader built from ``training_data``.
         ignored: ``(key, reason)`` of every key accepted without effect, in config order.
         source: the config as given (read-only).
@@ -245,7 +245,7 @@ class EngineConfig:
     optimizer: OptimizerSpec | None = None
     scheduler: SchedulerSpec | None = None
     flatzero: FlatzeroSection = FlatzeroSection()
-    steps_per_print: int | None = 10
+    steps_per_print: int | None = None
     dataloader_drop_last: bool = False
     ignored: tuple[tuple[str, str], ...] = ()
     source: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
