@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from flatzero.cores import cgroup_cpu_quota
 from flatzero.ports import free_port
@@ -174,3 +175,37 @@ def test_torchrun_omp_one_init_uses_the_whole_share(tmp_path):
         assert "LOCAL_WORLD_SIZE" in r["launcher_vars"]
     # ... and init runs with the share anyway, then gives the rank its one thread back.
     _assert_share(records, "LOCAL_WORLD_SIZE=2")
+
+
+def _pytorch_door_reference() -> list[list[float]]:
+    """Plain ``torch.optim.AdamW`` over each step's whole batch, in one process (the mean
+    loss over both halves is what two ranks averaging their gradients train on)."""
+    import pytorch_door as door  # tests/launcher_scripts (put on sys.path by the caller)
+
+    net = door.model()
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-2)
+    for step in range(door.STEPS):
+        x, y = door.batch(step)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().flatten().tolist() for p in net.parameters()]
+
+
+def test_pytorch_door_under_torchrun_without_a_process_group_is_one_job(tmp_path, monkeypatch):
+    """README's ``ZeroOptimizer`` snippet has no ``init_process_group``: under torchrun
+    with 2 ranks it must train one model over both ranks' data (the group is made from the
+    launcher's variables), never two separate copies."""
+    script = SCRIPT.parent / "pytorch_door.py"
+    agent = ["-m", "torch.distributed.run", "--standalone", "--max-restarts", "0"]
+    cmd = [sys.executable, *agent, "--nproc-per-node", "2", str(script), "--out", str(tmp_path)]
+    done = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "WORLD_SIZE=2 but torch.distributed was not initialized" in done.stderr
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["world_size"] for r in records] == [2, 2]
+    assert records[0]["weights"] == records[1]["weights"]  # one model, not two
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    expected = _pytorch_door_reference()
+    for got, want in zip(records[0]["weights"], expected, strict=True):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)

@@ -20,6 +20,7 @@ from .config import FlattenConfig
 from .devices import resolve_device
 from .flatten import FlatParams, flatten_parameters
 from .params import rebind_param
+from .process_group import join_launched_job
 from .storage.index import SafetensorsCheckpoint
 
 __all__ = ["allocate_rest", "load_flat", "materialize_rest"]
@@ -109,6 +110,8 @@ def load_flat(
         ``FlatParams``, as ``flatten_parameters`` returns.
     """
     config = config or FlattenConfig()
+    if process_group is None:
+        join_launched_job()  # before the device is chosen by LOCAL_RANK
     ckpt = (
         checkpoint
         if isinstance(checkpoint, SafetensorsCheckpoint)

@@ -28,6 +28,7 @@ from ..devices import resolve_device
 from ..gcpause import paused_gc
 from ..layout import GroupLayout, Layout, plan_layout
 from ..params import ParamGroup, collect_param_groups
+from ..process_group import join_launched_job
 from ..report import GroupReport, ReportBuilder
 from ..storage.index import SafetensorsCheckpoint
 from .alloc import allocate_masters
@@ -419,7 +420,8 @@ def flatten_parameters(
         params: an ``nn.Module``, an iterable of params or ``(name, param)`` pairs, or a
             list of param-group dicts as ``torch.optim`` takes.
         process_group: ranks the buckets are sharded over; ``None`` uses the default group
-            when ``torch.distributed`` is initialized, else a single rank.
+            (made from the launcher's environment when torchrun started several processes
+            and none made it: ``process_group.join_launched_job``), else a single rank.
         config: tier, target device, bucket size, ...; defaults to ``FlattenConfig()``.
         world_size: if given, must equal the process group's size (a guard for launchers).
         checkpoint: read the params' values from this safetensors checkpoint instead of
@@ -450,6 +452,8 @@ def flatten_parameters(
             on some rank (each such rank and its error named; every param keeps its data).
     """
     config = config or FlattenConfig()
+    if process_group is None:
+        join_launched_job()  # under torchrun without a group: one job, never N copies
     rank, ws = rank_of(process_group), world_size_of(process_group)
     _check_world_size(world_size, ws)
     if reserve_grad_shards is None:

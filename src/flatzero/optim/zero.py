@@ -101,8 +101,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         optimizer: an elementwise ``torch.optim.Optimizer`` class (AdamW, Adam, SGD,
             Adagrad, RMSprop, ...) or a ``functools.partial`` of one.
         stage: ZeRO stage, 1 or 2 (overrides ``config.stage``; default 2).
-        process_group: ranks to shard over; ``None``: the default group if
-            ``torch.distributed`` is initialized, else this process alone.
+        process_group: ranks to shard over; ``None``: the default group (made from the
+            launcher's environment, as ``flatzero.initialize`` does, when torchrun started
+            several processes and none made it), else this process alone.
         config: gradient reduction, clipping, loss scaling, ... (``ZeroConfig``).
         flatten_config: how to flatten (bucket size, tier, ...); by default
             ``FlattenConfig(device=<the params' device>)``: the params stay where they are.

@@ -4,7 +4,7 @@
 is flattened):
 
 1. check the arguments (``_config_argument``);
-2. the process group (``process_group.ensure_process_group``);
+2. the process group (``flatzero.process_group.ensure_process_group``);
 3. the config, parsed once (``config.parse_config``); keys without effect are logged once;
 4. the optimizer (``optimizer_choice``: the config's section or the client's) and the
    param groups (``params.collect_param_groups``: ``model_parameters``, the client
@@ -41,6 +41,7 @@ from ...flatten.registry import gathering_tier
 from ...gcpause import paused_gc
 from ...optim import ZeroOptimizer
 from ...params import ParamGroup, collect_param_groups
+from ...process_group import ensure_process_group
 from .client import link_client_optimizer
 from .config import EngineConfig, parse_config
 from .deepspeed_compat import deepspeed_engine_class
@@ -49,7 +50,6 @@ from .errors import UnsupportedFeatureError
 from .lr_scheduler import build_scheduler, check_client_scheduler, probe_scheduler
 from .optimizer_choice import OptimizerChoice, choose_optimizer
 from .param_sync import place_rest, sync_params
-from .process_group import ensure_process_group
 from .rank_agreement import agree_on_config, user_errors_agreed
 from .report import EngineInitReport
 from .weights import Weights, check_checkpoint_argument, get_weights

@@ -1,5 +1,6 @@
-"""The process group of ``flatzero.initialize``, created the way ``deepspeed.initialize``
-creates it."""
+"""The default process group, created the way ``deepspeed.initialize`` creates it: by
+``flatzero.initialize`` always, by the PyTorch door when a launcher started several
+processes and none created it (``join_launched_job``)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ... import accel
-from ...devices import default_backend, local_device_index
-from ...ports import free_port
+from . import accel
+from .devices import default_backend, local_device_index
+from .ports import free_port
 
-__all__ = ["ensure_process_group"]
+__all__ = ["ensure_process_group", "join_launched_job"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,3 +87,39 @@ def ensure_process_group(dist_init_required: bool | None) -> None:
         dist.get_rank(),
         dist.get_world_size(),
     )
+
+
+def _launched_world_size() -> int:
+    """The number of processes torchrun (or the DeepSpeed launcher) says this job has; 1
+    when none says."""
+    value = os.environ.get("WORLD_SIZE", "")
+    return int(value) if value.isdigit() else 1
+
+
+def join_launched_job() -> None:
+    """For the PyTorch door (``ZeroOptimizer``, ``flatten_parameters``, ``load_flat``) with
+    ``process_group=None``: when a launcher started this process as one of several and no
+    default process group exists, create it as ``flatzero.initialize`` does
+    (``ensure_process_group``) and say so, so that N processes train one model together,
+    never N separate copies. Without a launcher (one plain process) nothing is created.
+
+    Raises:
+        ValueError: a launcher other than torchrun started several processes without
+            torchrun's environment (``_check_not_one_of_many``).
+    """
+    if dist.is_initialized():
+        return
+    if _launched_world_size() == 1:
+        _check_not_one_of_many()
+        return
+    ensure_process_group(None)
+    if dist.get_rank() == 0:
+        logger.warning(
+            "flatzero: WORLD_SIZE=%d but torch.distributed was not initialized; initialized "
+            "it (%s) as flatzero.initialize does, so the %d ranks train together. Call "
+            "torch.distributed.init_process_group() before building the optimizer to choose "
+            "the backend and timeout yourself",
+            dist.get_world_size(),
+            dist.get_backend(),
+            dist.get_world_size(),
+        )
