@@ -132,7 +132,10 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
         ("protocol", ("save", "load", "export", "fallback", "__init__")),
     ),
     "optim": (
-        ("pieces", ("buckets", "gather", "inner", "norm", "config", "scaler", "agreement")),
+        (
+            "pieces",
+            ("buckets", "gather", "inner", "norm", "config", "scaler", "agreement", "torch_clip"),
+        ),
         ("reduce and step", ("reducers", "stage1", "stage2", "state", "offload", "stepper")),
         ("optimizer", ("prepare", "zero", "__init__")),
     ),

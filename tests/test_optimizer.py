@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from flatzero import FlattenConfig
+from flatzero.launch import run_ranks
 from flatzero.optim import LossScaleConfig, ZeroConfig, ZeroOptimizer
 
 FLAT = FlattenConfig(bucket_numel=300, device="cpu", progress=False)
@@ -457,6 +458,56 @@ def test_clip_grad_norm_matches_torch():
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="L2 norm"):
         opt.clip_grad_norm_(1.0, norm_type=1.0)
+
+
+def _torch_clip_rank(rank: int, world_size: int, stage: int, how: str) -> dict:
+    """Two ranks, different data each; the loop clips the way ``how`` says."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=stage, flatten_config=FLAT,
+                        lr=0.5)  # fmt: skip
+    norms = []
+    for step in range(2):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(10 * step + rank)) * 3
+        loss_fn(model, x).backward()
+        if how == "torch":  # what every PyTorch loop writes
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)))
+        elif how == "flatzero":
+            norms.append(float(opt.clip_grad_norm_(0.1)))
+        opt.step()
+        opt.zero_grad()
+    return {"norms": norms, "params": [p.detach().flatten().tolist() for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_torchs_clip_grad_norm_clips_through_the_optimizer(stage, caplog):
+    """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` between backward and step
+    (at stage 2 the params hold no ``.grad``; at stage 1 each rank's is its own) clips the
+    global averaged gradient, as ``opt.clip_grad_norm_`` does, and returns its norm."""
+    torch_way = run_ranks(_torch_clip_rank, 2, stage, "torch")
+    direct = run_ranks(_torch_clip_rank, 2, stage, "flatzero")
+    unclipped = run_ranks(_torch_clip_rank, 2, stage, "none")
+    for r in range(2):
+        assert torch_way[r]["norms"] == direct[r]["norms"] and min(direct[r]["norms"]) > 0.1
+        assert torch_way[r]["params"] == direct[r]["params"]  # bit for bit
+    assert torch_way[0]["params"] != unclipped[0]["params"]
+
+
+def test_torchs_clip_grad_norm_is_torchs_own_for_other_params(caplog):
+    torch.manual_seed(0)
+    model, other = Net(), Net()
+    ZeroOptimizer(model.parameters(), torch.optim.SGD, flatten_config=FLAT, lr=0.5)
+    loss_fn(other, torch.randn(5, 8) * 3).backward()
+    other.unused.grad = torch.zeros_like(other.unused)
+    expected = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(p.grad) for p in other.parameters()])
+    )
+    with caplog.at_level(logging.WARNING):
+        norm = torch.nn.utils.clip_grad_norm_(other.parameters(), 0.1)
+    torch.testing.assert_close(norm, expected)
+    assert "clipped through opt.clip_grad_norm_" not in caplog.text
+    mixed = [*model.parameters(), *other.parameters()]  # not all flatzero's: torch's own
+    torch.nn.utils.clip_grad_norm_(mixed, 1e9)
 
 
 def test_fp16_turns_loss_scaling_on_and_bf16_does_not():

@@ -26,6 +26,7 @@ from ..config import FlattenConfig
 from ..control import control_group, every_rank_or_none
 from ..flatten import FlatParams
 from ..gcpause import paused_gc
+from . import torch_clip
 from .agreement import meaning, setup_fields
 from .config import LossScaleConfig, OffloadConfig, ZeroConfig
 from .gather import full_param, full_params
@@ -192,6 +193,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = False
         """Whether the last ``step()`` was skipped for an fp16 overflow."""
         self._init_optimizer_plumbing()
+        torch_clip.register(self, (p for g in flat.groups for p in g.params))
         if self._rank == 0:
             logger.info(
                 "ZeroOptimizer stage %d over %d ranks: %d group(s), %s, %d params%s",
@@ -532,4 +534,5 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Remove the gradient hooks from the params and release them, so that another
         ``ZeroOptimizer`` may manage them; this one cannot reduce gradients after."""
+        torch_clip.unregister(p for g in self.flat.groups for p in g.params)
         self._reducer.close()
