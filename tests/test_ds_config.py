@@ -755,11 +755,15 @@ def test_other_data_types_keys_are_listed():
         },
         world_size=1,
     )
-    assert [k for k, _ in cfg.ignored] == [
-        "data_types.param_dtype",
-        "data_types.buffer_dtype",
-        "data_types.new_key",
-    ]
+    assert [k for k, _ in cfg.ignored] == ["data_types.param_dtype", "data_types.new_key"]
+    assert cfg.buffer_dtype == torch.float32  # buffer_dtype casts the buffers, as DeepSpeed
+    assert parse_config({**B, "bf16": {"enabled": True}}, world_size=1).buffer_dtype is None
+    keep = {"keep_in_fp32_modules": ["norm"]}
+    listed = parse_config({**B, "bf16": {"enabled": True}, "data_types": keep}, world_size=1)
+    assert "data_types.keep_in_fp32_modules" in [k for k, _ in listed.ignored]
+    both = {**keep, "buffer_dtype": "bf16"}
+    with pytest.raises(UnsupportedFeatureError, match="keep_in_fp32_modules"):
+        parse_config({**B, "bf16": {"enabled": True}, "data_types": both}, world_size=1)
     with pytest.raises(ValueError, match="it must be one of 'fp32'"):
         parse_config(_accum(1, "int8"), world_size=1)
     with pytest.raises(ValueError, match=r"ZeroConfig\.grad_accum_dtype is torch\.bfloat16"):

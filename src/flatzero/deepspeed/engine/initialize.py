@@ -217,7 +217,7 @@ def _agree_on_weights(model: nn.Module, weights: Weights, cfg: EngineConfig) -> 
     else:
         sync = sync_params(weights.flat, mode, None, cfg.replicated)
     broadcast = not weights.from_checkpoint and mode != "none"
-    place_rest(model, weights.flat, cfg.precision.torch_dtype, None, broadcast)
+    place_rest(model, weights.flat, cfg.precision.torch_dtype, None, broadcast, cfg.buffer_dtype)
     return sync
 
 

@@ -98,10 +98,12 @@ def place_rest(
     dtype: torch.dtype | None,
     group: Any,
     broadcast: bool,
+    buffer_dtype: torch.dtype | None = None,
 ) -> None:
-    """Frozen params and buffers to the buckets' device (floating ones to ``dtype``), as
-    DeepSpeed's engine moves and casts the whole module; with ``broadcast``, rank 0's
-    values win."""
+    """Frozen params and buffers to the buckets' device, as DeepSpeed's engine moves the
+    module: floating frozen params in ``dtype`` (the training dtype), floating buffers in
+    ``buffer_dtype`` when given, else in their own (DeepSpeed 0.19 keeps fp32 buffers such
+    as a rotary ``inv_freq`` fp32); with ``broadcast``, rank 0's values win."""
     device = flat.groups[0].device
     flattened = {id(p) for g in flat.groups for p in g.params}
     tensors = []
@@ -114,7 +116,7 @@ def place_rest(
                 tensors.append(p.data)
         for name, b in list(module._buffers.items()):
             if b is not None:
-                module._buffers[name] = b = _to_target(b, device, dtype)
+                module._buffers[name] = b = _to_target(b, device, buffer_dtype)
                 tensors.append(b)
     if broadcast and world_size_of(group) > 1:
         for t in tensors:

@@ -166,11 +166,10 @@ TOP_NO_EFFECT: Mapping[str, str] = {
 """Top-level keys accepted without effect, and why."""
 
 DATA_TYPES_NO_EFFECT: Mapping[str, str] = {
-    "param_dtype": "trainable params take the bf16/fp16 training dtype",
-    "buffer_dtype": "flatzero casts only the trainable params; buffers keep their dtype",
-    "keep_in_fp32_modules": "flatzero casts only the trainable params; buffers keep their dtype",
+    "param_dtype": "params take the bf16/fp16 training dtype",
 }
-"""``data_types`` keys accepted without effect (``grad_accum_dtype`` is parsed), and why."""
+"""``data_types`` keys accepted without effect (``grad_accum_dtype``, ``buffer_dtype`` and
+``keep_in_fp32_modules`` are parsed), and why."""
 
 ZERO_REFUSED: tuple[Refusal, ...] = (
     Refusal("offload_param", _offload_active, "it asks to offload the params", _OFFLOAD_FIX),

@@ -114,7 +114,7 @@ def parse_config(config: Any, *, world_size: int) -> EngineConfig:
     batch = parse_batch(top, world_size)
     zero, ds_bucket, offload = parse_zero(top)
     precision = parse_precision(top)
-    grad_accum_dtype = parse_data_types(top, precision, zero.stage)
+    data_types = parse_data_types(top, precision, zero.stage)
     optimizer = parse_optimizer(top)
     scheduler = parse_scheduler(top)
     keys = _read_top_keys(top)
@@ -133,7 +133,7 @@ def parse_config(config: Any, *, world_size: int) -> EngineConfig:
             stage=max(1, zero.stage),
             max_grad_norm=keys.gradient_clipping,
             reduce_dtype=keys.reduce_dtype or _default_reduce_dtype(precision.torch_dtype),
-            grad_accum_dtype=grad_accum_dtype,
+            grad_accum_dtype=data_types.grad_accum_dtype,
             loss_scale=precision.loss_scale,
             offload_optimizer=offload,
             **flatzero[ZeroConfig],
@@ -141,6 +141,7 @@ def parse_config(config: Any, *, world_size: int) -> EngineConfig:
         optimizer=optimizer,
         scheduler=scheduler,
         flatzero=FlatzeroSection(**flatzero[FlatzeroSection]),
+        buffer_dtype=data_types.buffer_dtype,
         steps_per_print=keys.steps_per_print,
         dataloader_drop_last=keys.dataloader_drop_last,
         ignored=tuple(ignored),

@@ -230,6 +230,8 @@ class EngineConfig:
         optimizer: the ``optimizer`` section, or None (a client optimizer must be passed).
         scheduler: the ``scheduler`` section, or None.
         flatzero: the ``flatzero`` keys only ``initialize`` reads.
+        buffer_dtype: ``data_types.buffer_dtype``: floating-point buffers are cast to it;
+            None (DeepSpeed's default): every buffer keeps its dtype.
         steps_per_print: log progress every this many optimizer steps (None: never, as
             DeepSpeed 0.19 when the key is absent; also the config's ``null`` or ``inf``).
         dataloader_drop_last: ``drop_last`` of the data loader built from ``training_data``.
@@ -245,6 +247,7 @@ class EngineConfig:
     optimizer: OptimizerSpec | None = None
     scheduler: SchedulerSpec | None = None
     flatzero: FlatzeroSection = FlatzeroSection()
+    buffer_dtype: torch.dtype | None = None
     steps_per_print: int | None = None
     dataloader_drop_last: bool = False
     ignored: tuple[tuple[str, str], ...] = ()

@@ -22,7 +22,8 @@ ACCUM_DTYPES: Mapping[str, torch.dtype] = {
     **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), torch.bfloat16),
     **dict.fromkeys(("fp16", "float16", "half", "torch.float16"), torch.float16),
 }
-"""``data_types.grad_accum_dtype`` names, as DeepSpeed's ``DtypeEnum`` spells them."""
+"""``data_types.grad_accum_dtype`` and ``buffer_dtype`` names, as DeepSpeed's
+``DtypeEnum`` spells them."""
 
 
 # [Note: DeepSpeed's batch-size rule.
@@ -284,12 +285,41 @@ def _grad_accum_dtype(
     return None
 
 
-def parse_data_types(top: Section, precision: PrecisionSection, stage: int) -> torch.dtype | None:
-    """``data_types``: the dtype gradients accumulate in (``ZeroConfig.grad_accum_dtype``),
-    as DeepSpeed honours ``grad_accum_dtype``; the keys without effect are listed."""
+class DataTypes(NamedTuple):
+    """``data_types``, parsed."""
+
+    grad_accum_dtype: torch.dtype | None
+    """The dtype gradients accumulate in (``ZeroConfig.grad_accum_dtype``)."""
+    buffer_dtype: torch.dtype | None
+    """The dtype floating-point buffers are cast to; None: they keep theirs (DeepSpeed's
+    default: e.g. a rotary ``inv_freq`` stays fp32 under bf16 training)."""
+
+
+def _buffer_dtype(types: Section, precision: PrecisionSection) -> torch.dtype | None:
+    """``buffer_dtype``: DeepSpeed casts the buffers to it, and keeps those of
+    ``keep_in_fp32_modules`` in fp32 (with fp16/bf16 training)."""
+    name = types.choice("buffer_dtype", None, tuple(ACCUM_DTYPES))
+    dtype = None if name is None else ACCUM_DTYPES[name]
+    keep = types.raw("keep_in_fp32_modules", None)
+    if dtype is not None and keep and precision.torch_dtype is not None:
+        raise types.unsupported(
+            "keep_in_fp32_modules",
+            keep,
+            "flatzero does not keep some buffers in fp32 while buffer_dtype casts the rest",
+            "remove buffer_dtype (buffers then keep their dtype) or keep_in_fp32_modules",
+            "keep_in_fp32_modules with buffer_dtype",
+        )
+    types.no_effect("keep_in_fp32_modules", "buffers keep their dtype (no buffer_dtype)")
+    return dtype
+
+
+def parse_data_types(top: Section, precision: PrecisionSection, stage: int) -> DataTypes:
+    """``data_types``: the dtype gradients accumulate in, as DeepSpeed honours
+    ``grad_accum_dtype``, and the buffers' dtype (``buffer_dtype``); the keys without effect
+    are listed."""
     types = top.section("data_types")
-    dtype = _grad_accum_dtype(types, precision, stage)
+    parsed = DataTypes(_grad_accum_dtype(types, precision, stage), _buffer_dtype(types, precision))
     for name, reason in DATA_TYPES_NO_EFFECT.items():
         types.no_effect(name, reason)
     types.finish(unknown="ignore")
-    return dtype
+    return parsed

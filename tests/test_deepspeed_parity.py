@@ -1,0 +1,74 @@
+"""Where flatzero's DeepSpeed door once differed from DeepSpeed 0.19.8 without a word,
+side by side with the real one (CPU, gloo; skipped without DeepSpeed).
+
+- Floating buffers keep their dtype (a rotary ``inv_freq`` stays fp32 under bf16), as
+  DeepSpeed's engine keeps them unless ``data_types.buffer_dtype`` is set: the first loss
+  of a Llama-style model is bit for bit DeepSpeed's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from flatzero.launch import run_ranks
+
+pytest.importorskip("transformers")
+
+
+def _llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def _buffers_rank(rank: int, world_size: int, buffer_dtype: str | None) -> dict[str, Any]:
+    from flatzero.testing.deepspeed import prepare_deepspeed, release_engine
+
+    prepare_deepspeed()
+    import deepspeed
+
+    import flatzero
+
+    config: dict[str, Any] = {
+        "train_batch_size": 2,
+        "zero_optimization": {"stage": 1},
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+    }
+    if buffer_dtype is not None:
+        config["data_types"] = {"buffer_dtype": buffer_dtype}
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for name, initialize in (
+        ("deepspeed", deepspeed.initialize),
+        ("flatzero", flatzero.initialize),
+    ):
+        engine, *_ = initialize(model=_llama(), config=dict(config))
+        buffers = {n: str(b.dtype) for n, b in engine.module.named_buffers()}
+        out[name] = (buffers, engine(ids, labels=ids).loss.item())
+        if name == "deepspeed":
+            release_engine(engine)
+        else:
+            engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("buffer_dtype", [None, "bf16"])
+def test_buffers_keep_their_dtype_as_in_deepspeed(buffer_dtype):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed")
+    out = run_ranks(_buffers_rank, 1, buffer_dtype, env={"DS_ACCELERATOR": "cpu"})[0]
+    (ds_buffers, ds_loss), (fz_buffers, fz_loss) = out["deepspeed"], out["flatzero"]
+    assert ds_buffers and fz_buffers == ds_buffers
+    expected = "torch.float32" if buffer_dtype is None else "torch.bfloat16"
+    assert set(ds_buffers.values()) == {expected}  # inv_freq
+    assert fz_loss == ds_loss  # bit for bit before any step
