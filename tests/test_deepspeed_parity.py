@@ -72,3 +72,55 @@ def test_buffers_keep_their_dtype_as_in_deepspeed(buffer_dtype):
     expected = "torch.float32" if buffer_dtype is None else "torch.bfloat16"
     assert set(ds_buffers.values()) == {expected}  # inv_freq
     assert fz_loss == ds_loss  # bit for bit before any step
+
+
+# ------------------------------------------------------------------ fp16 loss scaling
+OVERFLOWS = [True] * 7 + [False] * 5 + [True, False, True, True, True] + [False] * 9 + [True]
+"""A scripted run: 7 overflows at the start (an initial scale far too high), clean steps
+across two growth windows of 4, scattered and consecutive overflows."""
+
+
+def _scaler_rank(rank: int, world_size: int) -> dict[str, Any]:
+    """Both scalers over ``OVERFLOWS``, for every setting of the keys that shape them."""
+    from flatzero.testing.deepspeed import prepare_deepspeed
+
+    prepare_deepspeed()
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from flatzero.deepspeed.engine.config import parse_config
+    from flatzero.optim.scaler import LossScaler
+
+    out = {}
+    for hysteresis in (1, 2, 3):
+        for consecutive in (False, True):
+            fp16 = {
+                "enabled": True, "initial_scale_power": 16, "loss_scale_window": 4,
+                "hysteresis": hysteresis, "consecutive_hysteresis": consecutive,
+                "min_loss_scale": 256,
+            }  # fmt: skip
+            cfg = parse_config({"train_batch_size": 1, "fp16": fp16}, world_size=1)
+            ours = LossScaler(cfg.zero_optimizer.loss_scale)
+            theirs = DynamicLossScaler(
+                init_scale=2.0**16, scale_window=4, min_scale=256,
+                delayed_shift=hysteresis, consecutive_hysteresis=consecutive,
+                raise_error_at_min_scale=False, dtype=torch.float16,
+            )  # fmt: skip
+            trace = []
+            for overflow in OVERFLOWS:
+                ours.update(found_inf=overflow)
+                theirs.update_scale(overflow)
+                trace.append(((ours.scale, ours.hysteresis_left), (theirs.cur_scale,
+                              theirs.cur_hysteresis)))  # fmt: skip
+            out[f"hysteresis {hysteresis}, consecutive {consecutive}"] = trace
+    return out
+
+
+def test_fp16_loss_scale_moves_as_deepspeeds_step_for_step():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed")
+    out = run_ranks(_scaler_rank, 1, env={"DS_ACCELERATOR": "cpu"})[0]
+    for case, trace in out.items():
+        for step, (ours, theirs) in enumerate(trace):
+            assert ours == theirs, (case, step, OVERFLOWS[: step + 1], trace[: step + 1])
+    # the defaults (hysteresis 2, not consecutive): the 7 first overflows halve 6 times
+    assert out["hysteresis 2, consecutive False"][6][1][0] == 2.0**10

@@ -608,13 +608,12 @@ def test_fp16_loss_scale_mapping():
         {**B, "fp16": {"enabled": True, "loss_scale": 128}}, world_size=1
     ).precision.loss_scale
     assert (static.init_scale, static.dynamic) == (128.0, False)
-    # DeepSpeed's default hysteresis 2 without consecutive_hysteresis refills differently: noted.
-    noted = parse_config({**B, "fp16": {"enabled": True}}, world_size=1)
-    assert [k for k, _ in noted.ignored] == ["fp16.consecutive_hysteresis"]
-    assert (
-        noted.precision.loss_scale.hysteresis == 2
-        and noted.precision.loss_scale.init_scale == 2.0**16
-    )
+    # DeepSpeed's scaler rule, consecutive_hysteresis included (tests/test_deepspeed_parity.py)
+    default = parse_config({**B, "fp16": {"enabled": True}}, world_size=1)
+    assert default.ignored == ()
+    scale = default.precision.loss_scale
+    assert (scale.rule, scale.hysteresis, scale.consecutive_hysteresis) == ("deepspeed", 2, False)
+    assert scale.init_scale == 2.0**16
     # Loss-scale keys are validated like DeepSpeed only when fp16 is on.
     assert (
         parse_config(

@@ -259,7 +259,7 @@ def _rank_main(rank: int, ws: int, root_text: str) -> dict[str, dict[str, Any]]:
 
 CONFIG_CASES: list[tuple[str, Any]] = [
     ("gradient_accumulation_steps", 2),
-    ("gradient_clipping", 1.0),
+    ("gradient_clipping", 0.5),  # DeepSpeed's default is 1.0
     ("zero_optimization", {"stage": 1}),
     ("zero_optimization", {"stage": 2, "reduce_bucket_size": 1000}),
     ("bf16", {"enabled": True}),

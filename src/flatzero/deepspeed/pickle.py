@@ -7,6 +7,7 @@ DeepSpeed's classes back under their names (see the note beside ``_Record``).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import io
 import math
@@ -133,12 +134,34 @@ def _own_storage(data: torch.Tensor) -> torch.UntypedStorage:
     return torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
 
 
+class _Sink:
+    """The zip writer's file. After a failed write, or once the writer is abandoned, writes
+    are dropped: torch's ``PyTorchFileWriter`` ends the zip in its destructor, and a short
+    or failing write there aborts the whole process (``std::terminate``), where a full disk
+    must only fail the save."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self._file = file
+        self.dropping = False
+
+    def write(self, data: Any) -> int:
+        if self.dropping:
+            return memoryview(data).nbytes
+        try:
+            return self._file.write(data)
+        except BaseException:
+            self.dropping = True
+            raise
+
+
 class TorchZipWriter:
     """Write ``obj`` in ``torch.save``'s format to ``file``, its tensors one by one.
 
-    The constructor writes the pickle of ``obj``; then ``write`` every ``StoredTensor``
-    in ``obj`` (each once, in any order) and call ``finish``, which checks that all were
-    written and ends the zip file. ``file`` is the caller's to flush, fsync and close.
+    Use it as a context manager. The constructor writes the pickle of ``obj``; then
+    ``write`` every ``StoredTensor`` in ``obj`` (each once, in any order) and call
+    ``finish``, which checks that all were written and ends the zip file. Leaving the
+    ``with`` block on an error abandons the file (nothing more is written to it). ``file``
+    is the caller's to flush, fsync and close (after the block).
 
     Args:
         file: a binary file opened for writing.
@@ -156,8 +179,9 @@ class TorchZipWriter:
         pickler: Callable[..., Any] = _Pickler,
     ) -> None:
         alignment = str(torch.serialization._get_storage_alignment())
+        self._sink = _Sink(file)
         self._zip = torch._C.PyTorchFileWriter(
-            file, torch.serialization.get_crc32_options(), int(alignment)
+            self._sink, torch.serialization.get_crc32_options(), int(alignment)
         )
         self._todo = {t.key: t for t in tensors}
         data = _pickled(obj, pickler)
@@ -187,6 +211,18 @@ class TorchZipWriter:
         if self._todo:
             raise ValueError(f"tensors {sorted(self._todo)} were never written")
         self._zip.write_end_of_file()
+
+    def __enter__(self) -> TorchZipWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            self._sink.dropping = True
+            # Ended here, its error caught: torch marks the writer finalized even when ending
+            # fails, so its destructor does not try again (and abort the process).
+            with contextlib.suppress(RuntimeError, OSError):
+                self._zip.write_end_of_file()
+        del self._zip
 
 
 # [Note: DeepSpeed's pickled classes, read and written without DeepSpeed and without running code.

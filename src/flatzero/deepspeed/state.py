@@ -1,14 +1,10 @@
 """flatzero's scalar training state and DeepSpeed's, both ways: loss scaler, LR schedule.
 
-Loss scaler. flatzero keeps ``scale``, ``good_steps`` (clean steps since the last growth or
-overflow), ``hysteresis_left`` and ``skipped_steps``; its scale grows after
-``growth_interval`` clean steps. DeepSpeed's ``DynamicLossScaler`` keeps ``cur_scale``,
-``cur_iter`` (steps taken) and ``last_overflow_iter`` and grows the scale after a clean
-step whose ``cur_iter - last_overflow_iter - 1`` is a positive multiple of
-``scale_window``. ``s = cur_iter - last_overflow_iter - 1`` at the next step is therefore
-``good_steps + 1``: both grow the scale at the same step next, and the mapping is its own
-inverse (``good_steps = (s - 1) mod scale_window``; a fresh DeepSpeed scaler, ``s = 0``,
-maps to ``good_steps = 0``).
+Loss scaler. The DeepSpeed door's scaler follows DeepSpeed's ``DynamicLossScaler`` rule and
+keeps its counts (``iteration`` and ``last_overflow_iteration`` are ``cur_iter`` and
+``last_overflow_iter``), which are copied both ways. A flatzero state without them (written
+before they were kept) maps through ``good_steps``: ``last_overflow_iter`` such that
+``cur_iter - last_overflow_iter - 1`` at the next step is ``good_steps + 1``.
 
 LR schedule. flatzero's ``WarmupLR``/``WarmupDecayLR``/``WarmupCosineLR`` are torch
 schedulers counting ``last_epoch``; DeepSpeed's count ``last_batch_iteration`` (one less)
@@ -65,11 +61,12 @@ def deepspeed_loss_scaler(
     scale = float(state.get("scale", 2.0 ** int(config.get("initial_scale_power", 16))))
     good = int(state.get("good_steps", 0))
     hysteresis = int(config["hysteresis"])
+    cur_iter = int(state.get("iteration", steps))
     return DynamicLossScaler(
         cur_scale=scale,
         dynamic=True,
-        cur_iter=steps,
-        last_overflow_iter=steps - good - 2,
+        cur_iter=cur_iter,
+        last_overflow_iter=int(state.get("last_overflow_iteration", cur_iter - good - 2)),
         scale_factor=2.0,
         scale_window=int(config["loss_scale_window"]),
         min_scale=config["min_loss_scale"],
@@ -88,16 +85,21 @@ def flatzero_loss_scaler(scaler: Any, skipped_steps: int, *, half: bool) -> dict
     """
     if scaler is None or not half:
         return None
-    good = 0
+    good, counts = 0, {}
     if getattr(scaler, "dynamic", False):
         window = int(getattr(scaler, "scale_window", 1000) or 1000)
         stable = int(scaler.cur_iter) - int(scaler.last_overflow_iter) - 1
         good = (stable - 1) % window if stable >= 1 else 0
+        counts = {
+            "iteration": int(scaler.cur_iter),
+            "last_overflow_iteration": int(scaler.last_overflow_iter),
+        }
     return {
         "scale": float(getattr(scaler, "cur_scale", 1.0)),
         "good_steps": good,
         "hysteresis_left": int(getattr(scaler, "cur_hysteresis", 1) or 1),
         "skipped_steps": int(skipped_steps),
+        **counts,
     }
 
 

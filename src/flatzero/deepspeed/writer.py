@@ -143,12 +143,14 @@ class _Pending:
 
     def write(self, path: Path, obj: Any) -> None:
         """Write ``obj`` with every pending tensor to ``path`` and fsync it."""
+        stored_tensors = [s for s, _ in self.items]
         with open(path, "wb") as f:
-            writer = TorchZipWriter(f, obj, [s for s, _ in self.items], pickler=ds_pickle.pickler)
-            for stored, produce in self.items:
-                # produced inline: no earlier tensor is alive while the next is produced
-                writer.write(stored, produce().to(stored.dtype).reshape(stored.shape).contiguous())
-            writer.finish()
+            with TorchZipWriter(f, obj, stored_tensors, pickler=ds_pickle.pickler) as writer:
+                for stored, produce in self.items:
+                    # produced inline: no earlier tensor is alive while the next is produced
+                    tensor = produce().to(stored.dtype).reshape(stored.shape).contiguous()
+                    writer.write(stored, tensor)
+                writer.finish()
             f.flush()
             os.fsync(f.fileno())
 

@@ -35,16 +35,29 @@ def _positive_float(owner: str, name: str, value: object) -> float:
     return float(value)
 
 
+LOSS_SCALE_RULES = ("torch", "deepspeed")
+"""How a dynamic loss scale moves (``LossScaleConfig.rule``)."""
+
+
 @dataclass(frozen=True)
 class LossScaleConfig:
-    """Dynamic loss scaling for fp16 params (the rule of ``torch.amp.GradScaler``).
+    """Dynamic loss scaling for fp16 params.
 
     The loss is multiplied by ``scale`` before backward (``ZeroOptimizer.scale_loss``); the
     step divides the gradients by it. If any gradient element on any rank is inf or nan,
-    every rank skips the step (parameters and optimizer state unchanged) and, after
-    ``hysteresis`` consecutive overflows, multiplies ``scale`` by ``backoff_factor`` (never
-    below ``min_scale``). After ``growth_interval`` steps in a row without overflow, the
-    scale is multiplied by ``growth_factor`` (never above ``max_scale``).
+    every rank skips the step (parameters and optimizer state unchanged). How the scale
+    moves is the ``rule``:
+
+    - ``"torch"`` (``torch.amp.GradScaler``'s, with a hysteresis): after ``hysteresis``
+      consecutive overflows, ``scale`` is multiplied by ``backoff_factor`` (never below
+      ``min_scale``) and the hysteresis refills; after ``growth_interval`` steps in a row
+      without overflow it is multiplied by ``growth_factor`` (never above ``max_scale``).
+    - ``"deepspeed"`` (DeepSpeed's ``DynamicLossScaler``, step for step; the DeepSpeed door
+      uses it): an overflow spends one unit of hysteresis, or halves the scale once only one
+      is left, and the hysteresis is not refilled then, so every further overflow halves it;
+      a clean step refills it when ``consecutive_hysteresis``; the scale grows when the steps
+      since the last overflow, less one, are a positive multiple of ``growth_interval``
+      (which also refills the hysteresis without ``consecutive_hysteresis``).
 
     Attributes:
         init_scale: the first scale (dimensionless multiplier of the loss).
@@ -58,6 +71,9 @@ class LossScaleConfig:
         max_scale: upper bound of the scale.
         dynamic: ``False`` keeps ``init_scale`` forever (a static scale); overflowing steps
             are still skipped.
+        rule: ``"torch"`` or ``"deepspeed"`` (above).
+        consecutive_hysteresis: (``"deepspeed"`` rule) refill the hysteresis after every
+            step without overflow.
     """
 
     init_scale: float = 2.0**16
@@ -68,9 +84,15 @@ class LossScaleConfig:
     min_scale: float = 1.0
     max_scale: float = 2.0**24
     dynamic: bool = True
+    rule: str = "torch"
+    consecutive_hysteresis: bool = False
 
     def __post_init__(self) -> None:
         owner = "LossScaleConfig"
+        if self.rule not in LOSS_SCALE_RULES:
+            raise ValueError(
+                f"{owner}.rule must be one of {', '.join(LOSS_SCALE_RULES)}, got {self.rule!r}"
+            )
         for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
             object.__setattr__(self, name, _positive_float(owner, name, getattr(self, name)))
         _positive_int(owner, "growth_interval", self.growth_interval)

@@ -13,10 +13,19 @@ logger = logging.getLogger(__name__)
 
 
 class LossScaler:
-    """The loss scale and its bookkeeping (see ``LossScaleConfig`` for the rule).
+    """The loss scale and its bookkeeping (see ``LossScaleConfig`` for the rules).
 
     ``update(found_inf)`` is called once per optimizer step with the verdict every rank
     agreed on, so every rank's scaler stays identical.
+
+    Attributes:
+        scale: the current scale.
+        good_steps: clean steps since the last growth or overflow (``"torch"`` rule).
+        hysteresis_left: overflows still absorbed before the scale backs off.
+        skipped_steps: steps skipped for an overflow, in all.
+        iteration: steps taken, skipped ones included (DeepSpeed's ``cur_iter``).
+        last_overflow_iteration: the ``iteration`` of the last overflow, -1 before any
+            (DeepSpeed's ``last_overflow_iter``).
     """
 
     def __init__(self, config: LossScaleConfig) -> None:
@@ -25,44 +34,84 @@ class LossScaler:
         self.good_steps = 0
         self.hysteresis_left = config.hysteresis
         self.skipped_steps = 0
+        self.iteration = 0
+        self.last_overflow_iteration = -1
 
     def update(self, found_inf: bool) -> None:
         """Advance the rule after a step that overflowed (``found_inf``) or not."""
-        c = self.config
         if found_inf:
             self.skipped_steps += 1
+        if self.config.dynamic:
+            if self.config.rule == "deepspeed":
+                self._deepspeed(found_inf)
+            else:
+                self._torch(found_inf)
+        if found_inf:
+            self.last_overflow_iteration = self.iteration
+        self.iteration += 1
+
+    def _back_off(self) -> None:
+        old = self.scale
+        self.scale = max(self.scale * self.config.backoff_factor, self.config.min_scale)
+        logger.info("fp16 overflow: step skipped, loss scale %g -> %g", old, self.scale)
+
+    def _grow(self) -> None:
+        self.scale = min(self.scale * self.config.growth_factor, self.config.max_scale)
+
+    def _torch(self, found_inf: bool) -> None:
+        c = self.config
+        if found_inf:
             self.good_steps = 0
-            if not c.dynamic:
-                return
             self.hysteresis_left -= 1
             if self.hysteresis_left <= 0:
-                old = self.scale
-                self.scale = max(self.scale * c.backoff_factor, c.min_scale)
+                self._back_off()
                 self.hysteresis_left = c.hysteresis
-                logger.info("fp16 overflow: step skipped, loss scale %g -> %g", old, self.scale)
             else:
                 logger.info("fp16 overflow: step skipped, loss scale kept at %g", self.scale)
             return
         self.hysteresis_left = c.hysteresis
-        if not c.dynamic:
-            return
         self.good_steps += 1
         if self.good_steps >= c.growth_interval:
-            self.scale = min(self.scale * c.growth_factor, c.max_scale)
+            self._grow()
+            self.good_steps = 0
+
+    def _deepspeed(self, found_inf: bool) -> None:
+        c = self.config
+        if found_inf:
+            self.good_steps = 0
+            if c.hysteresis == 1 or self.hysteresis_left == 1:
+                self._back_off()  # the hysteresis stays spent: the next overflow halves too
+            else:
+                self.hysteresis_left -= 1
+                logger.info("fp16 overflow: step skipped, loss scale kept at %g", self.scale)
+            return
+        self.good_steps += 1
+        if c.consecutive_hysteresis:
+            self.hysteresis_left = c.hysteresis
+        stable = self.iteration - self.last_overflow_iteration - 1
+        if stable > 0 and stable % c.growth_interval == 0:
+            self.hysteresis_left = c.hysteresis
+            self._grow()
             self.good_steps = 0
 
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state (plain Python numbers)."""
-        return {
+        """The scaler's state (plain Python numbers; the iteration counts only for a
+        dynamic scale, whose rule reads them)."""
+        state = {
             "scale": self.scale,
             "good_steps": self.good_steps,
             "hysteresis_left": self.hysteresis_left,
             "skipped_steps": self.skipped_steps,
         }
+        if self.config.dynamic:
+            state["iteration"] = self.iteration
+            state["last_overflow_iteration"] = self.last_overflow_iteration
+        return state
 
     @staticmethod
     def check_state_dict(state: Any) -> None:
-        """Raise ``ValueError`` unless ``state`` looks like ``state_dict()``'s output."""
+        """Raise ``ValueError`` unless ``state`` looks like ``state_dict()``'s output (the
+        two iteration counts may be absent: checkpoints written before they were kept)."""
         keys = ("scale", "good_steps", "hysteresis_left", "skipped_steps")
         if not isinstance(state, dict) or any(k not in state for k in keys):
             raise ValueError(
@@ -78,3 +127,6 @@ class LossScaler:
         self.good_steps = int(state["good_steps"])
         self.hysteresis_left = int(state["hysteresis_left"])
         self.skipped_steps = int(state["skipped_steps"])
+        # older checkpoints: as many steps since the last overflow as clean steps counted
+        self.iteration = int(state.get("iteration", self.good_steps))
+        self.last_overflow_iteration = int(state.get("last_overflow_iteration", -1))

@@ -6,6 +6,7 @@ See the note beside ``Engine``.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -109,7 +110,7 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
         self._warned_zero_grad = False
         self._step_applied = False
         self._boundary: bool | None = None
-        self._global_grad_norm: torch.Tensor | None = None
+        self._global_grad_norm: torch.Tensor | float | None = None
         self._destroyed = False
         self._last_loss_time = time.perf_counter()
         optimizer.overflow = False  # DeepSpeed's ZeRO optimizers carry it
@@ -151,7 +152,7 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
 
     def get_global_grad_norm(self) -> float | None:
         """The global L2 norm of the averaged, unscaled gradient at the last optimizer step
-        (before clipping; inf/nan for an fp16 overflow), as DeepSpeed computes it at every
+        (before clipping; inf for a step skipped for inf/nan), as DeepSpeed computes it at every
         step; None before the first step. The step keeps it on the device: reading it here
         is the host sync, paid only when it is asked for."""
         norm = self._global_grad_norm
@@ -206,6 +207,7 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
                 self._global_grad_norm = norm
             self.optimizer.overflow = self.optimizer.last_step_skipped
             if self.optimizer.last_step_skipped:
+                self._global_grad_norm = math.inf  # DeepSpeed's norm of a skipped step
                 self.skipped_steps += 1
                 if self.global_rank == 0:
                     logger.info(

@@ -284,9 +284,9 @@ def _write_torch_save(path: Path, plan: WeightsPlan) -> None:
     """Write ``plan`` in ``torch.save``'s format at ``path`` (created; fsynced)."""
     state, stored = _torch_state(plan)
     with open(path, "xb") as file:
-        writer = TorchZipWriter(file, state, list(stored.values()))
-        _each_host_tensor(plan, lambda tensor, data: writer.write(stored[tensor], data))
-        writer.finish()
+        with TorchZipWriter(file, state, list(stored.values())) as writer:
+            _each_host_tensor(plan, lambda tensor, data: writer.write(stored[tensor], data))
+            writer.finish()
         file.flush()
         os.fsync(file.fileno())
 

@@ -194,7 +194,7 @@ def _read_fp16(top: Section) -> _Fp16:
     return read
 
 
-def _fp16_loss_scale(fp16: _Fp16, top: Section) -> LossScaleConfig:
+def _fp16_loss_scale(fp16: _Fp16) -> LossScaleConfig:
     """DeepSpeed's fp16 loss scaler: static (``loss_scale > 0``) or dynamic."""
     if fp16.min_scale <= 0:
         raise fp16.section.fail("min_loss_scale", fp16.min_scale, "it must be > 0", "use 1 or more")
@@ -213,19 +213,14 @@ def _fp16_loss_scale(fp16: _Fp16, top: Section) -> LossScaleConfig:
             f"it is above the initial scale 2**initial_scale_power = {init:g}",
             "lower min_loss_scale or raise initial_scale_power",
         )
-    if fp16.hysteresis > 1 and not fp16.consecutive:
-        top.ignored.append(
-            (
-                "fp16.consecutive_hysteresis",
-                "false acts as true: hysteresis refills after every clean step",
-            )
-        )
     return LossScaleConfig(
         init_scale=init,
         growth_interval=fp16.window,
         hysteresis=fp16.hysteresis,
         min_scale=fp16.min_scale,
         max_scale=max(init, 2.0**64),
+        rule="deepspeed",  # DeepSpeed's DynamicLossScaler, step for step
+        consecutive_hysteresis=fp16.consecutive,
     )
 
 
@@ -239,7 +234,7 @@ def parse_precision(top: Section) -> PrecisionSection:
             "runs in one of them; disable one"
         )
     if fp16.enabled:
-        return PrecisionSection("fp16", _fp16_loss_scale(fp16, top), auto_cast=fp16.auto_cast)
+        return PrecisionSection("fp16", _fp16_loss_scale(fp16), auto_cast=fp16.auto_cast)
     if bf16_on:
         scale = LossScaleConfig(init_scale=1.0, dynamic=False) if check else None
         return PrecisionSection("bf16", scale)
