@@ -124,3 +124,71 @@ def test_fp16_loss_scale_moves_as_deepspeeds_step_for_step():
             assert ours == theirs, (case, step, OVERFLOWS[: step + 1], trace[: step + 1])
     # the defaults (hysteresis 2, not consecutive): the 7 first overflows halve 6 times
     assert out["hysteresis 2, consecutive False"][6][1][0] == 2.0**10
+
+
+# ------------------------------------------------------------ arriving with its scheduler
+SCHEDULES = {
+    "WarmupLR": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2},
+    "WarmupDecayLR": {"total_num_steps": 8, "warmup_num_steps": 3, "warmup_max_lr": 1e-2},
+    "WarmupCosineLR": {"total_num_steps": 8, "warmup_num_steps": 3},
+}
+SAVED_AT, RESUMED = 3, 4
+
+
+def _scheduled_config(schedule: str) -> dict[str, Any]:
+    return {
+        "train_batch_size": 2,
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "scheduler": {"type": schedule, "params": SCHEDULES[schedule]},
+    }
+
+
+def _steps(engine: Any, first: int, count: int) -> list[tuple[float, float]]:
+    """(learning rate, loss) of ``count`` steps from step ``first``."""
+    out = []
+    for step in range(first, first + count):
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+        lr = engine.get_lr()[0]
+        loss = engine(ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        out.append((lr, loss.item()))
+    return out
+
+
+def _scheduler_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from flatzero.testing.deepspeed import prepare_deepspeed, release_engine
+
+    prepare_deepspeed()
+    import deepspeed
+
+    import flatzero
+    from flatzero.deepspeed.convert import from_deepspeed
+
+    out = {}
+    for schedule in SCHEDULES:
+        config = _scheduled_config(schedule)
+        engine, *_ = deepspeed.initialize(model=_llama(), config=dict(config))
+        _steps(engine, 0, SAVED_AT)
+        engine.save_checkpoint(f"{root}/{schedule}/ds")
+        theirs = _steps(engine, SAVED_AT, RESUMED)  # DeepSpeed going on
+        release_engine(engine)
+        from_deepspeed(f"{root}/{schedule}/ds", f"{root}/{schedule}/fz")
+        engine, *_ = flatzero.initialize(model=_llama(), config=dict(config))
+        engine.load_checkpoint(f"{root}/{schedule}/fz")
+        ours = _steps(engine, SAVED_AT, RESUMED)
+        engine.destroy()
+        out[schedule] = (theirs, ours)
+    return out
+
+
+def test_a_deepspeed_checkpoint_with_its_scheduler_resumes_on_flatzero(tmp_path):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed")
+    out = run_ranks(_scheduler_rank, 1, str(tmp_path), env={"DS_ACCELERATOR": "cpu"})[0]
+    for schedule, (theirs, ours) in out.items():
+        assert [lr for lr, _ in ours] == [lr for lr, _ in theirs], schedule  # exactly
+        assert [loss for _, loss in ours] == pytest.approx(
+            [loss for _, loss in theirs], rel=1e-5
+        ), schedule

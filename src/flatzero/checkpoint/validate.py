@@ -381,6 +381,9 @@ def check_scheduler_state(state: Any, scheduler: Any, directory: Path) -> None:
     """Raise ``ValueError`` unless ``state`` (saved) has the keys and value types of
     ``scheduler.state_dict()``, and a ``last_epoch`` >= -1."""
     where = directory / META
+    reads_foreign = getattr(scheduler, "reads_foreign_state", None)
+    if reads_foreign is not None and reads_foreign(state):
+        return  # another program's format that the scheduler maps itself
     live = scheduler.state_dict()
     if not isinstance(state, Mapping):
         raise ValueError(

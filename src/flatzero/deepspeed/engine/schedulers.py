@@ -86,6 +86,29 @@ class _Warmup(LRScheduler):
         """DeepSpeed's step counter: -1 before the first ``step()``."""
         return self.last_epoch - 1
 
+    @staticmethod
+    def reads_foreign_state(state: Any) -> bool:
+        """Whether ``state`` is DeepSpeed's own state of this schedule (what DeepSpeed's
+        ``state_dict`` returns, and an imported DeepSpeed checkpoint holds:
+        ``{"last_batch_iteration": n}``), which ``load_state_dict`` maps."""
+        return (
+            isinstance(state, dict)
+            and set(state) == {"last_batch_iteration"}
+            and isinstance(state["last_batch_iteration"], int)
+            and state["last_batch_iteration"] >= -1
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict``, or DeepSpeed's: the schedule resumes at its step
+        (DeepSpeed's ``load_state_dict`` restores only that; the learning rate of the
+        next optimizer step is the one saved with the optimizer, as in DeepSpeed)."""
+        if not self.reads_foreign_state(state_dict):
+            super().load_state_dict(state_dict)
+            return
+        self.last_epoch = state_dict["last_batch_iteration"] + 1
+        self._step_count = self.last_epoch + 1
+        self._last_lr = self._lrs(self.last_epoch - 1)
+
     def _warmup_gamma(self, iteration: int) -> float:
         if self.warmup_type == "log":
             return self.inverse_log_warm_up * math.log(iteration + 1)
