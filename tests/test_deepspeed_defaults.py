@@ -53,11 +53,8 @@ ON_PURPOSE: dict[str, str] = {
 }
 """Where the door differs from DeepSpeed's default on purpose, and why."""
 
-KNOWN: dict[str, str] = {
-    "fp16 stage 2: consecutive_hysteresis": "issue 39: flatzero's scaler refills the "
-    "hysteresis after every clean step (consecutive_hysteresis true)",
-}
-"""Differences that are bugs with an open issue; they leave this list when fixed."""
+KNOWN: dict[str, str] = {}
+"""Differences that are bugs with an open issue, named here until they are fixed."""
 
 
 def _door(config: dict[str, Any]) -> dict[str, Any]:
@@ -88,7 +85,7 @@ def _door(config: dict[str, Any]) -> dict[str, Any]:
             "initial_scale_power": int(math.log2(scale.init_scale)),
             "loss_scale_window": scale.growth_interval,
             "hysteresis": scale.hysteresis,
-            "consecutive_hysteresis": True,  # what LossScaler.update does (issue 39)
+            "consecutive_hysteresis": scale.consecutive_hysteresis,
             "min_loss_scale": scale.min_scale,
         }
     return out
@@ -213,7 +210,6 @@ def test_the_differences_listed_are_real_and_documented(deepspeed_side):
     assert ours["communication_data_type"] == torch.float32
     assert theirs["communication_data_type"] == torch.float16
     assert ours["zero_allow_untested_optimizer"] != theirs["zero_allow_untested_optimizer"]
-    assert ours["consecutive_hysteresis"] != theirs["consecutive_hysteresis"]
     doc = (Path(__file__).resolve().parents[1] / "docs" / "deepspeed-door.md").read_text()
     for key in ON_PURPOSE:
         assert f"`{key.split()[0]}`" in doc, f"docs/deepspeed-door.md does not name {key}"
