@@ -192,3 +192,33 @@ def test_a_deepspeed_checkpoint_with_its_scheduler_resumes_on_flatzero(tmp_path)
         assert [loss for _, loss in ours] == pytest.approx(
             [loss for _, loss in theirs], rel=1e-5
         ), schedule
+
+
+# ------------------------------------------------------------------ engine methods
+def _engine_methods_rank(rank: int, world_size: int) -> dict[str, Any]:
+    from flatzero.testing.deepspeed import prepare_deepspeed
+
+    prepare_deepspeed()
+    import deepspeed
+
+    import flatzero
+
+    config = _scheduled_config("WarmupLR")
+    model = _llama()
+    engine, *_ = flatzero.initialize(model=model, config=dict(config))
+    out = {"is DeepSpeedEngine": isinstance(engine, deepspeed.DeepSpeedEngine)}
+    out["empty_partition_cache"] = engine.empty_partition_cache()  # a no-op at stage 1/2
+    try:
+        flatzero.initialize(model=model, config=dict(config))
+    except ValueError as error:
+        out["second engine"] = str(error)
+    engine.destroy()
+    return out
+
+
+def test_engine_methods_deepspeed_makes_no_ops_at_stage_1_and_2_are_no_ops():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed")
+    out = run_ranks(_engine_methods_rank, 1, env={"DS_ACCELERATOR": "cpu"})[0]
+    assert out["is DeepSpeedEngine"] and out["empty_partition_cache"] is None
+    assert "engine.destroy()" in out["second engine"]  # how to let go of the first one

@@ -57,8 +57,9 @@ def check_unclaimed(params: Iterable[nn.Parameter]) -> None:
         if entry is not None and entry[0]() is param:
             raise ValueError(
                 "a param is already managed by another ZeroOptimizer, whose gradient hooks "
-                "would take its gradients; call close() on the old optimizer (or drop every "
-                "reference to it) before building a new one over the same params"
+                "would take its gradients; call close() on the old optimizer (engine.destroy() "
+                "on an engine from flatzero.initialize or deepspeed.initialize), or drop every "
+                "reference to it, before building a new one over the same params"
             )
 
 

@@ -288,6 +288,10 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
         """Put the module in eval mode."""
         return self.train(False)
 
+    def empty_partition_cache(self) -> None:
+        """Nothing to release: DeepSpeed's engine frees ZeRO-3's gathered-parameter cache
+        here, and at stages 1 and 2 does nothing, as this does."""
+
     def destroy(self) -> None:
         """Wait for an asynchronous save still being written (``wait_for_save``) and for
         old checkpoints still being deleted (``atomic.wait_for_removals``), then remove the
