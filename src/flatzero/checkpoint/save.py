@@ -24,7 +24,7 @@ from ..control import control_group, every_rank_or_none, host_work_timeout
 from ..flatten import FlatParams
 from ..optim import ZeroOptimizer
 from ..storage.image import FileImage
-from .async_save import Hasher, Staging, collect_marks, mark, snapshot
+from .async_save import Hasher, Staging, snapshot
 from .atomic import (
     StagedDirectory,
     fault_point,
@@ -44,6 +44,7 @@ from .format import (
     read_latest,
 )
 from .recovery import copy_of_lost, restore_lost
+from .reports import SaveReports
 from .writer import (
     rank_file_metadata,
     write_image_file,
@@ -86,6 +87,20 @@ def _agree_tag(tag: str, group: dist.ProcessGroup | None) -> tuple[str, str]:
             "on every rank (or none: the default is derived from the optimizer step)"
         )
     return tag, values[0][1]
+
+
+def _naming_rank(error: Exception, rank: int) -> Exception:
+    """``error`` of a background write, as every rank learns it: an ``OSError`` becomes one
+    of the same kind and number whose message names ``rank`` (and the file); other errors
+    (bugs) stay as they are."""
+    if not isinstance(error, OSError):
+        return error
+    if error.errno is None:
+        named = OSError(f"rank {rank}: {error}")
+    else:  # OSError(errno, ...) is of errno's subclass (PermissionError, ...)
+        named = OSError(error.errno, f"rank {rank}: {error.strerror}", error.filename)
+    named.__cause__ = error
+    return named
 
 
 def _prune(root: Path, keep_last: int, keep: set[str]) -> None:
@@ -140,8 +155,9 @@ def _create_tmp(staged: StagedDirectory, flat: FlatParams, config: SaveConfig) -
 # (``every_rank_or_none``); a process killed mid-save leaves only the ``.tmp-*``
 # directory, which loaders ignore. With ``asynchronous=True``, steps 3 and 4 run in a
 # background thread of every rank from a copy of the rank's tensors in host memory, and
-# the ranks meet through marks in the temporary directory instead of collectives
-# (``async_save``). Every agreement runs on the process group's control group (gloo,
+# the ranks meet through reports in the c10d store instead of collectives
+# (``reports``): a rank whose write failed removes its partial files, and rank 0 removes
+# the temporary directory as soon as any rank reports an error. Every agreement runs on the process group's control group (gloo,
 # never queued behind GPU work or the NCCL watchdog); where ranks wait for writing, they
 # first meet in ``wait_for_host_work`` with a timeout that fits the bytes written.
 
@@ -323,10 +339,13 @@ class Save:
         """(A background thread of every rank, at the caller's priority.) Once the snapshot
         is complete (its host chunks copied by an idle-priority ``Hasher`` or by the next
         step's fence), write this rank's files from it, take the hasher's checksums and
-        leave a mark; rank 0 then waits for every rank's mark and publishes (removing
-        ``tmp`` when any rank failed). Raises this rank's error, or on rank 0 any rank's."""
+        report (``reports``: through the c10d store, never the checkpoint's directory); a
+        rank whose write failed first removes its partial files. Rank 0 then waits for
+        every rank's report and publishes, or removes ``tmp`` as soon as any rank reports
+        an error. Raises this rank's error (naming the rank), or on rank 0 any rank's."""
         flat, staging = self.flat, self.staging
         assert staging is not None
+        reports = SaveReports(self.tmp.name, flat.process_group, flat.world_size)
         error: BaseException | None = None
         record = rest_record = None
         hasher: Hasher | None = None
@@ -335,17 +354,18 @@ class Save:
             staging.landed.wait()
             staging.wait_device_copies()
             record, rest_record = self._write_images(hasher)
-        except Exception as e:  # every rank leaves its mark, or rank 0 waits for it in vain
-            error = e
+        except Exception as e:  # every rank reports, or rank 0 waits for it in vain
+            error = _naming_rank(e, flat.rank)
+            self._remove_partial_files()
         if hasher is not None:
             hasher.join()
-        mark(self.tmp, flat.rank, record, error)
+        reports.post(flat.rank, record, error)
         if flat.rank == 0:
             timeout = host_work_timeout(self.collected.written_at_most()).total_seconds()
             try:
-                records = collect_marks(self.tmp, flat.world_size, timeout)
+                records = reports.collect(self.tmp, timeout, failed=self.staged.discard)
             except BaseException:
-                self.staged.discard()
+                self.staged.discard()  # again: a rank may have created a file meanwhile
                 raise
             if error is None:
                 meta = self.collected.meta(self.tag, records, rest_record, flat, self.config)
@@ -353,6 +373,13 @@ class Save:
                 logger.info("saved checkpoint %s in the background", self.root / self.tag)
         if error is not None:
             raise error
+
+    def _remove_partial_files(self) -> None:
+        """(A rank whose background write failed.) Remove what it wrote of its files, so
+        that a full disk has room again at once (rank 0 removes ``tmp`` too)."""
+        for image in self.images:
+            with contextlib.suppress(OSError):
+                (self.tmp / image.name).unlink()
 
     def _wanted(self) -> list[tuple[str, list[tuple[str, torch.Tensor]], dict[str, str]]]:
         """The files of this rank's snapshot: its rank file, on rank 0 the model's rest."""

@@ -1,0 +1,124 @@
+"""How each rank of an asynchronous save tells rank 0 that its part is done, or failed.
+
+The background threads of a save cannot meet in a collective (one from a second thread
+would interleave with training's collectives), and must not meet through files in the
+checkpoint's directory: a full disk, a permission denied or a directory removed fails the
+write and a marker file beside it alike, and rank 0 would wait for it until the write
+timeout. So each rank's report (its file record, or its error) goes through the c10d store
+of the default process group, which lives in rank 0's memory (``torchrun``'s or
+``init_process_group``'s TCP store) and shares no fate with the checkpoint's file system.
+Keys are namespaced by the save (its tag and rank 0's nonce) and by the global ranks of
+its process group, so two data-parallel subgroups saving at once never read each other's
+reports; rank 0 deletes them once it has read them. At one rank nothing leaves the process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from .format import FileRecord
+
+__all__ = ["SaveReports"]
+
+_POLL_S = 0.02
+"""Seconds between rank 0's looks for the other ranks' reports."""
+
+
+def _group_ranks(group: dist.ProcessGroup | None, world_size: int) -> list[int]:
+    """The global ranks of ``group`` (None: the default group of ``world_size`` ranks)."""
+    if group is None:
+        return list(range(world_size))
+    return dist.get_process_group_ranks(group)
+
+
+class SaveReports:
+    """The reports of one asynchronous save's ranks: ``post`` on every rank, ``collect`` on
+    rank 0."""
+
+    def __init__(self, save: str, group: dist.ProcessGroup | None, world_size: int) -> None:
+        """Args:
+        save: the save's name, the same on every rank and no other save's (its temporary
+            directory's, ``.tmp-<tag>-<nonce>``).
+        group: the optimizer's process group (None: the default group).
+        world_size: its number of ranks."""
+        self._world_size = world_size
+        self._local: dict[int, dict[str, Any]] = {}
+        self._store = None
+        if world_size > 1:
+            self._store = dist.distributed_c10d._get_default_store()
+        ranks = ",".join(map(str, _group_ranks(group, world_size)))
+        digest = hashlib.sha1(ranks.encode()).hexdigest()[:12]
+        self._prefix = f"flatzero/async-save/{save}/{digest}/"
+
+    def _key(self, rank: int) -> str:
+        return f"{self._prefix}{rank}"
+
+    def post(self, rank: int, record: FileRecord | None, error: BaseException | None) -> None:
+        """Report rank ``rank``'s part (its group rank): its file ``record``, or its
+        ``error``."""
+        data = (
+            {"error": f"{type(error).__name__}: {error}"}
+            if error is not None
+            else {"record": dataclasses.asdict(record)}
+        )
+        if self._store is None:
+            self._local[rank] = data
+        else:
+            self._store.set(self._key(rank), json.dumps(data))
+
+    def _take(self, rank: int) -> dict[str, Any] | None:
+        """Rank ``rank``'s report if it is in (removing it from the store), else None."""
+        if self._store is None:
+            return self._local.pop(rank, None)
+        key = self._key(rank)
+        if not self._store.check([key]):
+            return None
+        data = json.loads(self._store.get(key))
+        self._store.delete_key(key)
+        return data
+
+    def collect(self, tmp: Path, timeout_s: float, failed: Callable[[], None]) -> list[FileRecord]:
+        """(Rank 0.) Every rank's file record, in rank order, once every rank reported.
+        ``failed()`` runs as soon as the first error is in (rank 0 removes the temporary
+        directory then, not after the slowest rank).
+
+        Raises:
+            RuntimeError: a rank reported an error (naming the first such rank and its
+                error; the reports of all ranks are waited for first), or not every rank
+                reported within ``timeout_s`` seconds (naming them).
+        """
+        deadline = time.monotonic() + timeout_s
+        reports: dict[int, dict[str, Any]] = {}
+        errors: list[int] = []
+        while len(reports) < self._world_size:
+            for rank in range(self._world_size):
+                data = None if rank in reports else self._take(rank)
+                if data is None:
+                    continue
+                reports[rank] = data
+                if "error" in data:
+                    if not errors:
+                        failed()
+                    errors.append(rank)
+            if len(reports) == self._world_size:
+                break
+            if time.monotonic() > deadline:
+                missing = [r for r in range(self._world_size) if r not in reports]
+                raise RuntimeError(
+                    f"ranks {missing} did not report on writing into {tmp} within {timeout_s:.0f} s"
+                )
+            time.sleep(_POLL_S)
+        if errors:
+            first = min(errors)
+            raise RuntimeError(
+                f"rank {first} failed to write its file into {tmp}: {reports[first]['error']}"
+            )
+        return [FileRecord(**reports[r]["record"]) for r in range(self._world_size)]
