@@ -58,21 +58,34 @@ class SaveReports:
         digest = hashlib.sha1(ranks.encode()).hexdigest()[:12]
         self._prefix = f"flatzero/async-save/{save}/{digest}/"
 
-    def _key(self, rank: int) -> str:
+    def _key(self, rank: int | str) -> str:
         return f"{self._prefix}{rank}"
 
     def post(self, rank: int, record: FileRecord | None, error: BaseException | None) -> None:
         """Report rank ``rank``'s part (its group rank): its file ``record``, or its
-        ``error``."""
-        data = (
-            {"error": f"{type(error).__name__}: {error}"}
-            if error is not None
-            else {"record": dataclasses.asdict(record)}
-        )
+        ``error``, or neither: it stopped because rank 0 abandoned the save."""
+        data: dict[str, Any] = {"abandoned": True}
+        if error is not None:
+            data = {"error": f"{type(error).__name__}: {error}"}
+        elif record is not None:
+            data = {"record": dataclasses.asdict(record)}
         if self._store is None:
             self._local[rank] = data
         else:
             self._store.set(self._key(rank), json.dumps(data))
+
+    def abandon(self) -> None:
+        """(Rank 0, once a rank reported an error, before it removes the temporary
+        directory.) Tell the ranks still writing that a write failing from now on failed
+        because of that removal, not on its own (``abandoned``)."""
+        if self._store is not None:
+            self._store.set(self._key("abandoned"), "1")
+
+    def abandoned(self) -> bool:
+        """Whether rank 0 abandoned the save (``abandon``): a rank whose write failed then
+        reports neither a record nor its error (the error that made rank 0 abandon it is
+        the one every rank raises)."""
+        return self._store is not None and self._store.check([self._key("abandoned")])
 
     def _take(self, rank: int) -> dict[str, Any] | None:
         """Rank ``rank``'s report if it is in (removing it from the store), else None."""
@@ -87,8 +100,8 @@ class SaveReports:
 
     def collect(self, tmp: Path, timeout_s: float, failed: Callable[[], None]) -> list[FileRecord]:
         """(Rank 0.) Every rank's file record, in rank order, once every rank reported.
-        ``failed()`` runs as soon as the first error is in (rank 0 removes the temporary
-        directory then, not after the slowest rank).
+        As soon as the first error is in, the save is ``abandon``-ed and ``failed()``
+        runs (rank 0 removes the temporary directory then, not after the slowest rank).
 
         Raises:
             RuntimeError: a rank reported an error (naming the first such rank and its
@@ -106,6 +119,7 @@ class SaveReports:
                 reports[rank] = data
                 if "error" in data:
                     if not errors:
+                        self.abandon()
                         failed()
                     errors.append(rank)
             if len(reports) == self._world_size:
@@ -116,6 +130,8 @@ class SaveReports:
                     f"ranks {missing} did not report on writing into {tmp} within {timeout_s:.0f} s"
                 )
             time.sleep(_POLL_S)
+        if errors and self._store is not None:
+            self._store.delete_key(self._key("abandoned"))  # every rank has reported
         if errors:
             first = min(errors)
             raise RuntimeError(

@@ -89,16 +89,18 @@ def _agree_tag(tag: str, group: dist.ProcessGroup | None) -> tuple[str, str]:
     return tag, values[0][1]
 
 
-def _naming_rank(error: Exception, rank: int) -> Exception:
-    """``error`` of a background write, as every rank learns it: an ``OSError`` becomes one
-    of the same kind and number whose message names ``rank`` (and the file); other errors
-    (bugs) stay as they are."""
+def _naming_rank(error: Exception, rank: int, writing: Path) -> Exception:
+    """``error`` of a background write of the file ``writing``, as every rank learns it: an
+    ``OSError`` becomes one of the same kind and number whose message names ``rank`` and
+    the file (its own, else ``writing``); other errors (bugs) stay as they are."""
     if not isinstance(error, OSError):
         return error
     if error.errno is None:
         named = OSError(f"rank {rank}: {error}")
     else:  # OSError(errno, ...) is of errno's subclass (PermissionError, ...)
-        named = OSError(error.errno, f"rank {rank}: {error.strerror}", error.filename)
+        named = OSError(
+            error.errno, f"rank {rank}: {error.strerror}", error.filename or str(writing)
+        )
     named.__cause__ = error
     return named
 
@@ -157,9 +159,10 @@ def _create_tmp(staged: StagedDirectory, flat: FlatParams, config: SaveConfig) -
 # background thread of every rank from a copy of the rank's tensors in host memory, and
 # the ranks meet through reports in the c10d store instead of collectives
 # (``reports``): a rank whose write failed removes its partial files, and rank 0 removes
-# the temporary directory as soon as any rank reports an error. Every agreement runs on the process group's control group (gloo,
-# never queued behind GPU work or the NCCL watchdog); where ranks wait for writing, they
-# first meet in ``wait_for_host_work`` with a timeout that fits the bytes written.
+# the temporary directory as soon as any rank reports an error. Every agreement runs on
+# the process group's control group (gloo, never queued behind GPU work or the NCCL
+# watchdog); where ranks wait for writing, they first meet in ``wait_for_host_work`` with
+# a timeout that fits the bytes written.
 
 
 class Save:
@@ -179,6 +182,8 @@ class Save:
         images: an asynchronous save's snapshot, its files laid out in host memory.
         staging: the copies into the snapshot still to land.
         background: an asynchronous save's thread (None: synchronous, or not started).
+        writing: the file its background thread writes (``tmp`` before the first), named
+            by an error without a file name of its own (``os.write``'s ENOSPC).
     """
 
     def __init__(
@@ -200,6 +205,7 @@ class Save:
         self.images: list[FileImage] = []
         self.staging: Staging | None = None
         self.background: BackgroundSave | None = None
+        self.writing = staged.tmp
 
     @property
     def flat(self) -> FlatParams:
@@ -328,10 +334,12 @@ class Save:
         """Write this rank's snapshot (its rank file, on rank 0 also the model's rest) into
         ``tmp``; their records, with the checksums ``hasher`` computes meanwhile."""
         images, rank = self.images, self.flat.rank
+        self.writing = self.tmp / images[0].name
         record = write_image_file(self.tmp, images[0], sums=lambda: hasher.sums(0), rank=rank)
         fault_point("rank_file_written", rank)
         rest_record = None
         if len(images) > 1:
+            self.writing = self.tmp / images[1].name
             rest_record = write_image_file(self.tmp, images[1], sums=lambda: hasher.sums(1))
         return record, rest_record
 
@@ -355,8 +363,11 @@ class Save:
             staging.wait_device_copies()
             record, rest_record = self._write_images(hasher)
         except Exception as e:  # every rank reports, or rank 0 waits for it in vain
-            error = _naming_rank(e, flat.rank)
             self._remove_partial_files()
+            if flat.rank != 0 and reports.abandoned():  # tmp removed after another's error
+                logger.info("rank %d stopped writing %s: %s", flat.rank, self.tmp, e)
+            else:
+                error = _naming_rank(e, flat.rank, self.writing)
         if hasher is not None:
             hasher.join()
         reports.post(flat.rank, record, error)
@@ -366,13 +377,14 @@ class Save:
                 records = reports.collect(self.tmp, timeout, failed=self.staged.discard)
             except BaseException:
                 self.staged.discard()  # again: a rank may have created a file meanwhile
-                raise
-            if error is None:
+                if error is None:
+                    raise
+            else:  # every rank wrote its file, rank 0 too
                 meta = self.collected.meta(self.tag, records, rest_record, flat, self.config)
                 self._publish_here(meta)
                 logger.info("saved checkpoint %s in the background", self.root / self.tag)
         if error is not None:
-            raise error
+            raise error  # its own error first (on rank 0 too), as on the other ranks
 
     def _remove_partial_files(self) -> None:
         """(A rank whose background write failed.) Remove what it wrote of its files, so
