@@ -12,6 +12,8 @@ Before the fix each of these hung: the ranks reported through marker files in th
 directory, which failed as the write did, so rank 0 polled for 30 minutes. Each rank here
 arms a watchdog (``WATCHDOG_S``) that ends it, so a regression fails instead of hanging.
 Needs root (tmpfs mounts, a second uid); skipped otherwise.
+- Two data-parallel subgroups reporting a save of the same name read only their own
+  reports (the keys name the group's global ranks).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import torch
 from flatzero.checkpoint import load_checkpoint, read_latest, save_checkpoint
 from flatzero.checkpoint.atomic import set_fault_hook
 from flatzero.checkpoint.checkpointer import wait_for_save
+from flatzero.checkpoint.format import FileRecord
+from flatzero.checkpoint.reports import SaveReports
 from flatzero.launch import run_ranks
 from test_checkpoint_async import make, same, state, step
 
@@ -40,12 +44,12 @@ PROMPT_S = 20.0
 timeout it must not wait out is 30 minutes)."""
 NOBODY = 65534
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (tmpfs, a second uid)")
-
 
 @pytest.fixture
 def small_disk(tmp_path: Path):
     """A 4 MiB tmpfs at ``tmp_path / "disk"`` (unmounted after the test)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (a tmpfs mount, a second uid)")
     disk = tmp_path / "disk"
     disk.mkdir()
     done = subprocess.run(
@@ -158,3 +162,24 @@ def test_fill_stops_at_a_full_disk(small_disk: Path):
         f.write(b"\0" * 2**16)
         f.flush()
     assert raised.value.errno == errno.ENOSPC
+
+
+def reports_of_two_subgroups(rank: int, ws: int) -> list[str]:
+    """Ranks {0, 1} and {2, 3}, two data-parallel groups, report a save of the same name at
+    once (their tags and nonces could coincide); what each group's rank 0 collected."""
+    groups = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+    mine = groups[rank // 2]
+    reports = SaveReports(".tmp-step1-0123", mine, 2)
+    record = FileRecord(rank=rank % 2, file=f"written by global rank {rank}", bytes=1, tensors={})
+    reports.post(rank % 2, record, None)
+    collected = []
+    if rank % 2 == 0:
+        collected = [r.file for r in reports.collect(Path("x"), 30.0, failed=lambda: None)]
+    torch.distributed.barrier()
+    return collected
+
+
+def test_subgroups_read_only_their_own_reports():
+    out = run_ranks(reports_of_two_subgroups, 4, timeout_s=60)
+    assert out[0] == ["written by global rank 0", "written by global rank 1"]
+    assert out[2] == ["written by global rank 2", "written by global rank 3"]
