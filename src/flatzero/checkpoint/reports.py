@@ -71,8 +71,11 @@ class SaveReports:
             data = {"record": dataclasses.asdict(record)}
         if self._store is None:
             self._local[rank] = data
-        else:
-            self._store.set(self._key(rank), json.dumps(data))
+            return
+        self._store.set(self._key(rank), json.dumps(data))
+        if error is not None:
+            self._store.add(self._key("failed"), 1)
+        self._store.add(self._key("reported"), 1)  # last: its data is in
 
     def abandon(self) -> None:
         """(Rank 0, once a rank reported an error, before it removes the temporary
@@ -87,21 +90,40 @@ class SaveReports:
         the one every rank raises)."""
         return self._store is not None and self._store.check([self._key("abandoned")])
 
-    def _take(self, rank: int) -> dict[str, Any] | None:
-        """Rank ``rank``'s report if it is in (removing it from the store), else None."""
+    def _reported(self) -> int:
+        """How many ranks reported (one store operation, whatever the world size)."""
         if self._store is None:
-            return self._local.pop(rank, None)
-        key = self._key(rank)
-        if not self._store.check([key]):
-            return None
-        data = json.loads(self._store.get(key))
-        self._store.delete_key(key)
-        return data
+            return len(self._local)
+        return self._store.add(self._key("reported"), 0)
+
+    def _any_failed(self) -> bool:
+        """Whether a rank reported an error."""
+        if self._store is None:
+            return any("error" in d for d in self._local.values())
+        return self._store.check([self._key("failed")])
+
+    def _missing(self) -> list[int]:
+        """The ranks that have not reported."""
+        if self._store is None:
+            return [r for r in range(self._world_size) if r not in self._local]
+        return [r for r in range(self._world_size) if not self._store.check([self._key(r)])]
+
+    def _take_all(self) -> list[dict[str, Any]]:
+        """Every rank's report, in rank order, removed from the store with the counters."""
+        if self._store is None:
+            return [self._local.pop(r) for r in range(self._world_size)]
+        store = self._store
+        reports = [json.loads(store.get(self._key(r))) for r in range(self._world_size)]
+        for key in [*range(self._world_size), "reported", "failed", "abandoned"]:
+            store.delete_key(self._key(key))
+        return reports
 
     def collect(self, tmp: Path, timeout_s: float, failed: Callable[[], None]) -> list[FileRecord]:
         """(Rank 0.) Every rank's file record, in rank order, once every rank reported.
-        As soon as the first error is in, the save is ``abandon``-ed and ``failed()``
-        runs (rank 0 removes the temporary directory then, not after the slowest rank).
+        Rank 0 polls two counters in the store (``_POLL_S``), not one key per rank. As
+        soon as an error is in while ranks still write, the save is ``abandon``-ed and
+        ``failed()`` runs (rank 0 removes the temporary directory then, not after the
+        slowest rank).
 
         Raises:
             RuntimeError: a rank reported an error (naming the first such rank and its
@@ -109,32 +131,23 @@ class SaveReports:
                 reported within ``timeout_s`` seconds (naming them).
         """
         deadline = time.monotonic() + timeout_s
-        reports: dict[int, dict[str, Any]] = {}
-        errors: list[int] = []
-        while len(reports) < self._world_size:
-            for rank in range(self._world_size):
-                data = None if rank in reports else self._take(rank)
-                if data is None:
-                    continue
-                reports[rank] = data
-                if "error" in data:
-                    if not errors:
-                        self.abandon()
-                        failed()
-                    errors.append(rank)
-            if len(reports) == self._world_size:
-                break
+        abandoned = False
+        while self._reported() < self._world_size:
+            if not abandoned and self._any_failed():
+                abandoned = True
+                self.abandon()
+                failed()
             if time.monotonic() > deadline:
-                missing = [r for r in range(self._world_size) if r not in reports]
                 raise RuntimeError(
-                    f"ranks {missing} did not report on writing into {tmp} within {timeout_s:.0f} s"
+                    f"ranks {self._missing()} did not report on writing into {tmp} within "
+                    f"{timeout_s:.0f} s"
                 )
             time.sleep(_POLL_S)
-        if errors and self._store is not None:
-            self._store.delete_key(self._key("abandoned"))  # every rank has reported
+        reports = self._take_all()
+        errors = [r for r, data in enumerate(reports) if "error" in data]
         if errors:
-            first = min(errors)
             raise RuntimeError(
-                f"rank {first} failed to write its file into {tmp}: {reports[first]['error']}"
+                f"rank {errors[0]} failed to write its file into {tmp}: "
+                f"{reports[errors[0]]['error']}"
             )
-        return [FileRecord(**reports[r]["record"]) for r in range(self._world_size)]
+        return [FileRecord(**data["record"]) for data in reports]
