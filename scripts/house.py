@@ -127,7 +127,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     ),
     "checkpoint": (
         ("records", ("config", "format", "rng", "reshard", "checkpointer", "optimizer_state")),
-        ("files", ("atomic", "validate", "writer", "reader", "recovery", "async_save")),
+        ("files", ("atomic", "validate", "writer", "reader", "recovery", "reports", "async_save")),
         ("collected", ("collect",)),
         ("protocol", ("save", "load", "export", "fallback", "__init__")),
     ),

@@ -116,12 +116,13 @@ def test_async_saves_at_two_ranks(tmp_path):
         assert o["writing"] == ["flatzero-save-a"] and o["returned_before_published"]
         assert o["a_published_then"] and o["reused"]
         assert o["loaded"] == {"a": True, "b": True}
+        # every rank's error names rank 1 and its error (issue 40 item 2)
         if rank == 1:
-            assert o["error"] == "OSError: disk full (injected)"
+            assert o["error"] == "OSError: rank 1: disk full (injected)"
         else:
-            # rank 0's thread read rank 1's error from its mark
+            # rank 0's thread read rank 1's error from its report in the store
             assert o["error"].startswith("RuntimeError: rank 1 failed to write its file")
-            assert o["error"].endswith("OSError: disk full (injected)")
+            assert o["error"].endswith("OSError: rank 1: disk full (injected)")
         # c was never published and its directory is gone; d was not started
         assert o["latest"] == "b" and o["entries"] == ["a", "b", "latest"]
 
@@ -243,6 +244,6 @@ def test_the_next_step_finishes_the_snapshot_copy(tmp_path):
             "c_is_the_state_at_its_call": True,
         }
         if rank == 1:
-            assert error == "OSError: no thread left (injected)"
+            assert error == "OSError: rank 1: no thread left (injected)"
         else:
             assert error.startswith("RuntimeError:") and "rank 1" in error

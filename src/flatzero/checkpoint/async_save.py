@@ -8,13 +8,10 @@ shards are copied on a side stream; host shards (the master and moments of a CPU
 optimizer offload) by the background thread. Until those copies have landed the optimizer
 holds its next inner step (``Staging.fence``): the forward and backward passes of the next
 step run meanwhile, and the checkpoint holds the state as it was at the call. The same
-thread per rank then writes and fsyncs the rank file from the snapshot. The ranks then
-meet through the file system, not a process group (a collective from a second thread would
-interleave with training's collectives): each rank leaves a small mark in the checkpoint's
-temporary directory with its file record or its error (``mark``), and rank 0's thread
-waits for every mark (``collect_marks``) and publishes as a synchronous save does. The
-checkpoint appears, and ``latest`` moves, only once every rank's file is complete: a kill
-during the background write leaves the previous checkpoint as it was.
+thread per rank then writes and fsyncs the rank file from the snapshot and reports to rank
+0's thread through the c10d store (``reports``), which publishes as a synchronous save
+does. The checkpoint appears, and ``latest`` moves, only once every rank's file is
+complete: a kill during the background write leaves the previous checkpoint as it was.
 
 The buffer and the pending save are the optimizer's ``checkpointer.Checkpointer``'s; the
 next save, load or ``wait_for_save`` waits for the pending one there.
@@ -22,16 +19,11 @@ next save, load or ``wait_for_save`` waits for the pending one there.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import dataclasses
-import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,14 +33,11 @@ from ..storage.checksum import ChunkSums
 from ..storage.image import PAGE, FileImage, checksums, lay_out, padded
 from .atomic import fault_point
 from .checkpointer import Checkpointer
-from .format import FileRecord
 
 __all__ = [
     "Hasher",
     "Staging",
-    "collect_marks",
     "lower_priority",
-    "mark",
     "snapshot",
     "snapshot_nbytes",
 ]
@@ -63,9 +52,6 @@ full speed."""
 
 _COPY_BYTES = 64 * 2**20
 """Bytes per ``memmove`` of the background thread's copies."""
-
-_POLL_S = 0.02
-"""Seconds between rank 0's looks for the other ranks' marks."""
 
 
 def snapshot_nbytes(data_nbytes: Sequence[int]) -> int:
@@ -292,48 +278,3 @@ class Hasher:
     def join(self) -> None:
         """Wait for the thread."""
         self._thread.join()
-
-
-def _mark_path(tmp: Path, rank: int) -> Path:
-    return tmp / f".mark-{rank:05d}.json"
-
-
-def mark(tmp: Path, rank: int, record: FileRecord | None, error: BaseException | None) -> None:
-    """Leave rank ``rank``'s mark in ``tmp``: its file record, or its error (written to a
-    temporary name and renamed, so rank 0 never reads half a mark)."""
-    data = (
-        {"error": f"{type(error).__name__}: {error}"}
-        if error is not None
-        else {"record": dataclasses.asdict(record)}
-    )
-    path = _mark_path(tmp, rank)
-    part = path.with_suffix(".part")
-    part.write_text(json.dumps(data), encoding="utf-8")
-    os.replace(part, path)
-
-
-def collect_marks(tmp: Path, world_size: int, timeout_s: float) -> list[FileRecord]:
-    """Every rank's file record, in rank order, once every rank has left its mark in
-    ``tmp`` (removing the marks).
-
-    Raises:
-        RuntimeError: a rank's mark holds an error (naming the rank and the error), or not
-            every rank left one within ``timeout_s`` seconds.
-    """
-    deadline = time.monotonic() + timeout_s
-    paths = [_mark_path(tmp, r) for r in range(world_size)]
-    while not all(p.exists() for p in paths):
-        if time.monotonic() > deadline:
-            missing = [r for r, p in enumerate(paths) if not p.exists()]
-            raise RuntimeError(
-                f"ranks {missing} did not finish writing into {tmp} within {timeout_s:.0f} s"
-            )
-        time.sleep(_POLL_S)
-    marks = [json.loads(p.read_text(encoding="utf-8")) for p in paths]
-    for rank, data in enumerate(marks):
-        if "error" in data:
-            raise RuntimeError(f"rank {rank} failed to write its file into {tmp}: {data['error']}")
-    for p in paths:
-        with contextlib.suppress(FileNotFoundError):
-            p.unlink()
-    return [FileRecord(**data["record"]) for data in marks]

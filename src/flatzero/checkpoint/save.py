@@ -24,7 +24,7 @@ from ..control import control_group, every_rank_or_none, host_work_timeout
 from ..flatten import FlatParams
 from ..optim import ZeroOptimizer
 from ..storage.image import FileImage
-from .async_save import Hasher, Staging, collect_marks, mark, snapshot
+from .async_save import Hasher, Staging, snapshot
 from .atomic import (
     StagedDirectory,
     fault_point,
@@ -44,6 +44,7 @@ from .format import (
     read_latest,
 )
 from .recovery import copy_of_lost, restore_lost
+from .reports import SaveReports
 from .writer import (
     rank_file_metadata,
     write_image_file,
@@ -86,6 +87,22 @@ def _agree_tag(tag: str, group: dist.ProcessGroup | None) -> tuple[str, str]:
             "on every rank (or none: the default is derived from the optimizer step)"
         )
     return tag, values[0][1]
+
+
+def _naming_rank(error: Exception, rank: int, writing: Path) -> Exception:
+    """``error`` of a background write of the file ``writing``, as every rank learns it: an
+    ``OSError`` becomes one of the same kind and number whose message names ``rank`` and
+    the file (its own, else ``writing``); other errors (bugs) stay as they are."""
+    if not isinstance(error, OSError):
+        return error
+    if error.errno is None:
+        named = OSError(f"rank {rank}: {error}")
+    else:  # OSError(errno, ...) is of errno's subclass (PermissionError, ...)
+        named = OSError(
+            error.errno, f"rank {rank}: {error.strerror}", error.filename or str(writing)
+        )
+    named.__cause__ = error
+    return named
 
 
 def _prune(root: Path, keep_last: int, keep: set[str]) -> None:
@@ -140,10 +157,12 @@ def _create_tmp(staged: StagedDirectory, flat: FlatParams, config: SaveConfig) -
 # (``every_rank_or_none``); a process killed mid-save leaves only the ``.tmp-*``
 # directory, which loaders ignore. With ``asynchronous=True``, steps 3 and 4 run in a
 # background thread of every rank from a copy of the rank's tensors in host memory, and
-# the ranks meet through marks in the temporary directory instead of collectives
-# (``async_save``). Every agreement runs on the process group's control group (gloo,
-# never queued behind GPU work or the NCCL watchdog); where ranks wait for writing, they
-# first meet in ``wait_for_host_work`` with a timeout that fits the bytes written.
+# the ranks meet through reports in the c10d store instead of collectives
+# (``reports``): a rank whose write failed removes its partial files, and rank 0 removes
+# the temporary directory as soon as any rank reports an error. Every agreement runs on
+# the process group's control group (gloo, never queued behind GPU work or the NCCL
+# watchdog); where ranks wait for writing, they first meet in ``wait_for_host_work`` with
+# a timeout that fits the bytes written.
 
 
 class Save:
@@ -163,6 +182,8 @@ class Save:
         images: an asynchronous save's snapshot, its files laid out in host memory.
         staging: the copies into the snapshot still to land.
         background: an asynchronous save's thread (None: synchronous, or not started).
+        writing: the file its background thread writes (``tmp`` before the first), named
+            by an error without a file name of its own (``os.write``'s ENOSPC).
     """
 
     def __init__(
@@ -184,6 +205,7 @@ class Save:
         self.images: list[FileImage] = []
         self.staging: Staging | None = None
         self.background: BackgroundSave | None = None
+        self.writing = staged.tmp
 
     @property
     def flat(self) -> FlatParams:
@@ -312,10 +334,12 @@ class Save:
         """Write this rank's snapshot (its rank file, on rank 0 also the model's rest) into
         ``tmp``; their records, with the checksums ``hasher`` computes meanwhile."""
         images, rank = self.images, self.flat.rank
+        self.writing = self.tmp / images[0].name
         record = write_image_file(self.tmp, images[0], sums=lambda: hasher.sums(0), rank=rank)
         fault_point("rank_file_written", rank)
         rest_record = None
         if len(images) > 1:
+            self.writing = self.tmp / images[1].name
             rest_record = write_image_file(self.tmp, images[1], sums=lambda: hasher.sums(1))
         return record, rest_record
 
@@ -323,10 +347,13 @@ class Save:
         """(A background thread of every rank, at the caller's priority.) Once the snapshot
         is complete (its host chunks copied by an idle-priority ``Hasher`` or by the next
         step's fence), write this rank's files from it, take the hasher's checksums and
-        leave a mark; rank 0 then waits for every rank's mark and publishes (removing
-        ``tmp`` when any rank failed). Raises this rank's error, or on rank 0 any rank's."""
+        report (``reports``: through the c10d store, never the checkpoint's directory); a
+        rank whose write failed first removes its partial files. Rank 0 then waits for
+        every rank's report and publishes, or removes ``tmp`` as soon as any rank reports
+        an error. Raises this rank's error (naming the rank), or on rank 0 any rank's."""
         flat, staging = self.flat, self.staging
         assert staging is not None
+        reports = SaveReports(self.tmp.name, flat.process_group, flat.world_size)
         error: BaseException | None = None
         record = rest_record = None
         hasher: Hasher | None = None
@@ -335,24 +362,36 @@ class Save:
             staging.landed.wait()
             staging.wait_device_copies()
             record, rest_record = self._write_images(hasher)
-        except Exception as e:  # every rank leaves its mark, or rank 0 waits for it in vain
-            error = e
+        except Exception as e:  # every rank reports, or rank 0 waits for it in vain
+            self._remove_partial_files()
+            if flat.rank != 0 and reports.abandoned():  # tmp removed after another's error
+                logger.info("rank %d stopped writing %s: %s", flat.rank, self.tmp, e)
+            else:
+                error = _naming_rank(e, flat.rank, self.writing)
         if hasher is not None:
             hasher.join()
-        mark(self.tmp, flat.rank, record, error)
+        reports.post(flat.rank, record, error)
         if flat.rank == 0:
             timeout = host_work_timeout(self.collected.written_at_most()).total_seconds()
             try:
-                records = collect_marks(self.tmp, flat.world_size, timeout)
+                records = reports.collect(self.tmp, timeout, failed=self.staged.discard)
             except BaseException:
-                self.staged.discard()
-                raise
-            if error is None:
+                self.staged.discard()  # again: a rank may have created a file meanwhile
+                if error is None:
+                    raise
+            else:  # every rank wrote its file, rank 0 too
                 meta = self.collected.meta(self.tag, records, rest_record, flat, self.config)
                 self._publish_here(meta)
                 logger.info("saved checkpoint %s in the background", self.root / self.tag)
         if error is not None:
-            raise error
+            raise error  # its own error first (on rank 0 too), as on the other ranks
+
+    def _remove_partial_files(self) -> None:
+        """(A rank whose background write failed.) Remove what it wrote of its files, so
+        that a full disk has room again at once (rank 0 removes ``tmp`` too)."""
+        for image in self.images:
+            with contextlib.suppress(OSError):
+                (self.tmp / image.name).unlink()
 
     def _wanted(self) -> list[tuple[str, list[tuple[str, torch.Tensor]], dict[str, str]]]:
         """The files of this rank's snapshot: its rank file, on rank 0 the model's rest."""
