@@ -7,8 +7,12 @@ uninterrupted reference), rank 0 exports the checkpoint, ``deepspeed.initialize`
 ``engine.load_checkpoint`` on the export trains the last ``M`` steps, and DeepSpeed saves
 its own checkpoint afterwards. Cases: ZeRO-2 bf16 with a WarmupLR schedule and DeepSpeed's
 round-robin, parameter-aligned flat layout; ZeRO-1 fp16 with a dynamic loss scale that
-grows during the run; ZeRO-1 fp32 saved by one rank (``ZeroOptimizer`` in this process)
-and exported for two. The same spawn runs DeepSpeed's
+grows during the run; two whose config has an ``optimizer`` section of type AdamW without
+``torch_adam`` (the Hugging Face docs' configs), for which DeepSpeed builds its own kernels:
+ZeRO-2 bf16 (FusedAdam) and ZeRO-1 fp32 with optimizer offload (DeepSpeedCPUAdam); ZeRO-1
+fp32 saved by one rank (``ZeroOptimizer`` in this process) and exported for two. A 1-rank
+spawn resumes that checkpoint exported without a config (DeepSpeed's default, FusedAdam)
+in a one-rank DeepSpeed run. The same spawns run DeepSpeed's
 ``zero_to_fp32`` on the exports and on DeepSpeed's own checkpoints. Everything else
 (round trips, DeepSpeed's checkpoints imported by the safe reader, a crafted pickle, the
 errors, Trainer directories, the CLI) runs in this process without DeepSpeed.
@@ -49,8 +53,16 @@ from flatzero.testing.deepspeed import deepspeed_available
 K, M = 3, 2  # steps before the save, steps after it
 BATCH, SEQ, VOCAB, LR = 4, 10, 48, 3e-3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CASES = {"zero2_bf16": (2, "bf16"), "zero1_fp16": (1, "fp16")}
+CASES = {
+    "zero2_bf16": (2, "bf16"),
+    "zero1_fp16": (1, "fp16"),
+    "zero2_bf16_fused_adam": (2, "bf16"),
+    "zero1_fp32_cpu_adam": (1, "fp32"),
+}
+# the config's optimizer section, AdamW without torch_adam: DeepSpeed builds its own kernel
+KERNELS = {"zero2_bf16_fused_adam": "FusedAdam", "zero1_fp32_cpu_adam": "DeepSpeedCPUAdam"}
 WS1 = "zero1_fp32_ws1"  # saved by one rank here, exported for two
+ONE = "zero1_fp32_ws1_fused_adam"  # the same checkpoint exported without a config for one
 
 
 class Net(nn.Module):
@@ -123,11 +135,30 @@ def config(stage: int, dtype: str, scheduler: bool) -> dict:
 def case_config(case: str) -> dict:
     if case == WS1:
         return config(1, "fp32", scheduler=False)
+    if case == ONE:  # DeepSpeed's AdamW on one rank
+        cfg = config(1, "fp32", scheduler=False) | {"train_micro_batch_size_per_gpu": BATCH}
+        return cfg | {"optimizer": {"type": "AdamW", "params": {"lr": LR}}}
     stage, dtype = CASES[case]
     cfg = config(stage, dtype, scheduler=dtype == "bf16")
     if case == "zero2_bf16":  # DeepSpeed's other flat layouts (no effect in flatzero)
         cfg["zero_optimization"] |= {"round_robin_gradients": True, "parameter_alignment": True}
+    if case in KERNELS:  # DeepSpeed's default optimizer: FusedAdam, DeepSpeedCPUAdam offloaded
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95]}}
+    if KERNELS.get(case) == "DeepSpeedCPUAdam":
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     return cfg
+
+
+def start(init, model, client, case: str):
+    """``init`` (``flatzero.initialize`` or ``deepspeed.initialize``) with the client
+    optimizer, or with the config's over the client's two param groups."""
+    cfg = case_config(case)
+    if "optimizer" not in cfg:
+        return init(model=model, optimizer=client, config=cfg)[0]
+    groups = [
+        {"params": g["params"], "weight_decay": g["weight_decay"]} for g in client.param_groups
+    ]
+    return init(model=model, model_parameters=groups, config=cfg)[0]
 
 
 def global_mean(loss: torch.Tensor, ws: int) -> float:
@@ -153,7 +184,7 @@ def flatzero_run(rank: int, ws: int, root: Path, case: str) -> list:
     import flatzero
 
     model, client = build(CASES[case][1], seed=0)
-    engine, *_ = flatzero.initialize(model=model, optimizer=client, config=case_config(case))
+    engine = start(flatzero.initialize, model, client, case)
     steps = []
     for at in range(K + M):
         if at == K:
@@ -169,10 +200,10 @@ def deepspeed_resume(rank: int, ws: int, root: Path, case: str) -> dict:
 
     from flatzero.testing.deepspeed import release_engine
 
-    dtype = "fp32" if case == WS1 else CASES[case][1]
+    dtype = "fp32" if case in (WS1, ONE) else CASES[case][1]
     model, client = build(dtype, seed=123)  # another init: all must come from the export
     with contextlib.redirect_stdout(io.StringIO()):
-        engine, *_ = deepspeed.initialize(model=model, optimizer=client, config=case_config(case))
+        engine = start(deepspeed.initialize, model, client, case)
         path, client_state = engine.load_checkpoint(str(root / "ds"))
     loaded = {
         "lr": engine.get_lr()[0],
@@ -182,12 +213,31 @@ def deepspeed_resume(rank: int, ws: int, root: Path, case: str) -> dict:
         "epoch": client_state.get("epoch"),
         "temperature": float(model.temperature),
         "gate": model.gate.detach().float().clone(),
+        "optimizer": own_format(engine.basic_optimizer),
     }
     steps = [step(engine, at, rank, ws) for at in range(K, K + M)]
     with contextlib.redirect_stdout(io.StringIO()):
         engine.save_checkpoint(str(root / "ds_after"), client_state={"epoch": 8})
     release_engine(engine)
     return {"loaded": loaded, "steps": steps, "path": path}
+
+
+def own_format(optimizer: torch.optim.Optimizer) -> dict:
+    """The class DeepSpeed built, and the param-group keys and state types of a fresh one
+    of the same class after one step (what it reads and keeps)."""
+    cls = type(optimizer)
+    if cls.__module__.startswith("torch.optim"):
+        return {"class": cls.__name__}
+    param = nn.Parameter(torch.ones(8))
+    fresh = cls([param])
+    param.grad = torch.ones(8)
+    fresh.step()
+    saved = fresh.state_dict()
+    return {
+        "class": cls.__name__,
+        "group": set(saved["param_groups"][0]) - {"params"},
+        "state": {k: structure(v) for k, v in saved["state"][0].items()},
+    }
 
 
 def consolidated(directory: Path) -> dict[str, torch.Tensor]:
@@ -206,10 +256,10 @@ def rank_main(rank: int, ws: int, root: str) -> bytes:
     # DeepSpeed's CPU accelerator claims fp16 only with AVX512-FP16; torch runs it anyway
     get_accelerator().is_fp16_supported = lambda: True
     out: dict = {}
-    for case in [*CASES, WS1]:
+    for case in [*CASES, WS1] if ws == 2 else [ONE]:
         where = Path(root) / case
         result = {}
-        if case != WS1:
+        if case in CASES:
             result["flatzero"] = flatzero_run(rank, ws, where, case)
             dist.barrier()
             if rank == 0:
@@ -256,6 +306,8 @@ def flatzero_ws1(root: Path) -> list:
         opt.zero_grad()
     opt.close()
     to_deepspeed(root / "fz", root / "ds", world_size=2, ds_config=case_config(WS1))
+    # without a config: DeepSpeed's default for AdamW, FusedAdam, for one rank
+    to_deepspeed(root / "fz", root.parent / ONE / "ds", world_size=1)
     return losses
 
 
@@ -266,9 +318,13 @@ def runs(tmp_path_factory) -> tuple[Path, dict]:
         pytest.skip(why)
     root = tmp_path_factory.mktemp("export")
     ws1 = flatzero_ws1(root / WS1)
-    blob = run_ranks(rank_main, 2, str(root), timeout_s=300, env={"DS_ACCELERATOR": "cpu"})[0]
+    env = {"DS_ACCELERATOR": "cpu"}
+    blob = run_ranks(rank_main, 2, str(root), timeout_s=300, env=env)[0]
     out = torch.load(io.BytesIO(blob), weights_only=False)
+    blob = run_ranks(rank_main, 1, str(root), timeout_s=300, env=env)[0]
+    out |= torch.load(io.BytesIO(blob), weights_only=False)
     out[WS1]["flatzero"] = ws1
+    out[ONE]["flatzero"] = ws1
     return root, out
 
 
@@ -306,13 +362,40 @@ def test_fp16_loss_scale_grew_across_the_resume(runs):
     assert scales == [256.0, 256.0, 512.0, 512.0, 1024.0]
 
 
-def test_deepspeed_resumes_at_another_world_size(runs):
+@pytest.mark.parametrize("case", [WS1, ONE])
+def test_deepspeed_resumes_at_another_world_size(runs, case):
     _, out = runs
-    ours, theirs = out[WS1]["flatzero"], out[WS1]["deepspeed"]
+    ours, theirs = out[case]["flatzero"], out[case]["deepspeed"]
     worst = max(abs(t[0] / o - 1) for t, o in zip(theirs["steps"], ours[K:], strict=True))
-    print(f"{WS1} at 2 ranks: largest relative loss difference after the load {worst:.1e}")
+    print(f"{case}: largest relative loss difference after the load {worst:.1e}")
     assert [s[0] for s in theirs["steps"]] == pytest.approx(ours[K:], rel=TOLERANCE)
     assert theirs["loaded"]["global_steps"] == K and theirs["loaded"]["epoch"] == 7
+
+
+@pytest.mark.parametrize("case", [*KERNELS, ONE])
+def test_export_is_in_the_format_of_deepspeeds_own_adam(runs, case):
+    """DeepSpeed built its own Adam kernel, and the export's groups carry every key a
+    fresh one of that class holds (torch's load replaces the groups with the saved ones);
+    its state is kept as that class keeps it (``step`` an int)."""
+    root, out = runs
+    own = out[case]["deepspeed"]["loaded"]["optimizer"]
+    assert own["class"] == KERNELS.get(case, "FusedAdam")
+    assert own["state"]["step"] == "int"
+    directory = root / case / "ds" / read_latest(root / case / "ds")
+    for file in sorted(directory.glob("*optim_states.pt")):
+        base = ds_pickle.load(file)["optimizer_state_dict"]["base_optimizer_state"]
+        for group in base["param_groups"]:
+            assert own["group"] <= set(group), file.name
+            assert group["bias_correction"] is True and group["decoupled_weight_decay"] is True
+        for state in base["state"].values():
+            assert {
+                k: structure(v)[:2] if k != "step" else structure(v) for k, v in state.items()
+            } == {
+                "step": "int",
+                "exp_avg": ("tensor", torch.float32),
+                "exp_avg_sq": ("tensor", torch.float32),
+            }
+            assert state["step"] == K
 
 
 # --------------------------------------------------------------- DeepSpeed's own tools
@@ -397,7 +480,7 @@ def tensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("case", [*CASES, WS1])
+@pytest.mark.parametrize("case", [c for c in [*CASES, WS1] if c not in KERNELS])
 def test_round_trip_through_deepspeed_is_bitwise(runs, case):
     root, _ = runs
     source = root / case / "fz"
@@ -427,11 +510,12 @@ def test_round_trip_through_deepspeed_is_bitwise(runs, case):
 
 
 # ------------------------------------------------- DeepSpeed's checkpoints, read safely
-@pytest.mark.parametrize("case", [*CASES, WS1])
+@pytest.mark.parametrize("case", [*CASES, WS1, ONE])
 def test_deepspeed_checkpoints_import(runs, case):
     root, out = runs
     ds = read_deepspeed(root / case / "ds_after")
-    assert ds.world_size == 2 and ds.stage == (1 if case != "zero2_bf16" else 2)
+    assert ds.world_size == (1 if case == ONE else 2)
+    assert ds.stage == (CASES[case][0] if case in CASES else 1)
     path = from_deepspeed(root / case / "ds_after", root / case / "imported")
     expected = out[case]["zero_to_fp32_after"]
     with CheckpointReader(path) as reader:
@@ -565,10 +649,14 @@ def test_bad_input_errors(trainer_dir, tmp_path):
     del cfg["train_micro_batch_size_per_gpu"]
     with pytest.raises(ValueError, match="train_batch_size 4 is not a multiple of 3"):
         to_deepspeed(trainer_dir, out, world_size=3, ds_config=cfg)
-    for kind, named in (("Lamb", "'Lamb'.*its own kernels"), ("AdamW", "FusedAdam")):
+    for kind in ("Lamb", "Adagrad"):  # Adagrad offloaded: DeepSpeedCPUAdagrad
         bad = config(2, "bf16", scheduler=False) | {"optimizer": {"type": kind, "params": {}}}
-        with pytest.raises(ValueError, match=named):
+        bad["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        with pytest.raises(ValueError, match=f"'{kind}'.*its own kernels"):
             to_deepspeed(trainer_dir, out, world_size=2, ds_config=bad)
+    uncorrected = {"type": "AdamW", "params": {"bias_correction": False}}
+    with pytest.raises(ValueError, match="bias_correction is false"):
+        to_deepspeed(trainer_dir, out, world_size=2, ds_config=cfg | {"optimizer": uncorrected})
     sgd = config(2, "bf16", scheduler=False) | {"optimizer": {"type": "SGD", "params": {}}}
     with pytest.raises(
         ValueError, match=r"builds torch\.optim\.SGD but the checkpoint's optimizer is AdamW"
@@ -582,6 +670,71 @@ def test_bad_input_errors(trainer_dir, tmp_path):
     with pytest.raises(ValueError, match="BF16_Optimizer"):
         to_deepspeed(trainer_dir, out, world_size=2, ds_config=accumulating)
     assert not out.exists() or not any(out.iterdir())
+
+
+# What DeepSpeed 0.19.8's Adam classes read from a param group (their ``__init__`` defaults
+# and ``step``; FusedAdam also sets a group ``step``); both keep ``step`` as an int.
+KERNEL_GROUP_KEYS = {
+    "FusedAdam": {"lr", "bias_correction", "betas", "eps", "weight_decay", "step"},
+    "DeepSpeedCPUAdam": {"lr", "bias_correction", "betas", "eps", "weight_decay", "amsgrad"},
+}
+
+
+@pytest.mark.parametrize(
+    ("section", "offload", "written"),
+    [
+        (None, False, "FusedAdam"),  # no config: DeepSpeed's default for AdamW
+        ({"type": "AdamW"}, False, "FusedAdam"),
+        ({"type": "Adam", "params": {"lr": 1e-3}}, True, "DeepSpeedCPUAdam"),  # adam_w_mode
+        ({"type": "AdamW", "params": {"torch_adam": True}}, True, "AdamW"),
+        ({"type": "Adam", "params": {"adam_w_mode": False}}, False, "Adam"),
+    ],
+)
+def test_optimizer_state_in_the_format_deepspeed_builds(
+    trainer_dir, tmp_path, section, offload, written
+):
+    cfg = None if section is None else config(2, "bf16", False) | {"optimizer": section}
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if written == "Adam":  # configured Adam in L2 mode: the checkpoint trained AdamW
+        with pytest.raises(ValueError, match=r"builds FusedAdam \(Adam\) but .* is AdamW"):
+            to_deepspeed(trainer_dir, tmp_path / "out", world_size=2, ds_config=cfg)
+        return
+    to_deepspeed(trainer_dir, tmp_path / "out", world_size=2, ds_config=cfg)
+    saved = ds_pickle.load(
+        tmp_path / "out" / "global_step1" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    )
+    base = saved["optimizer_state_dict"]["base_optimizer_state"]
+    (group,), inner = base["param_groups"], base["state"][0]
+    assert group["lr"] == LR and group["decoupled_weight_decay"] is True  # torch's keys kept
+    if written in KERNEL_GROUP_KEYS:
+        assert KERNEL_GROUP_KEYS[written] <= set(group) and group["bias_correction"] is True
+        assert type(inner["step"]) is int and inner["step"] == 1
+    else:
+        assert "bias_correction" not in group and torch.equal(inner["step"], torch.tensor(1.0))
+    if section is None:
+        assert saved["ds_config"]["optimizer"] == {"type": "AdamW", "params": {}}
+
+
+def test_amsgrad_cannot_continue_in_deepspeeds_adam(tmp_path):
+    model, _ = build("fp32", seed=0)
+    opt = ZeroOptimizer(
+        [(n, p) for n, p in model.named_parameters() if p.requires_grad],
+        torch.optim.AdamW,
+        flatten_config=FlattenConfig(bucket_numel=400, progress=False),
+        amsgrad=True,
+    )
+    model(batch(0, 0, 1)).backward()
+    opt.step()
+    save_checkpoint(tmp_path / "ckpt", opt, model=model)
+    opt.close()
+    with pytest.raises(ValueError, match=r"builds FusedAdam \(AdamW\).*amsgrad=True.*torch_adam"):
+        to_deepspeed(tmp_path / "ckpt", tmp_path / "out", world_size=2)
+    torch_adam = {
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"torch_adam": True}},
+    }
+    assert to_deepspeed(tmp_path / "ckpt", tmp_path / "out", world_size=2, ds_config=torch_adam)
 
 
 def test_hugging_face_auto_values(trainer_dir, tmp_path):
