@@ -714,6 +714,17 @@ def test_optimizer_state_in_the_format_deepspeed_builds(
         assert "bias_correction" not in group and torch.equal(inner["step"], torch.tensor(1.0))
     if section is None:
         assert saved["ds_config"]["optimizer"] == {"type": "AdamW", "params": {}}
+        # the same file resumes a client torch AdamW, still decoupled, its step a tensor
+        flat = nn.Parameter(torch.zeros(inner["exp_avg"].numel()))
+        client = torch.optim.AdamW([flat], lr=1.0, weight_decay=0.5)
+        client.load_state_dict(base)
+        assert client.param_groups[0]["decoupled_weight_decay"] is True
+        assert torch.equal(client.state[flat]["step"], torch.tensor(1.0))
+        # and imports with FusedAdam's keys and int step
+        back = from_deepspeed(tmp_path / "out", tmp_path / "back")
+        with CheckpointReader(back) as reader:
+            record = reader.meta.groups[0]
+        assert record.hyperparams["bias_correction"] is True and record.scalars["step"] == 1
 
 
 def test_amsgrad_cannot_continue_in_deepspeeds_adam(tmp_path):
