@@ -758,23 +758,30 @@ def test_optimizer_state_in_the_format_deepspeed_builds(
         assert record.hyperparams["bias_correction"] is True and record.scalars["step"] == 1
 
 
-def test_amsgrad_cannot_continue_in_deepspeeds_adam(tmp_path):
+@pytest.mark.parametrize(
+    ("cls", "options", "problem"),
+    [
+        (torch.optim.AdamW, {"amsgrad": True}, r"FusedAdam \(AdamW\).*amsgrad=True"),
+        (torch.optim.Adam, {"decoupled_weight_decay": True}, r"FusedAdam \(Adam\).*decoupled"),
+    ],
+)
+def test_groups_deepspeeds_adam_cannot_continue_are_refused(tmp_path, cls, options, problem):
     model, _ = build("fp32", seed=0)
     opt = ZeroOptimizer(
         [(n, p) for n, p in model.named_parameters() if p.requires_grad],
-        torch.optim.AdamW,
+        cls,
         flatten_config=FlattenConfig(bucket_numel=400, progress=False),
-        amsgrad=True,
+        **options,
     )
     model(batch(0, 0, 1)).backward()
     opt.step()
     save_checkpoint(tmp_path / "ckpt", opt, model=model)
     opt.close()
-    with pytest.raises(ValueError, match=r"builds FusedAdam \(AdamW\).*amsgrad=True.*torch_adam"):
+    with pytest.raises(ValueError, match=problem + ".*torch_adam"):
         to_deepspeed(tmp_path / "ckpt", tmp_path / "out", world_size=2)
     torch_adam = {
         "zero_optimization": {"stage": 2},
-        "optimizer": {"type": "AdamW", "params": {"torch_adam": True}},
+        "optimizer": {"type": cls.__name__, "params": {"torch_adam": True, "adam_w_mode": False}},
     }
     assert to_deepspeed(tmp_path / "ckpt", tmp_path / "out", world_size=2, ds_config=torch_adam)
 

@@ -50,7 +50,7 @@ _OFFLOAD_DEVICES = ("cpu", "nvme")
 # reads: FusedAdam reads ``lr``, ``bias_correction``, ``betas``, ``eps``, ``weight_decay``
 # (``adam_w_mode`` is the instance's, from the config); DeepSpeedCPUAdam also ``amsgrad``.
 # Both keep the per-param ``step`` as a Python int (their kernels take an int), with
-# ``exp_avg`` and ``exp_avg_sq`` in fp32.
+# ``exp_avg`` and ``exp_avg_sq`` shaped and typed as the fp32 master partition.
 #
 # Such a group is written as the union of torch's keys (as the flatzero checkpoint recorded
 # them) and the DeepSpeed class's: the update of either kernel equals torch's Adam/AdamW
@@ -84,11 +84,9 @@ class BaseOptimizer:
         return f"torch.optim.{self.name}"
 
     def config_section(self) -> dict[str, Any]:
-        """A config ``optimizer`` section that builds it (stored as the export's
-        ``ds_config`` when none is given)."""
-        params: dict[str, Any] = {} if self.torch_name == "AdamW" else {"adam_w_mode": False}
-        if not self.kernel:
-            params["torch_adam"] = True
+        """A config ``optimizer`` section that makes DeepSpeed build this Adam kernel
+        without offload (stored as the export's ``ds_config`` when none is given)."""
+        params = {} if self.torch_name == "AdamW" else {"adam_w_mode": False}
         return {"type": self.torch_name, "params": params}
 
 
@@ -134,12 +132,20 @@ def default_optimizer(recorded: str | None) -> BaseOptimizer | None:
     return BaseOptimizer(recorded, recorded)
 
 
-def kernel_hyper_problem(hyper: Mapping[str, Any], states: tuple[str, ...]) -> str | None:
+def kernel_hyper_problem(
+    hyper: Mapping[str, Any], states: tuple[str, ...], torch_name: str
+) -> str | None:
     """Why a group (torch hyperparameters, per-element state names) cannot continue in
-    DeepSpeed's Adam kernels; None when it can."""
+    DeepSpeed's Adam kernels computing ``torch_name``'s update; None when it can."""
     for key in ("amsgrad", "maximize"):
         if hyper.get(key, False):
             return f"{key}=True, which FusedAdam and DeepSpeedCPUAdam do not implement"
+    decoupled = torch_name == "AdamW"
+    if hyper.get("decoupled_weight_decay", decoupled) != decoupled:
+        return (
+            f"decoupled_weight_decay={not decoupled}, the other mode (adam_w_mode) than "
+            f"{torch_name}'s"
+        )
     extra = sorted(set(states) - {"exp_avg", "exp_avg_sq"})
     if extra:
         return f"state {extra} beside exp_avg and exp_avg_sq, which they do not keep"

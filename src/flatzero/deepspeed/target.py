@@ -142,7 +142,7 @@ def _check_kernel(meta: CheckpointMeta, built: BaseOptimizer | None) -> None:
         return
     for gi, record in enumerate(meta.groups):
         hyper = {k: decode_value(v) for k, v in record.hyperparams.items()}
-        problem = kernel_hyper_problem(hyper, record.states[1:])
+        problem = kernel_hyper_problem(hyper, record.states[1:], built.torch_name)
         if problem is not None:
             raise ValueError(
                 f"the DeepSpeed run builds {built.describe()}, but the checkpoint's param "
