@@ -140,7 +140,19 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
         ("optimizer", ("prepare", "zero", "__init__")),
     ),
     "deepspeed": (
-        ("format", ("layout", "pickle", "target", "state", "reader", "writer", "__init__")),
+        (
+            "format",
+            (
+                "layout",
+                "pickle",
+                "base_optimizer",
+                "target",
+                "state",
+                "reader",
+                "writer",
+                "__init__",
+            ),
+        ),
         (
             "config",
             (

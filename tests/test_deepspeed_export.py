@@ -7,8 +7,13 @@ uninterrupted reference), rank 0 exports the checkpoint, ``deepspeed.initialize`
 ``engine.load_checkpoint`` on the export trains the last ``M`` steps, and DeepSpeed saves
 its own checkpoint afterwards. Cases: ZeRO-2 bf16 with a WarmupLR schedule and DeepSpeed's
 round-robin, parameter-aligned flat layout; ZeRO-1 fp16 with a dynamic loss scale that
-grows during the run; ZeRO-1 fp32 saved by one rank (``ZeroOptimizer`` in this process)
-and exported for two. The same spawn runs DeepSpeed's
+grows during the run; two whose config has an ``optimizer`` section of type AdamW without
+``torch_adam`` (the Hugging Face docs' configs), for which DeepSpeed builds its own kernels:
+ZeRO-2 bf16 (FusedAdam) and ZeRO-1 fp32 with optimizer offload (DeepSpeedCPUAdam); ZeRO-1
+fp32 saved by one rank (``ZeroOptimizer`` in this process) and exported for two. A 1-rank
+spawn resumes that checkpoint exported without a config (DeepSpeed's default, FusedAdam)
+in a one-rank DeepSpeed run (DeepSpeed's Adam ops are built for its CPU accelerator before
+the spawns; where they cannot be, those cases are skipped). The same spawns run DeepSpeed's
 ``zero_to_fp32`` on the exports and on DeepSpeed's own checkpoints. Everything else
 (round trips, DeepSpeed's checkpoints imported by the safe reader, a crafted pickle, the
 errors, Trainer directories, the CLI) runs in this process without DeepSpeed.
@@ -49,8 +54,16 @@ from flatzero.testing.deepspeed import deepspeed_available
 K, M = 3, 2  # steps before the save, steps after it
 BATCH, SEQ, VOCAB, LR = 4, 10, 48, 3e-3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CASES = {"zero2_bf16": (2, "bf16"), "zero1_fp16": (1, "fp16")}
+CASES = {
+    "zero2_bf16": (2, "bf16"),
+    "zero1_fp16": (1, "fp16"),
+    "zero2_bf16_fused_adam": (2, "bf16"),
+    "zero1_fp32_cpu_adam": (1, "fp32"),
+}
+# the config's optimizer section, AdamW without torch_adam: DeepSpeed builds its own kernel
+KERNELS = {"zero2_bf16_fused_adam": "FusedAdam", "zero1_fp32_cpu_adam": "DeepSpeedCPUAdam"}
 WS1 = "zero1_fp32_ws1"  # saved by one rank here, exported for two
+ONE = "zero1_fp32_ws1_fused_adam"  # the same checkpoint exported without a config for one
 
 
 class Net(nn.Module):
@@ -123,11 +136,30 @@ def config(stage: int, dtype: str, scheduler: bool) -> dict:
 def case_config(case: str) -> dict:
     if case == WS1:
         return config(1, "fp32", scheduler=False)
+    if case == ONE:  # DeepSpeed's AdamW on one rank
+        cfg = config(1, "fp32", scheduler=False) | {"train_micro_batch_size_per_gpu": BATCH}
+        return cfg | {"optimizer": {"type": "AdamW", "params": {"lr": LR}}}
     stage, dtype = CASES[case]
     cfg = config(stage, dtype, scheduler=dtype == "bf16")
     if case == "zero2_bf16":  # DeepSpeed's other flat layouts (no effect in flatzero)
         cfg["zero_optimization"] |= {"round_robin_gradients": True, "parameter_alignment": True}
+    if case in KERNELS:  # DeepSpeed's default optimizer: FusedAdam, DeepSpeedCPUAdam offloaded
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95]}}
+    if KERNELS.get(case) == "DeepSpeedCPUAdam":
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     return cfg
+
+
+def start(init, model, client, case: str):
+    """``init`` (``flatzero.initialize`` or ``deepspeed.initialize``) with the client
+    optimizer, or with the config's over the client's two param groups."""
+    cfg = case_config(case)
+    if "optimizer" not in cfg:
+        return init(model=model, optimizer=client, config=cfg)[0]
+    groups = [
+        {"params": g["params"], "weight_decay": g["weight_decay"]} for g in client.param_groups
+    ]
+    return init(model=model, model_parameters=groups, config=cfg)[0]
 
 
 def global_mean(loss: torch.Tensor, ws: int) -> float:
@@ -153,7 +185,7 @@ def flatzero_run(rank: int, ws: int, root: Path, case: str) -> list:
     import flatzero
 
     model, client = build(CASES[case][1], seed=0)
-    engine, *_ = flatzero.initialize(model=model, optimizer=client, config=case_config(case))
+    engine = start(flatzero.initialize, model, client, case)
     steps = []
     for at in range(K + M):
         if at == K:
@@ -169,10 +201,10 @@ def deepspeed_resume(rank: int, ws: int, root: Path, case: str) -> dict:
 
     from flatzero.testing.deepspeed import release_engine
 
-    dtype = "fp32" if case == WS1 else CASES[case][1]
+    dtype = "fp32" if case in (WS1, ONE) else CASES[case][1]
     model, client = build(dtype, seed=123)  # another init: all must come from the export
     with contextlib.redirect_stdout(io.StringIO()):
-        engine, *_ = deepspeed.initialize(model=model, optimizer=client, config=case_config(case))
+        engine = start(deepspeed.initialize, model, client, case)
         path, client_state = engine.load_checkpoint(str(root / "ds"))
     loaded = {
         "lr": engine.get_lr()[0],
@@ -182,12 +214,31 @@ def deepspeed_resume(rank: int, ws: int, root: Path, case: str) -> dict:
         "epoch": client_state.get("epoch"),
         "temperature": float(model.temperature),
         "gate": model.gate.detach().float().clone(),
+        "optimizer": own_format(engine.basic_optimizer),
     }
     steps = [step(engine, at, rank, ws) for at in range(K, K + M)]
     with contextlib.redirect_stdout(io.StringIO()):
         engine.save_checkpoint(str(root / "ds_after"), client_state={"epoch": 8})
     release_engine(engine)
     return {"loaded": loaded, "steps": steps, "path": path}
+
+
+def own_format(optimizer: torch.optim.Optimizer) -> dict:
+    """The class DeepSpeed built, and the param-group keys and state types of a fresh one
+    of the same class after one step (what it reads and keeps)."""
+    cls = type(optimizer)
+    if cls.__module__.startswith("torch.optim"):
+        return {"class": cls.__name__}
+    param = nn.Parameter(torch.ones(8))
+    fresh = cls([param])
+    param.grad = torch.ones(8)
+    fresh.step()
+    saved = fresh.state_dict()
+    return {
+        "class": cls.__name__,
+        "group": set(saved["param_groups"][0]) - {"params"},
+        "state": {k: structure(v) for k, v in saved["state"][0].items()},
+    }
 
 
 def consolidated(directory: Path) -> dict[str, torch.Tensor]:
@@ -197,7 +248,7 @@ def consolidated(directory: Path) -> dict[str, torch.Tensor]:
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(directory)))
 
 
-def rank_main(rank: int, ws: int, root: str) -> bytes:
+def rank_main(rank: int, ws: int, root: str, cases: list[str]) -> bytes:
     from deepspeed.accelerator import get_accelerator
 
     from flatzero.testing.deepspeed import prepare_deepspeed
@@ -206,10 +257,10 @@ def rank_main(rank: int, ws: int, root: str) -> bytes:
     # DeepSpeed's CPU accelerator claims fp16 only with AVX512-FP16; torch runs it anyway
     get_accelerator().is_fp16_supported = lambda: True
     out: dict = {}
-    for case in [*CASES, WS1]:
+    for case in cases:
         where = Path(root) / case
         result = {}
-        if case != WS1:
+        if case in CASES:
             result["flatzero"] = flatzero_run(rank, ws, where, case)
             dist.barrier()
             if rank == 0:
@@ -256,7 +307,24 @@ def flatzero_ws1(root: Path) -> list:
         opt.zero_grad()
     opt.close()
     to_deepspeed(root / "fz", root / "ds", world_size=2, ds_config=case_config(WS1))
+    # without a config: DeepSpeed's default for AdamW, FusedAdam, for one rank
+    to_deepspeed(root / "fz", root.parent / ONE / "ds", world_size=1)
     return losses
+
+
+def adam_kernels() -> str | None:
+    """Build (the first time on a machine: JIT-compiled with g++, minutes; then cached in
+    ``~/.cache/torch_extensions``) or load DeepSpeed's FusedAdam and CPU Adam ops for its
+    CPU accelerator, outside the spawns' timeouts; why not, when they cannot be."""
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            FusedAdamBuilder().load()
+            CPUAdamBuilder().load()
+    except Exception as error:  # no compiler, a failed build: anything the build raises
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -266,10 +334,28 @@ def runs(tmp_path_factory) -> tuple[Path, dict]:
         pytest.skip(why)
     root = tmp_path_factory.mktemp("export")
     ws1 = flatzero_ws1(root / WS1)
-    blob = run_ranks(rank_main, 2, str(root), timeout_s=300, env={"DS_ACCELERATOR": "cpu"})[0]
+    cases, one = [*CASES, WS1], [ONE]
+    no_kernels = adam_kernels()
+    if no_kernels is not None:  # the cases DeepSpeed runs with its own Adam are skipped
+        cases, one = [c for c in cases if c not in KERNELS], []
+    env = {"DS_ACCELERATOR": "cpu"}
+    blob = run_ranks(rank_main, 2, str(root), cases, timeout_s=300, env=env)[0]
     out = torch.load(io.BytesIO(blob), weights_only=False)
+    if one:
+        blob = run_ranks(rank_main, 1, str(root), one, timeout_s=300, env=env)[0]
+        out |= torch.load(io.BytesIO(blob), weights_only=False)
+    for case in (*KERNELS, ONE):
+        out.setdefault(case, {"skip": f"DeepSpeed's Adam ops cannot be built: {no_kernels}"})
     out[WS1]["flatzero"] = ws1
+    out[ONE]["flatzero"] = ws1
     return root, out
+
+
+def ran(out: dict, case: str) -> dict:
+    """The case's results; skips the test when the case could not run here."""
+    if "skip" in out[case]:
+        pytest.skip(out[case]["skip"])
+    return out[case]
 
 
 # ----------------------------------------------------------------- DeepSpeed resumes
@@ -282,7 +368,7 @@ TOLERANCE = 1e-5
 @pytest.mark.parametrize("case", list(CASES))
 def test_deepspeed_resumes_the_export(runs, case):
     _, out = runs
-    ours, theirs = out[case]["flatzero"], out[case]["deepspeed"]
+    ours, theirs = ran(out, case)["flatzero"], ran(out, case)["deepspeed"]
     worst = max(abs(t[0] / o[0] - 1) for t, o in zip(theirs["steps"], ours[K:], strict=True))
     print(f"{case}: largest relative loss difference after the load {worst:.1e}")
     assert [s[0] for s in theirs["steps"]] == pytest.approx([s[0] for s in ours[K:]], rel=TOLERANCE)
@@ -306,20 +392,47 @@ def test_fp16_loss_scale_grew_across_the_resume(runs):
     assert scales == [256.0, 256.0, 512.0, 512.0, 1024.0]
 
 
-def test_deepspeed_resumes_at_another_world_size(runs):
+@pytest.mark.parametrize("case", [WS1, ONE])
+def test_deepspeed_resumes_at_another_world_size(runs, case):
     _, out = runs
-    ours, theirs = out[WS1]["flatzero"], out[WS1]["deepspeed"]
+    ours, theirs = ran(out, case)["flatzero"], ran(out, case)["deepspeed"]
     worst = max(abs(t[0] / o - 1) for t, o in zip(theirs["steps"], ours[K:], strict=True))
-    print(f"{WS1} at 2 ranks: largest relative loss difference after the load {worst:.1e}")
+    print(f"{case}: largest relative loss difference after the load {worst:.1e}")
     assert [s[0] for s in theirs["steps"]] == pytest.approx(ours[K:], rel=TOLERANCE)
     assert theirs["loaded"]["global_steps"] == K and theirs["loaded"]["epoch"] == 7
+
+
+@pytest.mark.parametrize("case", [*KERNELS, ONE])
+def test_export_is_in_the_format_of_deepspeeds_own_adam(runs, case):
+    """DeepSpeed built its own Adam kernel, and the export's groups carry every key a
+    fresh one of that class holds (torch's load replaces the groups with the saved ones);
+    its state is kept as that class keeps it (``step`` an int)."""
+    root, out = runs
+    own = ran(out, case)["deepspeed"]["loaded"]["optimizer"]
+    assert own["class"] == KERNELS.get(case, "FusedAdam")
+    assert own["state"]["step"] == "int"
+    directory = root / case / "ds" / read_latest(root / case / "ds")
+    for file in sorted(directory.glob("*optim_states.pt")):
+        base = ds_pickle.load(file)["optimizer_state_dict"]["base_optimizer_state"]
+        for group in base["param_groups"]:
+            assert own["group"] <= set(group), file.name
+            assert group["bias_correction"] is True and group["decoupled_weight_decay"] is True
+        for state in base["state"].values():
+            assert {
+                k: structure(v)[:2] if k != "step" else structure(v) for k, v in state.items()
+            } == {
+                "step": "int",
+                "exp_avg": ("tensor", torch.float32),
+                "exp_avg_sq": ("tensor", torch.float32),
+            }
+            assert state["step"] == K
 
 
 # --------------------------------------------------------------- DeepSpeed's own tools
 @pytest.mark.parametrize("case", [*CASES, WS1])
 def test_zero_to_fp32_equals_flatzero_export(runs, case):
     root, out = runs
-    theirs = out[case]["zero_to_fp32"]
+    theirs = ran(out, case)["zero_to_fp32"]
     export = export_checkpoint(
         root / case / "fz", root / case / "hf", config=ExportConfig(dtype="fp32", include_tied=True)
     )
@@ -360,7 +473,8 @@ LOOSER = ("buffer_names", "frozen_param_shapes", "frozen_param_fragments", "lr_s
 def test_export_is_laid_out_as_deepspeeds_own_checkpoint(runs, case):
     """DeepSpeed's own save after the load: the same keys, types, shapes, partitions,
     paddings and fragment addresses as the export, rank by rank."""
-    root, _ = runs
+    root, out = runs
+    ran(out, case)
     ours = root / case / "ds" / read_latest(root / case / "ds")
     theirs = root / case / "ds_after" / f"global_step{K + M}"
     for name in sorted(p.name for p in theirs.glob("*optim_states.pt")):
@@ -397,7 +511,7 @@ def tensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("case", [*CASES, WS1])
+@pytest.mark.parametrize("case", [c for c in [*CASES, WS1] if c not in KERNELS])
 def test_round_trip_through_deepspeed_is_bitwise(runs, case):
     root, _ = runs
     source = root / case / "fz"
@@ -427,13 +541,14 @@ def test_round_trip_through_deepspeed_is_bitwise(runs, case):
 
 
 # ------------------------------------------------- DeepSpeed's checkpoints, read safely
-@pytest.mark.parametrize("case", [*CASES, WS1])
+@pytest.mark.parametrize("case", [*CASES, WS1, ONE])
 def test_deepspeed_checkpoints_import(runs, case):
     root, out = runs
+    expected = ran(out, case)["zero_to_fp32_after"]
     ds = read_deepspeed(root / case / "ds_after")
-    assert ds.world_size == 2 and ds.stage == (1 if case != "zero2_bf16" else 2)
+    assert ds.world_size == (1 if case == ONE else 2)
+    assert ds.stage == (CASES[case][0] if case in CASES else 1)
     path = from_deepspeed(root / case / "ds_after", root / case / "imported")
-    expected = out[case]["zero_to_fp32_after"]
     with CheckpointReader(path) as reader:
         reader.verify()
         for name in reader.index:
@@ -442,7 +557,7 @@ def test_deepspeed_checkpoints_import(runs, case):
     assert extra["client_state"] == {"epoch": 8}
     assert extra["flatzero_engine"]["global_steps"] == K + M
     if case == "zero1_fp16":
-        assert scaler["scale"] == out[case]["deepspeed"]["steps"][-1][2]
+        assert scaler["scale"] == ran(out, case)["deepspeed"]["steps"][-1][2]
 
 
 @pytest.mark.parametrize("where", ["model_states", "optim_states"])
@@ -565,10 +680,14 @@ def test_bad_input_errors(trainer_dir, tmp_path):
     del cfg["train_micro_batch_size_per_gpu"]
     with pytest.raises(ValueError, match="train_batch_size 4 is not a multiple of 3"):
         to_deepspeed(trainer_dir, out, world_size=3, ds_config=cfg)
-    for kind, named in (("Lamb", "'Lamb'.*its own kernels"), ("AdamW", "FusedAdam")):
+    for kind in ("Lamb", "Adagrad"):  # Adagrad offloaded: DeepSpeedCPUAdagrad
         bad = config(2, "bf16", scheduler=False) | {"optimizer": {"type": kind, "params": {}}}
-        with pytest.raises(ValueError, match=named):
+        bad["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        with pytest.raises(ValueError, match=f"'{kind}'.*its own kernels"):
             to_deepspeed(trainer_dir, out, world_size=2, ds_config=bad)
+    uncorrected = {"type": "AdamW", "params": {"bias_correction": False}}
+    with pytest.raises(ValueError, match="bias_correction is false"):
+        to_deepspeed(trainer_dir, out, world_size=2, ds_config=cfg | {"optimizer": uncorrected})
     sgd = config(2, "bf16", scheduler=False) | {"optimizer": {"type": "SGD", "params": {}}}
     with pytest.raises(
         ValueError, match=r"builds torch\.optim\.SGD but the checkpoint's optimizer is AdamW"
@@ -582,6 +701,89 @@ def test_bad_input_errors(trainer_dir, tmp_path):
     with pytest.raises(ValueError, match="BF16_Optimizer"):
         to_deepspeed(trainer_dir, out, world_size=2, ds_config=accumulating)
     assert not out.exists() or not any(out.iterdir())
+
+
+# What DeepSpeed 0.19.8's Adam classes read from a param group (their ``__init__`` defaults
+# and ``step``; FusedAdam also sets a group ``step``); both keep ``step`` as an int.
+KERNEL_GROUP_KEYS = {
+    "FusedAdam": {"lr", "bias_correction", "betas", "eps", "weight_decay", "step"},
+    "DeepSpeedCPUAdam": {"lr", "bias_correction", "betas", "eps", "weight_decay", "amsgrad"},
+}
+
+
+@pytest.mark.parametrize(
+    ("section", "offload", "written"),
+    [
+        (None, False, "FusedAdam"),  # no config: DeepSpeed's default for AdamW
+        ({"type": "AdamW"}, False, "FusedAdam"),
+        ({"type": "Adam", "params": {"lr": 1e-3}}, True, "DeepSpeedCPUAdam"),  # adam_w_mode
+        ({"type": "AdamW", "params": {"torch_adam": True}}, True, "AdamW"),
+        ({"type": "Adam", "params": {"adam_w_mode": False}}, False, "Adam"),
+    ],
+)
+def test_optimizer_state_in_the_format_deepspeed_builds(
+    trainer_dir, tmp_path, section, offload, written
+):
+    cfg = None if section is None else config(2, "bf16", False) | {"optimizer": section}
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if written == "Adam":  # configured Adam in L2 mode: the checkpoint trained AdamW
+        with pytest.raises(ValueError, match=r"builds FusedAdam \(Adam\) but .* is AdamW"):
+            to_deepspeed(trainer_dir, tmp_path / "out", world_size=2, ds_config=cfg)
+        return
+    to_deepspeed(trainer_dir, tmp_path / "out", world_size=2, ds_config=cfg)
+    saved = ds_pickle.load(
+        tmp_path / "out" / "global_step1" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    )
+    base = saved["optimizer_state_dict"]["base_optimizer_state"]
+    (group,), inner = base["param_groups"], base["state"][0]
+    assert group["lr"] == LR and group["decoupled_weight_decay"] is True  # torch's keys kept
+    if written in KERNEL_GROUP_KEYS:
+        assert KERNEL_GROUP_KEYS[written] <= set(group) and group["bias_correction"] is True
+        assert type(inner["step"]) is int and inner["step"] == 1
+    else:
+        assert "bias_correction" not in group and torch.equal(inner["step"], torch.tensor(1.0))
+    if section is None:
+        assert saved["ds_config"]["optimizer"] == {"type": "AdamW", "params": {}}
+        # the same file resumes a client torch AdamW, still decoupled, its step a tensor
+        flat = nn.Parameter(torch.zeros(inner["exp_avg"].numel()))
+        client = torch.optim.AdamW([flat], lr=1.0, weight_decay=0.5)
+        client.load_state_dict(base)
+        assert client.param_groups[0]["decoupled_weight_decay"] is True
+        assert torch.equal(client.state[flat]["step"], torch.tensor(1.0))
+        # and imports with FusedAdam's keys and int step
+        back = from_deepspeed(tmp_path / "out", tmp_path / "back")
+        with CheckpointReader(back) as reader:
+            record = reader.meta.groups[0]
+        assert record.hyperparams["bias_correction"] is True and record.scalars["step"] == 1
+
+
+@pytest.mark.parametrize(
+    ("cls", "options", "problem"),
+    [
+        (torch.optim.AdamW, {"amsgrad": True}, r"FusedAdam \(AdamW\).*amsgrad=True"),
+        (torch.optim.Adam, {"decoupled_weight_decay": True}, r"FusedAdam \(Adam\).*decoupled"),
+    ],
+)
+def test_groups_deepspeeds_adam_cannot_continue_are_refused(tmp_path, cls, options, problem):
+    model, _ = build("fp32", seed=0)
+    opt = ZeroOptimizer(
+        [(n, p) for n, p in model.named_parameters() if p.requires_grad],
+        cls,
+        flatten_config=FlattenConfig(bucket_numel=400, progress=False),
+        **options,
+    )
+    model(batch(0, 0, 1)).backward()
+    opt.step()
+    save_checkpoint(tmp_path / "ckpt", opt, model=model)
+    opt.close()
+    with pytest.raises(ValueError, match=problem + ".*torch_adam"):
+        to_deepspeed(tmp_path / "ckpt", tmp_path / "out", world_size=2)
+    torch_adam = {
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": cls.__name__, "params": {"torch_adam": True, "adam_w_mode": False}},
+    }
+    assert to_deepspeed(tmp_path / "ckpt", tmp_path / "out", world_size=2, ds_config=torch_adam)
 
 
 def test_hugging_face_auto_values(trainer_dir, tmp_path):

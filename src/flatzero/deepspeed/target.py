@@ -4,8 +4,9 @@
 flatzero checkpoint (training dtype, stage, optimizer, groups) and, when given, from the
 DeepSpeed config the run will use (stage, ``bf16``/``fp16``, ``gradient_clipping``, the
 ``fp16`` loss-scaler keys, ``round_robin_gradients``, ``parameter_alignment``, batch
-sizes, the ``optimizer`` section), and refuses what DeepSpeed would not load, saying what
-DeepSpeed needs.
+sizes, the ``optimizer`` section and optimizer offload, which choose the base optimizer whose
+state format is written: ``flatzero.deepspeed.base_optimizer``), and refuses what DeepSpeed
+would not load, saying what DeepSpeed needs.
 """
 
 from __future__ import annotations
@@ -17,8 +18,15 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.format import CheckpointMeta
+from ..checkpoint.format import CheckpointMeta, decode_value
 from ..optim import ELEMENTWISE_OPTIMIZERS
+from .base_optimizer import (
+    BaseOptimizer,
+    configured_optimizer,
+    default_optimizer,
+    kernel_hyper_problem,
+    offloaded,
+)
 
 __all__ = ["DeepSpeedTarget", "deepspeed_target"]
 
@@ -58,6 +66,9 @@ class DeepSpeedTarget:
         round_robin: ``zero_optimization.round_robin_gradients``.
         parameter_alignment: ``zero_optimization.parameter_alignment``.
         config: the DeepSpeed config stored as ``ds_config``.
+        optimizer: the base optimizer DeepSpeed builds, whose state format is written
+            (``flatzero.deepspeed.base_optimizer``); None: the state as the checkpoint
+            holds it (torch's, or an imported DeepSpeed checkpoint's own).
     """
 
     world_size: int
@@ -68,6 +79,7 @@ class DeepSpeedTarget:
     round_robin: bool
     parameter_alignment: bool
     config: Mapping[str, Any]
+    optimizer: BaseOptimizer | None = None
 
 
 def _training_dtype(meta: CheckpointMeta) -> torch.dtype:
@@ -103,32 +115,40 @@ def _check_optimizer(name: str | None, any_optimizer: bool) -> None:
     )
 
 
-def _config_optimizer(section: Any) -> str | None:
-    """The ``torch.optim`` class name DeepSpeed builds for the config's ``optimizer``."""
+def _config_optimizer(config: Mapping[str, Any]) -> BaseOptimizer | None:
+    """The base optimizer DeepSpeed builds for the config's ``optimizer`` section; None
+    without one (the run passes its own, taken to be the checkpoint's class)."""
+    section = config.get("optimizer")
     if not isinstance(section, Mapping) or "type" not in section:
         return None
+    built = configured_optimizer(config)
+    if built is not None:
+        return built
     kind = str(section["type"])
-    params = section.get("params") or {}
     lower = kind.lower()
-    if lower in ("adam", "adamw"):
-        if not params.get("torch_adam", False):
-            raise ValueError(
-                f"ds_config optimizer.type is {kind!r} without params.torch_adam: DeepSpeed "
-                "then builds FusedAdam (or DeepSpeedCPUAdam), whose state keeps its step as "
-                "an int, not torch.optim.AdamW's: set optimizer.params.torch_adam to true, or "
-                "give deepspeed.initialize a torch.optim.AdamW client optimizer"
-            )
-        adamw = lower == "adamw" or params.get("adam_w_mode", True)
-        return "AdamW" if adamw else "Adam"
-    if lower == "adagrad":
-        return "Adagrad"
-    if lower in _DEEPSPEED_ONLY:
+    if lower in _DEEPSPEED_ONLY or (lower == "adagrad" and offloaded(config)):
         raise ValueError(
             f"ds_config optimizer.type is {kind!r}, which DeepSpeed builds from its own "
-            "kernels: it cannot load a torch.optim optimizer's state from a flatzero "
+            "kernels here: it cannot load a torch.optim optimizer's state from a flatzero "
             "checkpoint; use the optimizer flatzero trained with"
         )
-    return kind
+    name = "Adagrad" if lower == "adagrad" else kind
+    return BaseOptimizer(name, name)
+
+
+def _check_kernel(meta: CheckpointMeta, built: BaseOptimizer | None) -> None:
+    """Every group can continue in DeepSpeed's Adam kernel ``built`` (when it is one)."""
+    if built is None or not built.kernel:
+        return
+    for gi, record in enumerate(meta.groups):
+        hyper = {k: decode_value(v) for k, v in record.hyperparams.items()}
+        problem = kernel_hyper_problem(hyper, record.states[1:], built.torch_name)
+        if problem is not None:
+            raise ValueError(
+                f"the DeepSpeed run builds {built.describe()}, but the checkpoint's param "
+                f"group {gi} has {problem}; give the run's config with optimizer.params."
+                f"torch_adam true (DeepSpeed then builds torch.optim.{built.torch_name})"
+            )
 
 
 def _concrete(section: Any) -> dict[str, Any]:
@@ -187,6 +207,29 @@ def _check_batch(config: Mapping[str, Any], world_size: int) -> None:
         )
 
 
+def _default_target(meta: CheckpointMeta, world_size: int, dtype: torch.dtype) -> DeepSpeedTarget:
+    """The target without a DeepSpeed config: the checkpoint's stage and precision,
+    DeepSpeed's default optimizer for the checkpoint's (``default_optimizer``)."""
+    stage = meta.stage if meta.stage in (1, 2) else 2
+    if dtype == torch.float16:
+        logger.warning(
+            "no ds_config: the fp16 loss scaler is written with DeepSpeed's defaults "
+            "(loss_scale_window 1000, hysteresis 2, min_loss_scale 1); pass the config "
+            "of the DeepSpeed run to carry its own"
+        )
+    built = default_optimizer(meta.optimizer)
+    _check_kernel(meta, built)
+    config: dict[str, Any] = {
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": dtype == torch.float16},
+    }
+    if built is not None and built.kernel:
+        config["optimizer"] = built.config_section()
+    fp16 = {} if dtype == torch.float16 else None
+    return DeepSpeedTarget(world_size, stage, dtype, fp16, None, False, False, config, built)
+
+
 def deepspeed_target(
     meta: CheckpointMeta,
     world_size: int,
@@ -207,20 +250,7 @@ def deepspeed_target(
     _check_groups(meta)
     _check_optimizer(meta.optimizer, any_optimizer)
     if ds_config is None:
-        stage = meta.stage if meta.stage in (1, 2) else 2
-        if dtype == torch.float16:
-            logger.warning(
-                "no ds_config: the fp16 loss scaler is written with DeepSpeed's defaults "
-                "(loss_scale_window 1000, hysteresis 2, min_loss_scale 1); pass the config "
-                "of the DeepSpeed run to carry its own"
-            )
-        config = {
-            "zero_optimization": {"stage": stage},
-            "bf16": {"enabled": dtype == torch.bfloat16},
-            "fp16": {"enabled": dtype == torch.float16},
-        }
-        fp16 = {} if dtype == torch.float16 else None
-        return DeepSpeedTarget(world_size, stage, dtype, fp16, None, False, False, config)
+        return _default_target(meta, world_size, dtype)
     if not isinstance(ds_config, Mapping):
         raise TypeError(f"ds_config must be a dict (DeepSpeed's config), got {type(ds_config)}")
     zero = ds_config.get("zero_optimization") or {}
@@ -243,13 +273,16 @@ def deepspeed_target(
             "DeepSpeed runs with its BF16_Optimizer: its checkpoint format is not the ZeRO "
             "optimizer's that the export writes; drop grad_accum_dtype or use stage 2"
         )
-    built = _config_optimizer(ds_config.get("optimizer"))
-    if built is not None and meta.optimizer is not None and built != meta.optimizer:
+    built = _config_optimizer(ds_config)
+    if built is not None and meta.optimizer is not None and built.torch_name != meta.optimizer:
         raise ValueError(
-            f"ds_config's optimizer section builds torch.optim.{built} but the checkpoint's "
+            f"ds_config's optimizer section builds {built.describe()} but the checkpoint's "
             f"optimizer is {meta.optimizer}: DeepSpeed would load {meta.optimizer}'s state "
-            f"into {built}; configure {meta.optimizer}"
+            f"into {built.torch_name}; configure {meta.optimizer}"
         )
+    if meta.optimizer is None:
+        built = None  # an imported checkpoint's state is written as it was read
+    _check_kernel(meta, built)
     _check_batch(ds_config, world_size)
     return DeepSpeedTarget(
         world_size=world_size,
@@ -260,4 +293,5 @@ def deepspeed_target(
         round_robin=bool(zero.get("round_robin_gradients", False)),
         parameter_alignment=bool(zero.get("parameter_alignment", False)),
         config=dict(ds_config),
+        optimizer=built,
     )

@@ -20,6 +20,7 @@ from ..dtypes import SAFETENSORS_DTYPES
 from ..layout import Layout, ParamSpec
 from ..storage.tensorfile import open_safetensors
 from . import pickle as ds_pickle
+from .base_optimizer import BaseOptimizer, kernel_group, kernel_scalar
 from .layout import (
     alignment_paddings,
     deepspeed_layout,
@@ -51,8 +52,9 @@ __all__ = [
 #   ``mp_world_size``, ``ds_config``, ``ds_version``, then the client state's keys.
 # - ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per rank: ``optimizer_state_dict``
 #   with ``loss_scaler``, ``dynamic_loss_scale``, ``overflow``, ``clip_grad``,
-#   ``base_optimizer_state`` (the torch optimizer's ``state_dict()`` over one flat fp32
-#   partition per group: per-element states of the partition's length, padding zero),
+#   ``base_optimizer_state`` (the base optimizer's ``state_dict()`` over one flat fp32
+#   partition per group: per-element states of the partition's length, padding zero; in the
+#   format of the class DeepSpeed builds for the run, ``base_optimizer``),
 #   ``single_partition_of_fp32_groups`` (the rank's master partitions without their
 #   trailing padding), ``zero_stage``, ``group_paddings``, ``param_alignment_paddings``,
 #   ``partition_count``, ``ds_version``, ``param_slice_mappings``; and ``ds_config``,
@@ -265,15 +267,22 @@ def _read_partition(
 
 
 def _base_state(
-    reader: CheckpointReader, read_plans: list[Any], pending: _Pending
+    reader: CheckpointReader,
+    read_plans: list[Any],
+    pending: _Pending,
+    optimizer: BaseOptimizer | None,
 ) -> dict[str, Any]:
-    """The torch optimizer's ``state_dict()`` over the rank's flat partitions."""
+    """The base optimizer's ``state_dict()`` over the rank's flat partitions: torch's, or
+    (``optimizer`` one of DeepSpeed's Adam kernels) in that class's format."""
+    kernel = optimizer.name if optimizer is not None and optimizer.kernel else None
     state: dict[int, dict[str, Any]] = {}
     groups = []
     for gi, (record, read_plan) in enumerate(zip(reader.meta.groups, read_plans, strict=True)):
         entry: dict[str, Any] = {}
         for name, value in record.scalars.items():
             scalar = decode_value(value)
+            if kernel:
+                scalar = kernel_scalar(name, scalar)
             if isinstance(scalar, torch.Tensor):
                 scalar = pending.add(scalar.dtype, tuple(scalar.shape), lambda v=scalar: v)
             entry[name] = scalar
@@ -285,6 +294,8 @@ def _base_state(
         if entry:
             state[gi] = entry
         hyper = {k: decode_value(v) for k, v in record.hyperparams.items()}
+        if kernel:
+            hyper = kernel_group(hyper, kernel)
         groups.append({**hyper, "params": [gi]})
     return {"state": state, "param_groups": groups}
 
@@ -329,7 +340,7 @@ def write_optim_states(
     read_plans = reader.plan(plan.layout, rank, rename=plan.rename, strict=False)
     scaler = deepspeed_loss_scaler(loss_scaler, target.fp16, steps)
     paddings = [group_padding(g, rank) for g in plan.layout.groups]
-    base = _base_state(reader, read_plans, pending)
+    base = _base_state(reader, read_plans, pending, target.optimizer)
     masters = []
     for read_plan, pad in zip(read_plans, paddings, strict=True):
         full = _read_partition(reader, read_plan, MASTER, torch.float32)

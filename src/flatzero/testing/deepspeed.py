@@ -58,8 +58,11 @@ _prepare_seconds: float | None = None
 #   inference all-reduce, never ZeRO. ``prepare_deepspeed`` creates the backend once,
 #   outside the timed region, with stdout captured, and by default marks the op
 #   incompatible (``deepspeed.ops.__compatible_ops__``) so it is neither built nor loaded:
-#   no compiler needed. No other op is compiled: the client ``torch.optim.AdamW`` with
-#   ``zero_force_ds_cpu_optimizer: false`` avoids DeepSpeed's CPU Adam.
+#   no compiler needed. No other op is compiled where a client ``torch.optim.AdamW`` with
+#   ``zero_force_ds_cpu_optimizer: false`` avoids DeepSpeed's Adam ops; a config
+#   ``optimizer`` of type Adam/AdamW without ``torch_adam`` builds FusedAdam (with optimizer
+#   offload DeepSpeedCPUAdam), whose CPU op is JIT-compiled the same way (minutes the first
+#   time, then cached): ``tests/test_deepspeed_export.py`` builds both before its spawns.
 # - DeepSpeed's logger (``"DeepSpeed"``, its own stdout handler, not propagating) is set to
 #   WARNING.
 # - ``allgather_bucket_size`` must be even (``nccl_start_alignment_factor`` is 2).

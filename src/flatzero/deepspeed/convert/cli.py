@@ -67,7 +67,12 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "--ds-config",
         default=None,
         help="the DeepSpeed run's config (JSON): checked, and its clipping, fp16 loss-scaler "
-        "keys and ZeRO layout options written as DeepSpeed would",
+        "keys and ZeRO layout options written as DeepSpeed would; the optimizer state is "
+        "written for the optimizer it makes DeepSpeed build (Adam/AdamW: FusedAdam, "
+        "DeepSpeedCPUAdam with offload_optimizer, torch's with torch_adam; no optimizer "
+        "section: the checkpoint's torch.optim class, a client optimizer). Without it: "
+        "DeepSpeed's default for the checkpoint's optimizer (FusedAdam for Adam/AdamW, "
+        "the torch.optim class for others)",
     )
     parser.add_argument(
         "--any-optimizer",

@@ -162,9 +162,13 @@ def to_deepspeed(
         out_tag: the DeepSpeed tag; default the flatzero tag.
         ds_config: the DeepSpeed config of that run: checked against the checkpoint, its
             ``gradient_clipping``, ``fp16`` loss-scaler keys, ``round_robin_gradients`` and
-            ``parameter_alignment`` are written as DeepSpeed would, and it is stored as
-            ``ds_config``. Without it ``clip_grad`` is left out (the run's own applies) and
-            an fp16 loss scaler takes DeepSpeed's default window and hysteresis.
+            ``parameter_alignment`` are written as DeepSpeed would, the optimizer state in
+            the format of the base optimizer it makes DeepSpeed build (FusedAdam,
+            DeepSpeedCPUAdam or torch's: ``flatzero.deepspeed.base_optimizer``), and it is
+            stored as ``ds_config``. Without it ``clip_grad`` is left out (the run's own
+            applies), an fp16 loss scaler takes DeepSpeed's default window and hysteresis,
+            and the optimizer state is written for DeepSpeed's default optimizer for the
+            checkpoint's (FusedAdam for Adam and AdamW).
         any_optimizer: write the state of an optimizer that is not one of torch.optim's
             elementwise ones (the DeepSpeed run must use the same class).
         overwrite: replace ``out_dir/<tag>`` and copied entries that exist.
