@@ -21,6 +21,7 @@ in its directory.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -29,8 +30,12 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+
+from flatzero import ZeroOptimizer
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
@@ -366,3 +371,39 @@ def test_shell_blocks_run(block, tmp_path, shim_env):
         _run(setup, tmp_path, shim_env, f"setup={block.marker.setup} of {block.name}")
     script = ["bash", "-e", "-o", "pipefail", "-c", _shell_script(block)]
     _run(script, tmp_path, shim_env, block.name)
+
+
+class _Regression(torch.nn.Module):
+    """``model(micro).loss`` as optimizer.md's loop calls it: the mean squared error of a
+    linear fit of column 8 from columns 0-7."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+
+    def forward(self, batch: torch.Tensor) -> SimpleNamespace:
+        loss = (self.net(batch[:, :8]).squeeze(-1) - batch[:, 8]).pow(2).mean()
+        return SimpleNamespace(loss=loss)
+
+
+def test_optimizer_md_accumulation_loop_steps_on_the_mean_over_each_whole_batch():
+    """optimizer.md's block needs GPUs; its loop, taken verbatim from the block, runs here
+    with SGD (whose step is proportional to the gradient, so a doubled gradient shows) and
+    must step as plain SGD on each whole batch's mean loss."""
+    (block,) = [b for b in all_blocks() if b.path == "docs/optimizer.md" and "micro_" in b.text]
+    loop = block.text[block.text.index("for batch in loader:") :]
+    torch.manual_seed(0)
+    model = _Regression()
+    ref = copy.deepcopy(model)
+    loader = [torch.randn(12, 9) for _ in range(3)]
+    opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=2, lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    names = {"loader": loader, "micro_batches": 3, "model": model, "opt": opt, "sched": sched}
+    exec(compile(loop, block.name, "exec"), names)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for batch in loader:
+        ref_opt.zero_grad()
+        ref(batch).loss.backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
