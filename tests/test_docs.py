@@ -15,8 +15,8 @@ a fence without a language fails, so new docs cannot leave a block unchecked. Py
 of one ``ranks`` run in one launch (one torch import per rank), each in a fresh namespace
 and directory. Shell blocks run under ``bash -e`` with ``flatzero``, ``python`` and
 ``python3`` on ``PATH`` running this checkout's ``src``; a ``console`` block runs its
-``$ `` lines (its output lines are not compared). A shell block's setup is Python run first
-in its directory.
+``$ `` lines, and the output lines it shows must be lines they printed, in order (``...``
+for lines left out). A shell block's setup is Python run first in its directory.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import copy
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ import pytest
 import torch
 
 from flatzero import ZeroOptimizer
+from flatzero.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
@@ -277,8 +279,9 @@ def _python_groups() -> dict[int, list[Block]]:
     return groups
 
 
-def _run(command: list[str], cwd: Path, env: dict[str, str], what: str) -> None:
-    """Run ``command``; fail naming ``what`` with its output if it fails or times out."""
+def _run(command: list[str], cwd: Path, env: dict[str, str], what: str) -> str:
+    """Run ``command`` and return its stdout; fail naming ``what`` with its output if it
+    fails or times out."""
     try:
         proc = subprocess.run(
             command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
@@ -286,6 +289,7 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], what: str) -> None:
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{what} ran past {TIMEOUT_S} s:\n{e.stdout}{e.stderr}")
     assert proc.returncode == 0, f"{what} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}"
+    return proc.stdout
 
 
 def test_every_block_names_its_language_and_is_run_or_skipped_with_a_reason():
@@ -363,6 +367,18 @@ def _shell_script(block: Block) -> str:
     return "\n".join(line[2:] for line in block.text.splitlines() if line.startswith("$ "))
 
 
+def shown_lines_missing(block_text: str, output: str) -> list[str]:
+    """The output lines a ``console`` block shows that its commands did not print, in that
+    order (``...`` stands for lines left out; trailing spaces do not count)."""
+    printed = iter(line.rstrip() for line in output.splitlines())
+    shown = [line.rstrip() for line in block_text.splitlines()]
+    return [
+        line
+        for line in shown
+        if not line.startswith("$ ") and line != "..." and line not in printed
+    ]
+
+
 @pytest.mark.parametrize("block", list(_runs(SHELL_LANGS)), ids=lambda b: b.name)
 def test_shell_blocks_run(block, tmp_path, shim_env):
     assert block.marker is not None
@@ -370,7 +386,18 @@ def test_shell_blocks_run(block, tmp_path, shim_env):
         setup = [sys.executable, "-c", SETUPS[block.marker.setup]]
         _run(setup, tmp_path, shim_env, f"setup={block.marker.setup} of {block.name}")
     script = ["bash", "-e", "-o", "pipefail", "-c", _shell_script(block)]
-    _run(script, tmp_path, shim_env, block.name)
+    output = _run(script, tmp_path, shim_env, block.name)
+    missing = shown_lines_missing(block.text, output) if block.lang == "console" else []
+    assert not missing, f"{block.name} shows lines its command did not print:\n" + "\n".join(
+        missing
+    )
+
+
+def test_a_console_block_shows_only_printed_lines_in_order():
+    block = "$ cmd\na 1\n...\nc 3  \n"
+    assert shown_lines_missing(block, "a 1\nb 2\nc 3\n") == []
+    assert shown_lines_missing(block, "c 3\na 1\n") == ["c 3"]
+    assert shown_lines_missing(block, "a 1\nc 4\n") == ["c 3"]
 
 
 class _Regression(torch.nn.Module):
@@ -407,3 +434,16 @@ def test_optimizer_md_accumulation_loop_steps_on_the_mean_over_each_whole_batch(
         ref_opt.step()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_plan_md_shows_what_its_first_command_prints(capsys):
+    """plan.md quotes the whole output of its first command; the plan is computed from
+    datasheet rates (``--gpu h100``), the same on every machine, so it must match exactly."""
+    blocks = [b for b in all_blocks() if b.path == "docs/plan.md"]
+    command, shown = blocks[0], blocks[2]
+    assert shown.lang == "text" and "The first command prints:" in (ROOT / shown.path).read_text()
+    first = command.text[: command.text.index("\n", command.text.index("--gpu h100"))]
+    argv = shlex.split(re.sub(r"#.*$", "", first.replace("\\\n", " "), flags=re.M))
+    assert argv[:2] == ["flatzero", "plan"], argv
+    assert main(argv[1:]) == 0
+    assert capsys.readouterr().out == shown.text + "\n"
