@@ -21,7 +21,17 @@ Reduced scale, on a CPU machine::
     torchrun --nproc-per-node 2 examples/deepspeed_7677.py --synthetic --layers 2 \\
         --hidden 256 --experts 16 --vocab 8192
 
-It prints the init report (tier, phases, bytes moved, peak memory) on rank 0.
+It prints the model's tensor count and the init report (tier, phases, bytes moved, peak
+memory) on rank 0.
+
+The tensor count is what #7677 is about, and it depends on the transformers version.
+transformers 4.x builds each expert as its own three ``nn.Linear``: 6,290 tensors at 16
+layers and 128 experts (without the LM head), the issue's case. transformers 5 fuses a
+layer's experts into two 3-D tensors (``experts.gate_up_proj``, ``experts.down_proj``):
+11 tensors a layer, 178 at 16 layers, whatever the expert count, so under transformers 5
+this script does not reproduce the many-tensor case. ``python -m flatzero demo`` does
+(door to door on 6,291 tensors, flatzero's own Qwen3-MoE with unfused experts), as does
+``flatzero plan --model qwen3-30b-a3b --layers 16 --expert-layout unfused --no-lm-head``.
 """
 
 # ruff: noqa: E401, F401, I001  (the issue's import lines, kept as they were)
@@ -69,6 +79,8 @@ if args.synthetic:
     m = AutoModel.from_config(c, dtype=torch.bfloat16)
 else:
     m = AutoModel.from_pretrained(model, config=c)
+if int(__import__("os").environ.get("RANK", "0")) == 0:
+    print(f"model: {sum(1 for _ in m.parameters())} tensors")
 dsc = dict(
     train_micro_batch_size_per_gpu=1,
     train_batch_size=world_size,
