@@ -88,7 +88,7 @@ ROOMS: dict[str, str] = {
     "launch": "run a function on N local ranks as torchrun would (tests, benchmarks, demo)",
     "plan": "flatzero plan: predicted memory, tier, bytes per link and init time",
     "harness": "finds the benchmark harness (benchmarks/flatzero_bench) for bench and demo",
-    "demo": "flatzero demo: the DeepSpeed door end to end in under a minute",
+    "demo": "flatzero demo: the DeepSpeed door end to end, against DeepSpeed's",
     "testing": "for tests and benchmarks: an emulated accelerator, the real DeepSpeed set up",
     "cli": "the flatzero command: parses, dispatches, prints one line on a user error",
     "__main__": "python -m flatzero",

@@ -258,6 +258,8 @@ def _boundary_and_sync(rank: int, ws: int) -> dict[str, str]:
     engine, *_ = flatzero.initialize(model=model, config=ds_config(1, ws))
     assert engine.init_report.param_sync == "the sharded tier's all-gather"
     assert engine.init_report.flatten.tiers == ("sharded",)
+    reason = engine.init_report.flatten.tier_reason  # the door chose it: not "requested"
+    assert "requested" not in reason and "param_sync: gather" in reason, reason
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(ws)]
     dist.all_gather(gathered, flat)

@@ -70,6 +70,8 @@ class FlattenConfig:
             shards in host memory (tier ``cpu``) and the ``host_park`` tier's host images;
             ``False`` takes torch's allocator. Which writes new memory faster depends on
             the machine: ``flatzero info --measure`` shows both.
+        tier_reason: why ``tier`` was set, when a caller chose it for the user (the
+            DeepSpeed door does on CPU), for the init report; ``None``: the user asked.
     """
 
     tier: str = "auto"
@@ -83,6 +85,7 @@ class FlattenConfig:
     progress: bool = True
     dtype: str | None = None
     host_huge_pages: bool = True
+    tier_reason: str | None = None
 
     def __post_init__(self) -> None:
         for check in _CHECKS:  # the tier registry's: ``tier`` is one of its tiers

@@ -1,4 +1,4 @@
-"""``flatzero demo``: the DeepSpeed door end to end, on this machine, in under a minute.
+"""``flatzero demo``: the DeepSpeed door end to end, on this machine.
 
 1. Spawns ranks (2 by default, gloo on the CPU, as ``torchrun`` would).
 2. Builds a small Qwen3-MoE-shaped model (the Qwen3-30B-A3B config cut down in layers,

@@ -223,7 +223,7 @@ def _decide(
             control,
         )
     sizes = plan.sizes
-    return choose_tier(
+    decision = choose_tier(
         config.tier,
         params_on=plan.params_on,
         device=device,
@@ -233,6 +233,9 @@ def _decide(
         shard_bytes=sizes.shards * shards_per_group,
         group=control,
     )
+    if config.tier_reason is not None and decision.tier == config.tier:
+        decision = dataclasses.replace(decision, reason=config.tier_reason)  # not "requested"
+    return decision
 
 
 def _source(

@@ -194,7 +194,13 @@ def _gathering_tier(
         and not stage0
         and world_size > 1
     )
-    return dataclasses.replace(config, tier=gathering_tier()) if sharded else config
+    if not sharded:
+        return config
+    reason = (
+        "the weights are all-gathered anyway (param_sync: gather): each rank fills only its "
+        "own slice of every host bucket"
+    )
+    return dataclasses.replace(config, tier=gathering_tier(), tier_reason=reason)
 
 
 def _flatten_config(cfg: EngineConfig) -> FlattenConfig:

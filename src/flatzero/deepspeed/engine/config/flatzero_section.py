@@ -36,6 +36,7 @@ SET_ELSEWHERE: Mapping[tuple[type, str], str] = {
     (FlattenConfig, "build_master"): "the engine always builds the fp32 master shards",
     (FlattenConfig, "dtype"): "bf16.enabled / fp16.enabled",
     (FlattenConfig, "master_on_host"): "zero_optimization.offload_optimizer",
+    (FlattenConfig, "tier_reason"): "initialize, when it sets the tier",
     (ZeroConfig, "stage"): "zero_optimization.stage",
     (ZeroConfig, "max_grad_norm"): "gradient_clipping",
     (ZeroConfig, "reduce_dtype"): "communication_data_type",
