@@ -34,7 +34,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # (floor, rooms), from the ground up
-    ("data", ("_version", "dtypes", "layout", "config", "cli_types", "ports", "gcpause", "models")),
+    ("data", ("_version", "words", "dtypes", "layout", "config", "cli_types", "ports", "gcpause", "models")),
     ("device seam", ("accel",)),
     ("placement", ("devices", "hostmem", "params", "storage")),
     ("ranks", ("comm", "control", "process_group")),
@@ -58,6 +58,7 @@ only ``plan``, the tools and the command line use ``measure``."""
 
 ROOMS: dict[str, str] = {
     "_version": "the version, readable without importing the package",
+    "words": "how counts read in messages (plural)",
     "dtypes": "every dtype name: short, torch, safetensors, element size",
     "layout": "plan_layout: order, alignment, buckets, each rank's slices; pure metadata",
     "config": "FlattenConfig, frozen data; checks that rooms above register run at construction",

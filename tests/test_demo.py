@@ -27,7 +27,7 @@ def test_demo_small(tmp_path, capsys):
         "CPU cat (DeepSpeed <0.19)",
         "flatzero.initialize",
     }
-    assert "flatzero.initialize" in out and "ZeRO stage 2, fp32, 2 rank(s)" in out
+    assert "flatzero.initialize" in out and "ZeRO stage 2, fp32, 2 ranks" in out
     assert "weights match" in out and "reloaded at world size 1" in out
     assert "flatzero.initialize against deepspeed.initialize on tiny" in out
     doors = result["doors"]["doors"]

@@ -134,7 +134,7 @@ def test_issue_7677_example_runs_at_reduced_scale(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "flatzero.initialize" in result.stdout
-    assert "ZeRO stage 2, bf16, 1 rank(s)" in result.stdout
+    assert "ZeRO stage 2, bf16, 1 rank," in result.stdout
     assert "tier: cpu" in result.stdout
     # transformers 5 fuses a layer's experts into 2 tensors, 4.x keeps 3 per expert: the
     # example prints the count it built, which its docstring describes

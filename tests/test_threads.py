@@ -161,8 +161,8 @@ def test_the_report_says_how_the_share_was_derived():
         launcher_says="LOCAL_SIZE=4",
     )
     assert share.describe() == (
-        "3 thread(s) per rank (16 cores in affinity / 4 rank(s) sharing them; quota 12.5 "
-        "cores / 4 rank(s) on host; launcher: LOCAL_SIZE=4)"
+        "3 threads per rank (16 cores in affinity / 4 ranks sharing them; quota 12.5 "
+        "cores / 4 ranks on host; launcher: LOCAL_SIZE=4)"
     )
     flat = flatten_parameters(nn.Linear(4, 4), config=FlattenConfig(progress=False))
     report = flat.report
@@ -293,3 +293,11 @@ def test_the_users_setting_is_back_after_an_error(one_thread, monkeypatch):
         assert used == torch.get_num_threads() == 2
         raise ValueError("inside")
     assert torch.get_num_threads() == 1
+
+
+def test_counts_read_in_the_singular_and_the_plural():
+    from flatzero.words import plural
+
+    assert [plural(1, "rank"), plural(2, "rank"), plural(0, "thread")] == [
+        "1 rank", "2 ranks", "0 threads"
+    ]  # fmt: skip

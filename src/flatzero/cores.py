@@ -26,6 +26,7 @@ import torch.distributed as dist
 from .comm import world_size_of
 from .config import FlattenConfig
 from .control import control_group
+from .words import plural
 
 __all__ = [
     "LAUNCHER_LOCAL_SIZES",
@@ -84,11 +85,13 @@ class CoreShare:
         """One line: the share and the numbers it came from."""
         quota = ""
         if self.quota_cores is not None:
-            quota = f"; quota {self.quota_cores:g} cores / {self.ranks_on_host} rank(s) on host"
+            quota = (
+                f"; quota {self.quota_cores:g} cores / {plural(self.ranks_on_host, 'rank')} on host"
+            )
         launcher = f"; launcher: {self.launcher_says}" if self.launcher_says else ""
         return (
-            f"{self.threads} thread(s) per rank ({self.affinity_cores} cores in affinity / "
-            f"{self.ranks_sharing_cores} rank(s) sharing them{quota}{launcher})"
+            f"{plural(self.threads, 'thread')} per rank ({plural(self.affinity_cores, 'core')} in "
+            f"affinity / {plural(self.ranks_sharing_cores, 'rank')} sharing them{quota}{launcher})"
         )
 
 

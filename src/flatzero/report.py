@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import accel
+from .words import plural
 
 if TYPE_CHECKING:
     from .cores import CoreShare
@@ -125,7 +126,7 @@ class InitReport:
             else ""
         )
         return (
-            f"flatzero init {self.wall_seconds:.3f}s on {self.world_size} rank(s) "
+            f"flatzero init {self.wall_seconds:.3f}s on {plural(self.world_size, 'rank')} "
             f"[{groups}] {phases} cpu={self.cpu_seconds:.2f}s moved: {moved}{peak} "
             f"host_peak_rss={self.host_peak_rss_bytes / gib:.2f}GiB{threads}{events}"
         )

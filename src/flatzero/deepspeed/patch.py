@@ -28,6 +28,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..words import plural
+
 __all__ = ["DeepSpeedPatch", "patch_deepspeed", "routing_reason"]
 
 logger = logging.getLogger(__name__)
@@ -107,7 +109,7 @@ def _flatzero_summary(engine: Any) -> str:
     offload = ", optimizer offloaded to the host" if engine.zero_cpu_offload() else ""
     return (
         f"ZeRO stage {report.stage}, {report.dtype}, {report.optimizer}{offload}, "
-        f"{report.world_size} rank(s), {report.params / 1e6:.2f}M params, initialize "
+        f"{plural(report.world_size, 'rank')}, {report.params / 1e6:.2f}M params, initialize "
         f"{report.wall_seconds:.2f}s"
     )
 

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ...report import InitReport
+from ...words import plural
 
 __all__ = ["EngineInitReport"]
 
@@ -64,7 +65,7 @@ class EngineInitReport:
         phases = " ".join(f"{k}={v:.3f}s" for k, v in self.phase_seconds.items())
         lines = [
             f"flatzero.initialize {self.wall_seconds:.3f}s: ZeRO stage {self.stage}, "
-            f"{self.dtype}, {self.world_size} rank(s), {self.params / 1e6:.2f}M params in "
+            f"{self.dtype}, {plural(self.world_size, 'rank')}, {self.params / 1e6:.2f}M params in "
             f"{self.tensors} tensors from {self.source}",
             f"  phases: {phases}",
             f"  flatten: {self.flatten.summary()}",
