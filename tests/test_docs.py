@@ -239,6 +239,9 @@ for i, block in enumerate(blocks):
     if dist.is_initialized():  # kept for the next block: a group is made once per launch
         dist.barrier()
 print("docs blocks failed: " + ", ".join(failed) if failed else "docs blocks ok", flush=True)
+if dist.is_initialized():  # every rank is done before any tears its group down
+    dist.barrier()
+    dist.destroy_process_group()
 sys.exit(1 if failed else 0)
 """
 
