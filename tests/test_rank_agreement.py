@@ -6,6 +6,8 @@ One launch at world size 2 runs the whole table; each case gives rank 1 a differ
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -396,3 +398,45 @@ def test_stage0_load_from_a_directory_per_rank(table) -> None:
 def test_nothing_to_load_anywhere_is_the_same_answer(table) -> None:
     _, out = table
     assert all(r["load: no latest anywhere"]["result"] == [None, None] for r in out)
+
+
+def _read_only_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    engine = _init(_config())
+    engine.backward(engine(torch.ones(2, 8)).sum())
+    engine.step()
+    out: dict[str, Any] = {}
+    t0 = time.monotonic()
+    try:
+        engine.save_checkpoint(Path(root) / "ro" / "ckpt", tag="t")
+    except OSError as error:
+        out["error"] = f"{type(error).__name__}: {error}"
+    out["seconds"] = time.monotonic() - t0
+    engine.backward(engine(torch.ones(2, 8)).sum())  # training goes on
+    engine.step()
+    engine.save_checkpoint(Path(root) / "rw" / "ckpt", tag="after")
+    out["saved after"] = (Path(root) / "rw" / "ckpt" / "after" / "meta.json").is_file()
+    engine.destroy()
+    return out
+
+
+def test_a_save_into_a_read_only_directory_is_one_error_on_every_rank(tmp_path):
+    """A real read-only mount: every rank gets the same error saying so (rank 0's
+    EROFS), promptly and never naming the check's own file; training and saving elsewhere
+    go on."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a read-only bind mount")
+    ro = tmp_path / "ro"
+    (ro / "ckpt").mkdir(parents=True)
+    mounted = subprocess.run(["mount", "--bind", str(ro), str(ro)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {mounted.stderr.decode().strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], check=True)
+        out = run_ranks(_read_only_rank, 2, str(tmp_path), timeout_s=60)
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)
+    assert out[0]["error"] == out[1]["error"], out
+    assert "Read-only file system" in out[0]["error"] and "rank 0" in out[0]["error"]
+    assert ".flatzero-shared-check" not in out[0]["error"]
+    assert all(r["seconds"] < 4 for r in out), out  # no marker to wait for
+    assert all(r["saved after"] for r in out)

@@ -17,11 +17,12 @@ same error.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -139,9 +140,15 @@ def agree_on_checkpoint_to_load(
 
 
 def check_shared_directory(directory: Path, group: dist.ProcessGroup | None) -> None:
-    """Raise ``FileNotFoundError`` on every rank unless ``directory`` is one directory
-    every rank of ``group`` sees: rank 0 creates it and writes a marker file, every other
-    rank looks for the marker, rank 0 removes it. Collective.
+    """Raise on every rank unless ``directory`` is one directory every rank of ``group``
+    sees and rank 0 can write: rank 0 creates it and writes a marker file, every other rank
+    looks for the marker, rank 0 removes it. Collective.
+
+    Raises:
+        OSError: on every rank, with rank 0's errno, when rank 0 cannot create the
+            directory or write into it (read-only, permission denied, full); nothing is
+            left behind and every rank can go on.
+        FileNotFoundError: on every rank, when another rank does not see rank 0's marker.
     """
     control = control_group(group)
     if world_size_of(group) == 1:
@@ -149,15 +156,23 @@ def check_shared_directory(directory: Path, group: dist.ProcessGroup | None) -> 
     name = [_MARKER_PREFIX + uuid.uuid4().hex if rank_of(control) == 0 else ""]
     dist.broadcast_object_list(name, src=_global_rank0(control), group=control)
     marker = directory / name[0]
-    error = ""
+    written: list[Any] = [None]
     if rank_of(control) == 0:
-        error = _write_marker(directory, marker)
-    all_reduce_max_each([0], control)  # the marker is written before anyone looks
-    if rank_of(control) != 0 and not error and not _appears(marker):
+        written[0] = _write_marker(directory, marker)
+    # rank 0's outcome reaches every rank before anyone looks for the marker
+    dist.broadcast_object_list(written, src=_global_rank0(control), group=control)
+    if written[0] is not None:
+        errno, reason = written[0]
+        raise OSError(
+            errno, f"cannot write the checkpoint into {str(directory)!r}: rank 0: {reason}"
+        )
+    error = ""
+    if rank_of(control) != 0 and not _appears(marker):
         error = f"rank {rank_of(None)} does not see {str(marker)!r}"
     missing = all_reduce_max_each([int(bool(error))], control)[0]
     if rank_of(control) == 0:
-        marker.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the check's own file: never the save's error
+            marker.unlink(missing_ok=True)
     if missing:
         _raise_not_shared(directory, error, control)
 
@@ -177,14 +192,16 @@ def _global_rank0(control: dist.ProcessGroup | None) -> int:
     return 0 if control is None else dist.get_global_rank(control, 0)
 
 
-def _write_marker(directory: Path, marker: Path) -> str:
-    """Create ``directory`` and ``marker`` in it; what the OS said on failure, else ``""``."""
+def _write_marker(directory: Path, marker: Path) -> tuple[int, str] | None:
+    """Create ``directory`` and ``marker`` in it; the OS's errno and what it said on
+    failure (naming the directory, never the check's own file), else None."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
         marker.write_bytes(b"")
     except OSError as error:
-        return f"rank 0 cannot write {str(marker)!r}: {os.strerror(error.errno or 0)}"
-    return ""
+        code = error.errno or 0
+        return code, os.strerror(code)
+    return None
 
 
 def _appears(marker: Path) -> bool:
