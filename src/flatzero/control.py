@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from .comm import all_reduce_max, all_reduce_max_each, world_size_of
 from .devices import collectives_run_on_cpu
+from .process_group import job_timeout
 
 __all__ = [
     "ErrorFactory",
@@ -46,10 +47,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-CONTROL_TIMEOUT = timedelta(minutes=30)
-"""Timeout of each collective on a control group flatzero creates (long host-side waits
-use ``wait_for_host_work`` with a timeout that fits the work)."""
 
 _MIN_HOST_WORK = timedelta(minutes=30)
 _SLOWEST_DISK_BYTES_PER_S = 20e6
@@ -78,7 +75,7 @@ def _new_control(ranks: list[int], *, everyone_calls: bool) -> dist.ProcessGroup
     control = dist.new_group(
         ranks=ranks,
         backend="gloo",
-        timeout=CONTROL_TIMEOUT,
+        timeout=job_timeout(),
         use_local_synchronization=not everyone_calls,
         group_desc="flatzero control",
     )

@@ -15,11 +15,37 @@ from . import accel
 from .devices import default_backend, local_device_index
 from .ports import free_port
 
-__all__ = ["ensure_process_group", "join_launched_job"]
+__all__ = ["DEFAULT_TIMEOUT", "ensure_process_group", "job_timeout", "join_launched_job"]
 
 logger = logging.getLogger(__name__)
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+"""The collective timeout of the groups flatzero makes when ``DEEPSPEED_TIMEOUT`` is unset."""
+
+TIMEOUT_VARIABLE = "DEEPSPEED_TIMEOUT"
+"""The environment variable giving that timeout in minutes, as DeepSpeed reads it."""
+
+
+def job_timeout() -> timedelta:
+    """The timeout of every collective on a group flatzero makes (the default group of
+    either door, its gloo control groups): ``DEEPSPEED_TIMEOUT`` minutes, as DeepSpeed
+    reads it, else ``DEFAULT_TIMEOUT``.
+
+    Raises:
+        ValueError: the variable is set to something other than a positive whole number.
+    """
+    value = os.environ.get(TIMEOUT_VARIABLE)
+    if value is None or value.strip() == "":
+        return DEFAULT_TIMEOUT
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(
+            f"{TIMEOUT_VARIABLE}={value!r}: it must be a positive whole number of minutes "
+            "(the collective timeout, as DeepSpeed reads it); e.g. DEEPSPEED_TIMEOUT=30"
+        )
+    return timedelta(minutes=int(value))
+
 
 _LAUNCHER_SIZES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 """Variables in which a launcher that is not torchrun (``srun``, ``mpirun``) gives the
@@ -80,7 +106,7 @@ def ensure_process_group(dist_init_required: bool | None) -> None:
     if device_type is not None:
         accel.set_current(torch.device(device_type, local_device_index(device_type)))
         backend = default_backend(device_type)
-    dist.init_process_group(backend, timeout=timedelta(minutes=30))
+    dist.init_process_group(backend, timeout=job_timeout())
     logger.info(
         "initialized torch.distributed (%s): rank %d of %d",
         dist.get_backend(),
