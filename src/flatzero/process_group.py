@@ -4,6 +4,8 @@ processes and none created it (``join_launched_job``)."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
 from datetime import timedelta
@@ -107,12 +109,23 @@ def ensure_process_group(dist_init_required: bool | None) -> None:
         accel.set_current(torch.device(device_type, local_device_index(device_type)))
         backend = default_backend(device_type)
     dist.init_process_group(backend, timeout=job_timeout())
+    # The group is flatzero's to tear down: a script that never calls
+    # destroy_process_group() otherwise leaves it to interpreter finalization, where a
+    # rank was seen to abort ("terminate called without an active exception", exit -6).
+    atexit.register(_destroy_at_exit)
     logger.info(
         "initialized torch.distributed (%s): rank %d of %d",
         dist.get_backend(),
         dist.get_rank(),
         dist.get_world_size(),
     )
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the default group at interpreter exit if the script did not."""
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):  # exiting anyway: never a second error
+            dist.destroy_process_group()
 
 
 def _launched_world_size() -> int:
