@@ -34,7 +34,20 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # (floor, rooms), from the ground up
-    ("data", ("_version", "words", "dtypes", "layout", "config", "cli_types", "ports", "gcpause", "models")),
+    (
+        "data",
+        (
+            "_version",
+            "words",
+            "dtypes",
+            "layout",
+            "config",
+            "cli_types",
+            "ports",
+            "gcpause",
+            "models",
+        ),
+    ),
     ("device seam", ("accel",)),
     ("placement", ("devices", "hostmem", "params", "storage")),
     ("ranks", ("comm", "control", "process_group")),
