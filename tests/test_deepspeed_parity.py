@@ -222,3 +222,46 @@ def test_engine_methods_deepspeed_makes_no_ops_at_stage_1_and_2_are_no_ops():
     out = run_ranks(_engine_methods_rank, 1, env={"DS_ACCELERATOR": "cpu"})[0]
     assert out["is DeepSpeedEngine"] and out["empty_partition_cache"] is None
     assert "engine.destroy()" in out["second engine"]  # how to let go of the first one
+
+
+def _both_optimizers_rank(rank: int, world_size: int) -> dict[str, Any]:
+    """A client optimizer and a config ``optimizer`` section: both doors use the client's."""
+    import logging
+
+    from flatzero.testing.deepspeed import prepare_deepspeed, release_engine
+
+    prepare_deepspeed()
+    import deepspeed
+
+    import flatzero
+
+    config = {**_scheduled_config("WarmupLR"), "zero_allow_untested_optimizer": True}
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("flatzero").addHandler(handler)
+    out = {}
+    for name, initialize in (
+        ("deepspeed", deepspeed.initialize),
+        ("flatzero", flatzero.initialize),
+    ):
+        model = _llama()
+        client = torch.optim.SGD(model.parameters(), lr=0.05)
+        engine, optimizer, *_ = initialize(model=model, optimizer=client, config=dict(config))
+        inner = engine.basic_optimizer if name == "deepspeed" else optimizer.inner
+        out[name] = (type(inner).__name__, inner.param_groups[0]["lr"])
+        if name == "deepspeed":
+            release_engine(engine)
+        else:
+            engine.destroy()
+    out["warned"] = any("the passed optimizer is used" in m for m in seen)
+    return out
+
+
+def test_a_client_optimizer_beside_a_config_optimizer_is_used_as_in_deepspeed():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed")
+    out = run_ranks(_both_optimizers_rank, 1, env={"DS_ACCELERATOR": "cpu"})[0]
+    assert out["flatzero"][0] == out["deepspeed"][0] == "SGD"
+    assert out["flatzero"][1] == out["deepspeed"][1]  # WarmupLR's first lr on both
+    assert out["warned"]

@@ -311,9 +311,6 @@ def _initialize_errors(rank: int, ws: int) -> dict[str, str]:
     other = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     before = [p.data_ptr() for p in model.parameters()]
     errors = {
-        "both_optimizers": error_of(
-            init(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
-        ),
         "no_optimizer": error_of(init(model=model, config=no_opt)),
         "stepped_optimizer": error_of(init(model=model, optimizer=used, config=no_opt)),
         "foreign_scheduler": error_of(
@@ -444,8 +441,6 @@ def rank_main_1(rank: int, ws: int, root: str) -> dict[str, Any]:
 
 
 EXPECTED_INIT_ERRORS = {
-    "both_optimizers": "ValueError: an optimizer was passed to flatzero.initialize and the config "
-    "has an 'optimizer' section; give one of them",
     "no_optimizer": "UnsupportedFeatureError: flatzero.initialize needs an optimizer: add an "
     "'optimizer' section to the config (e.g. {'type': 'AdamW', 'params': {'lr': 1e-4}}) or pass "
     "optimizer=",

@@ -361,7 +361,8 @@ def initialize(
             ``checkpoint``.
         optimizer: a client optimizer: a ``torch.optim.Optimizer`` instance (its class and
             param groups are used; it must not have stepped), or a function params ->
-            optimizer. Mutually exclusive with the config's ``optimizer`` section.
+            optimizer. It wins over the config's ``optimizer`` section (a warning), as in
+            DeepSpeed.
         model_parameters: the params (or param groups) to train; default: the model's.
         training_data: a ``torch.utils.data.Dataset``; a ``DataLoader`` with a
             ``DistributedSampler`` and ``train_micro_batch_size_per_gpu`` is returned.

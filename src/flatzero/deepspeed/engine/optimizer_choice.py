@@ -4,12 +4,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from ...comm import rank_of
 from ...optim import ZeroOptimizer
 from ...optim.inner import check_optimizer_class
 from ...optim.offload import check_host_kernel
@@ -18,6 +20,8 @@ from .config import EngineConfig
 from .errors import UnsupportedFeatureError
 
 __all__ = ["OptimizerChoice", "choose_optimizer"]
+
+logger = logging.getLogger(__name__)
 
 _DEFAULT_LR = 1e-3
 """torch.optim's usual default learning rate, for a group that names none."""
@@ -107,19 +111,22 @@ def _client_choice(
 def choose_optimizer(
     optimizer: Any, cfg: EngineConfig, model: nn.Module, model_parameters: Any
 ) -> OptimizerChoice:
-    """The optimizer of ``initialize``: the client's or the config's (exactly one).
+    """The optimizer of ``initialize``: the client's, else the config's. Given both, the
+    client's is used and the config's section ignored, with a warning, as DeepSpeed does.
 
     Raises:
         UnsupportedFeatureError: no optimizer at all, or a client optimizer that is not
             elementwise.
-        ValueError / TypeError: both given, or a bad client optimizer (with optimizer
-            offload: one that cannot step host tensors).
+        ValueError / TypeError: a bad client optimizer (with optimizer offload: one that
+            cannot step host tensors).
     """
     if optimizer is not None:
-        if cfg.optimizer is not None:
-            raise ValueError(
-                "an optimizer was passed to flatzero.initialize and the config has an "
-                "'optimizer' section; give one of them"
+        if cfg.optimizer is not None and rank_of(None) == 0:
+            logger.warning(
+                "flatzero.initialize: an optimizer was passed and the config has an "
+                "'optimizer' section (%s); the passed optimizer is used and the section "
+                "ignored, as DeepSpeed does",
+                cfg.optimizer.type,
             )
         return _client_choice(optimizer, cfg, model, model_parameters)
     if cfg.optimizer is None:
