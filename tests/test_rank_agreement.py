@@ -440,3 +440,23 @@ def test_a_save_into_a_read_only_directory_is_one_error_on_every_rank(tmp_path):
     assert ".flatzero-shared-check" not in out[0]["error"]
     assert all(r["seconds"] < 4 for r in out), out  # no marker to wait for
     assert all(r["saved after"] for r in out)
+
+
+def _onto_a_file_rank(rank: int, world_size: int, root: str) -> str:
+    engine = _init(_config())
+    try:
+        engine.save_checkpoint(Path(root) / "a_file")
+    except OSError as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        engine.destroy()
+    return "no error"
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_saving_onto_a_file_says_it_is_a_file(tmp_path, ranks):
+    (tmp_path / "a_file").write_text("not a directory")
+    out = run_ranks(_onto_a_file_rank, ranks, str(tmp_path), timeout_s=60)
+    assert len(set(out)) == 1, out  # the same error on every rank
+    assert "is a file, not a checkpoint directory" in out[0], out
+    assert (tmp_path / "a_file").read_text() == "not a directory"

@@ -10,6 +10,7 @@ for an asynchronous save its snapshot and background thread (the optimizer's
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import secrets
 import time
@@ -124,6 +125,12 @@ def _create_tmp(staged: StagedDirectory, flat: FlatParams, config: SaveConfig) -
         flat.process_group, f"creating {staged.tmp}", (OSError, ValueError), wait_bytes=0
     ):
         if flat.rank == 0:
+            if root.exists() and not root.is_dir():
+                raise NotADirectoryError(
+                    errno.ENOTDIR,
+                    f"{root} is a file, not a checkpoint directory: pass the directory to save "
+                    "into (it is created if needed)",
+                )
             root.mkdir(parents=True, exist_ok=True)
             restore_lost(root)
             if final.exists() and not config.overwrite:

@@ -18,6 +18,7 @@ same error.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import time
 import uuid
@@ -195,6 +196,8 @@ def _global_rank0(control: dist.ProcessGroup | None) -> int:
 def _write_marker(directory: Path, marker: Path) -> tuple[int, str] | None:
     """Create ``directory`` and ``marker`` in it; the OS's errno and what it said on
     failure (naming the directory, never the check's own file), else None."""
+    if directory.exists() and not directory.is_dir():
+        return errno.ENOTDIR, "it is a file, not a checkpoint directory"
     try:
         directory.mkdir(parents=True, exist_ok=True)
         marker.write_bytes(b"")
