@@ -26,9 +26,10 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +39,7 @@ import torch
 
 from flatzero import ZeroOptimizer
 from flatzero.cli import main
+from gloo_abort import run_again_after_gloo_abort
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
@@ -282,12 +284,21 @@ def _python_groups() -> dict[int, list[Block]]:
     return groups
 
 
-def _run(command: list[str], cwd: Path, env: dict[str, str], what: str) -> str:
-    """Run ``command`` and return its stdout; fail naming ``what`` with its output if it
-    fails or times out."""
+def _run(
+    command: list[str],
+    cwd: Path,
+    env: dict[str, str],
+    what: str,
+    before_again: Callable[[], None] | None = None,
+) -> str:
+    """Run ``command`` (again after gloo's connect-time abort, ``before_again()`` first) and
+    return its stdout; fail naming ``what`` with its output if it fails or times out."""
     try:
-        proc = subprocess.run(
-            command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+        proc = run_again_after_gloo_abort(
+            lambda: subprocess.run(
+                command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+            ),
+            before_again,
         )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{what} ran past {TIMEOUT_S} s:\n{e.stdout}{e.stderr}")
@@ -361,7 +372,12 @@ def test_python_blocks_run(ranks, tmp_path, shim_env):
     if ranks > 1:
         launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     command = [*launch, str(tmp_path / "driver.py"), str(tmp_path / "blocks.json"), str(tmp_path)]
-    _run(command, tmp_path, shim_env, ", ".join(b.name for b in blocks))
+
+    def fresh_block_dirs() -> None:  # a block's files from an aborted launch
+        for i in range(len(blocks)):
+            shutil.rmtree(tmp_path / str(i), ignore_errors=True)
+
+    _run(command, tmp_path, shim_env, ", ".join(b.name for b in blocks), fresh_block_dirs)
 
 
 def _shell_script(block: Block) -> str:

@@ -29,6 +29,7 @@ import torch
 
 from flatzero.cores import cgroup_cpu_quota
 from flatzero.ports import free_port
+from gloo_abort import run_again_after_gloo_abort
 
 SCRIPT = Path(__file__).resolve().parent / "launcher_scripts" / "init_share.py"
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -199,7 +200,11 @@ def test_pytorch_door_under_torchrun_without_a_process_group_is_one_job(tmp_path
     script = SCRIPT.parent / "pytorch_door.py"
     agent = ["-m", "torch.distributed.run", "--standalone", "--max-restarts", "0"]
     cmd = [sys.executable, *agent, "--nproc-per-node", "2", str(script), "--out", str(tmp_path)]
-    done = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    done = run_again_after_gloo_abort(
+        lambda: subprocess.run(
+            cmd, env=_clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+        )
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "WORLD_SIZE=2 but torch.distributed was not initialized" in done.stderr
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

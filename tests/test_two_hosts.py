@@ -48,6 +48,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from gloo_abort import GLOO_ABORT, GLOO_ABORT_RETRIES
+
 SCRIPT = Path(__file__).resolve().parent / "multihost_scripts" / "train_zero2.py"
 pytestmark = pytest.mark.slow
 
@@ -143,11 +145,6 @@ def _launch(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen
         return subprocess.Popen(args, env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
-GLOO_ABORT = "terminate called without an active exception"
-"""What a rank prints when gloo's transport thread dies on an exception while connecting
-(pytorch/gloo#162); seen once in this test on the loaded 2-core VM, 6 s into a run."""
-
-
 def _wait_all(procs: list[tuple[subprocess.Popen, Path]], what: str) -> str | None:
     """Wait for every launch. The first one to fail, or ``RUN_TIMEOUT_S`` passing, ends
     the wait and kills what is left (a rank that died leaves its peers waiting on it).
@@ -167,12 +164,6 @@ def _wait_all(procs: list[tuple[subprocess.Popen, Path]], what: str) -> str | No
     timed_out = time.monotonic() >= deadline
     state = f"hung past {RUN_TIMEOUT_S:.0f} s" if timed_out else "failed"
     return f"{what} {state}:\n{logs}"
-
-
-GLOO_ABORT_RETRIES = 2
-"""Launches again after ``GLOO_ABORT``: on 2026-11-28 a clean-clone CI run saw it in two
-launches in a row (and 6 + 3 local runs of this module, 6 of them beside a busy core,
-not at all)."""
 
 
 def _run_all(launch: Callable[[], list[tuple[subprocess.Popen, Path]]], what: str) -> None:
