@@ -293,9 +293,7 @@ class every_rank_or_none:
     control group, after the optional ``wait_bytes`` host-work wait): the failing rank
     raises its own error, every other rank ``error_type`` naming it (see
     ``raise_if_any_failed``). An exception of another type propagates on its rank alone,
-    as a bug does. With ``suppress=True`` nothing is raised: ``failed`` says, the same on
-    every rank, whether any rank failed, and ``error`` holds this rank's own.
-    Collective on leaving the block.
+    as a bug does. Collective on leaving the block.
     """
 
     def __init__(
@@ -306,16 +304,12 @@ class every_rank_or_none:
         catch: tuple[type[BaseException], ...] = (Exception,),
         error_type: type[Exception] | ErrorFactory = RuntimeError,
         wait_bytes: int | None = None,
-        suppress: bool = False,
     ) -> None:
         self.group = group
         self.elsewhere = elsewhere
         self.catch = catch
         self.error_type = error_type
         self.wait_bytes = wait_bytes
-        self.suppress = suppress
-        self.failed = False
-        self.error: BaseException | None = None
 
     def __enter__(self) -> every_rank_or_none:
         return self
@@ -328,12 +322,8 @@ class every_rank_or_none:
     ) -> bool:
         if exc is not None and not isinstance(exc, self.catch):
             return False
-        self.error = exc
         if self.wait_bytes is not None:
             wait_for_host_work(self.group, self.wait_bytes)
-        if self.suppress:
-            self.failed = any_rank_failed(exc, self.group)
-            return True
         try:
             raise_if_any_failed(exc, self.group, self.elsewhere, error_type=self.error_type)
         except BaseException as raised:
