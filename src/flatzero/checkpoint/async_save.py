@@ -248,7 +248,7 @@ class Hasher:
         self._rank = rank
         self._sums: list[dict[str, ChunkSums | None]] = []
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="flatzero-checksums")
+        self._thread = threading.Thread(target=self._run, name="flatzero-checksums", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:

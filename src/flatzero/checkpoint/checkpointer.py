@@ -7,7 +7,8 @@ its thread and how it ended). The next ``save_checkpoint``, ``load_checkpoint`` 
 ``engine.destroy()`` first waits for that save (``wait_for_save``): every rank joins its
 thread, then the ranks agree (one all-reduce on the control group), so an error in any
 rank's background write, or in rank 0's publishing, is raised there on every rank. A
-process that exits without waiting finishes the write first (the thread is not a daemon).
+process that exits without waiting finishes the save at exit, and exits with status 1 if
+it failed (``exit``: the thread is a daemon that ``exit.at_exit`` waits for, SIGTERM held).
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ from .. import accel
 from ..control import raise_if_any_failed
 from ..hostmem import StagingBuffer, mapped_host
 from ..optim import ZeroOptimizer
+from .exit import track, untrack
 
 __all__ = ["BackgroundSave", "Checkpointer", "checkpointer_of", "release_snapshot", "wait_for_save"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class BackgroundSave:
     """A save being written by a thread of its own: the future ``wait`` resolves.
 
@@ -40,12 +42,22 @@ class BackgroundSave:
         thread: the thread that writes and publishes.
         path: where the checkpoint appears.
         group: the process group whose ranks agree on how it ended.
+        timeout_s: the most seconds the save may take (its write timeout): how long the
+            interpreter's exit waits for it (``exit``).
+        outcome: given the seconds it may wait, why the save failed on another rank, or
+            None (at exit, through the c10d store, once this rank's own part succeeded:
+            ``reports.SaveReports.settle``; None: nothing to ask).
+        forget: run on every rank once the ranks agreed how the save ended (rank 0 drops
+            its outcome from the store).
         error: what the thread raised (None: nothing, or not yet).
     """
 
     thread: threading.Thread
     path: Path
     group: dist.ProcessGroup | None
+    timeout_s: float
+    outcome: Callable[[float], str | None] | None = None
+    forget: Callable[[], None] | None = None
     error: BaseException | None = None
 
     def wait(self) -> None:
@@ -55,16 +67,21 @@ class BackgroundSave:
             The background error on the rank it happened on; ``RuntimeError`` on the others.
         """
         t0 = time.perf_counter()
+        untrack(self)
         self.thread.join()
         waited = time.perf_counter() - t0
         if waited > 0.1:
             logger.info("waited %.2f s for the asynchronous save of %s", waited, self.path)
-        raise_if_any_failed(
-            self.error,
-            self.group,
-            f"the asynchronous save of {self.path} failed on another rank (see its error); "
-            "it was not published",
-        )
+        try:
+            raise_if_any_failed(
+                self.error,
+                self.group,
+                f"the asynchronous save of {self.path} failed on another rank (see its "
+                "error); it was not published",
+            )
+        finally:
+            if self.forget is not None:
+                self.forget()
 
 
 def _allocate(nbytes: int, pin: bool) -> StagingBuffer:
@@ -122,11 +139,19 @@ class Checkpointer:
             buffer.release()
 
     def start(
-        self, job: Callable[[], None], path: Path, group: dist.ProcessGroup | None
+        self,
+        job: Callable[[], None],
+        path: Path,
+        group: dist.ProcessGroup | None,
+        *,
+        timeout_s: float,
+        outcome: Callable[[float], str | None] | None = None,
+        forget: Callable[[], None] | None = None,
     ) -> BackgroundSave:
         """Run ``job`` (the write and publish of the checkpoint at ``path``) in a background
         thread at the caller's priority (it mostly sleeps in the kernel while the disk reads
-        the snapshot); ``wait`` joins it."""
+        the snapshot); ``wait`` joins it, else the interpreter's exit does (``exit.track``;
+        ``timeout_s``, ``outcome``, ``forget``: see ``BackgroundSave``)."""
 
         def run() -> None:
             try:
@@ -135,8 +160,9 @@ class Checkpointer:
                 pending.error = error
                 logger.error("asynchronous save of %s failed: %s", path, error)
 
-        thread = threading.Thread(target=run, name=f"flatzero-save-{path.name}", daemon=False)
-        pending = self.pending = BackgroundSave(thread, path, group)
+        thread = threading.Thread(target=run, name=f"flatzero-save-{path.name}", daemon=True)
+        pending = self.pending = BackgroundSave(thread, path, group, timeout_s, outcome, forget)
+        track(pending)
         thread.start()
         return pending
 

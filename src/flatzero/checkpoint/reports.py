@@ -17,8 +17,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +30,12 @@ from .format import FileRecord
 
 __all__ = ["SaveReports"]
 
+logger = logging.getLogger(__name__)
+
 _POLL_S = 0.02
 """Seconds between rank 0's looks for the other ranks' reports."""
+LINGER_S = 60.0
+"""The most seconds rank 0 waits at exit for the other ranks to read how a save ended."""
 
 
 def _group_ranks(group: dist.ProcessGroup | None, world_size: int) -> list[int]:
@@ -117,6 +123,50 @@ class SaveReports:
         for key in [*range(self._world_size), "reported", "failed", "abandoned"]:
             store.delete_key(self._key(key))
         return reports
+
+    def post_outcome(self, error: BaseException | None) -> None:
+        """(Rank 0, once the save is published or failed.) Leave how it ended in the store,
+        for ranks that exit before the ranks agree on it (``outcome``)."""
+        if self._store is None:
+            return
+        text = "" if error is None else f"{type(error).__name__}: {error}"
+        try:
+            self._store.set(self._key("outcome"), text)
+        except Exception as e:  # the store is gone: the ranks learn it in their wait
+            logger.warning("could not leave the asynchronous save's outcome in the store: %s", e)
+
+    def settle(self, rank: int, timeout_s: float) -> str | None:
+        """(At exit, after this rank's thread ended; no collective.) On a rank other than 0:
+        rank 0's error for the save (``post_outcome``), waited for at most ``timeout_s``
+        seconds, None when it was published or cannot be learnt (the store's host exited,
+        or no outcome in time: logged, as this rank's own part succeeded); then it says it
+        read it. On rank 0: wait until every other rank read it (at most
+        ``min(timeout_s, LINGER_S)``: a store rank 0 hosts ends with its process); None.
+        Never raises."""
+        if self._store is None:
+            return None
+        store, key = self._store, self._key("outcome")
+        try:
+            if rank == 0:
+                deadline = time.monotonic() + min(timeout_s, LINGER_S)
+                while store.add(self._key("outcome-read"), 0) < self._world_size - 1:
+                    if time.monotonic() > deadline:
+                        return None
+                    time.sleep(_POLL_S)
+                return None
+            store.wait([key], timedelta(seconds=max(timeout_s, 0.001)))
+            text = store.get(key).decode()
+            store.add(self._key("outcome-read"), 1)
+        except Exception as error:
+            logger.warning("rank 0's outcome of the asynchronous save is unknown: %s", error)
+            return None
+        return text or None
+
+    def forget_outcome(self) -> None:
+        """(Rank 0, once every rank agreed how the save ended.) Drop its outcome."""
+        if self._store is not None:
+            self._store.delete_key(self._key("outcome"))
+            self._store.delete_key(self._key("outcome-read"))
 
     def collect(self, tmp: Path, timeout_s: float, failed: Callable[[], None]) -> list[FileRecord]:
         """(Rank 0.) Every rank's file record, in rank order, once every rank reported.

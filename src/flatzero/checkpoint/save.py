@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import secrets
 import time
@@ -350,7 +351,7 @@ class Save:
             rest_record = write_image_file(self.tmp, images[1], sums=lambda: hasher.sums(1))
         return record, rest_record
 
-    def _write_in_background(self) -> None:
+    def _write_in_background(self, reports: SaveReports) -> None:
         """(A background thread of every rank, at the caller's priority.) Once the snapshot
         is complete (its host chunks copied by an idle-priority ``Hasher`` or by the next
         step's fence), write this rank's files from it, take the hasher's checksums and
@@ -360,7 +361,6 @@ class Save:
         an error. Raises this rank's error (naming the rank), or on rank 0 any rank's."""
         flat, staging = self.flat, self.staging
         assert staging is not None
-        reports = SaveReports(self.tmp.name, flat.process_group, flat.world_size)
         error: BaseException | None = None
         record = rest_record = None
         hasher: Hasher | None = None
@@ -379,19 +379,33 @@ class Save:
             hasher.join()
         reports.post(flat.rank, record, error)
         if flat.rank == 0:
-            timeout = host_work_timeout(self.collected.written_at_most()).total_seconds()
             try:
-                records = reports.collect(self.tmp, timeout, failed=self.staged.discard)
-            except BaseException:
-                self.staged.discard()  # again: a rank may have created a file meanwhile
+                self._collect_and_publish(reports, rest_record)
+            except BaseException as e:
+                reports.post_outcome(error or e)  # for ranks exiting meanwhile (``exit``)
                 if error is None:
                     raise
-            else:  # every rank wrote its file, rank 0 too
-                meta = self.collected.meta(self.tag, records, rest_record, flat, self.config)
-                self._publish_here(meta)
-                logger.info("saved checkpoint %s in the background", self.root / self.tag)
+            else:
+                reports.post_outcome(None)
         if error is not None:
             raise error  # its own error first (on rank 0 too), as on the other ranks
+
+    def _collect_and_publish(self, reports: SaveReports, rest_record: FileRecord | None) -> None:
+        """(Rank 0's background thread.) Wait for every rank's report, then publish; on any
+        rank's error remove ``tmp`` and raise."""
+        try:
+            records = reports.collect(self.tmp, self._timeout_s(), failed=self.staged.discard)
+        except BaseException:
+            self.staged.discard()  # again: a rank may have created a file meanwhile
+            raise
+        meta = self.collected.meta(self.tag, records, rest_record, self.flat, self.config)
+        self._publish_here(meta)
+        logger.info("saved checkpoint %s in the background", self.root / self.tag)
+
+    def _timeout_s(self) -> float:
+        """Seconds the ranks' writes may take (the most any rank writes, at the slowest
+        disk rate allowed for)."""
+        return host_work_timeout(self.collected.written_at_most()).total_seconds()
 
     def _remove_partial_files(self) -> None:
         """(A rank whose background write failed.) Remove what it wrote of its files, so
@@ -433,8 +447,14 @@ class Save:
             staging = self.staging
             assert staging is not None
             fault_point("snapshot_taken", flat.rank)
+            reports = SaveReports(self.tmp.name, flat.process_group, flat.world_size)
             self.background = checkpointer.start(
-                self._write_in_background, self.staged.final, flat.process_group
+                lambda: self._write_in_background(reports),
+                self.staged.final,
+                flat.process_group,
+                timeout_s=self._timeout_s(),
+                outcome=functools.partial(reports.settle, flat.rank),
+                forget=reports.forget_outcome if flat.rank == 0 else None,
             )
         except BaseException:
             if self.staging is not None:  # no device copy may still write the reused buffer
