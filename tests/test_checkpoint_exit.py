@@ -25,8 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from flatzero.checkpoint import CheckpointReader, read_latest
 from flatzero.ports import free_port
 from test_checkpoint_async_faults import small_disk  # noqa: F401  (a fixture)
