@@ -146,7 +146,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
         ),
         ("files", ("atomic", "validate", "writer", "reader", "recovery", "reports", "async_save")),
         ("collected", ("collect",)),
-        ("protocol", ("save", "load", "export", "fallback", "__init__")),
+        ("protocol", ("save", "load", "export", "fallback", "preemption", "__init__")),
     ),
     "optim": (
         (
@@ -199,6 +199,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "engine.lr_scheduler",
                 "engine.optimizer_choice",
                 "engine.rank_agreement",
+                "engine.preemption",
                 "engine.checkpointing",
                 "engine.engine",
                 "engine.deepspeed_compat",

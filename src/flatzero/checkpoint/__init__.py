@@ -12,6 +12,7 @@ from .config import ExportConfig, LoadConfig, SaveConfig
 from .export import ExportResult, export_checkpoint
 from .format import CheckpointDamaged, CheckpointMeta, available_tags, read_latest
 from .load import LoadResult, load_checkpoint, load_flat_params
+from .preemption import Preempted, PreemptionConfig, SignalWatch, save_on_signal
 from .reader import CheckpointReader
 from .save import save_checkpoint
 
@@ -23,11 +24,15 @@ __all__ = [
     "ExportResult",
     "LoadConfig",
     "LoadResult",
+    "Preempted",
+    "PreemptionConfig",
     "SaveConfig",
+    "SignalWatch",
     "available_tags",
     "export_checkpoint",
     "load_checkpoint",
     "load_flat_params",
     "read_latest",
     "save_checkpoint",
+    "save_on_signal",
 ]

@@ -19,6 +19,7 @@ from ...optim import ZeroOptimizer
 from .checkpointing import EngineCheckpoints
 from .config import EngineConfig
 from .getters import DeepSpeedGetters
+from .preemption import check_at_boundary, engine_watch
 from .report import EngineInitReport
 
 __all__ = ["Engine"]
@@ -114,6 +115,7 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
         self._destroyed = False
         self._last_loss_time = time.perf_counter()
         optimizer.overflow = False  # DeepSpeed's ZeRO optimizers carry it
+        self._preemption = engine_watch(config.flatzero, process_group)
 
     def __getattr__(self, name: str) -> Any:
         """Attributes the engine does not have come from the module, as with DeepSpeed."""
@@ -197,7 +199,8 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
         scheduler (the scheduler is not stepped when the step was skipped for inf/nan
         gradients). Collective at the boundary: every rank must call it."""
         self._step_applied = False
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             if self.parsed_config.replicated:
                 self._all_reduce_gradients()
             self._global_grad_norm = self._grad_norm_before_step()
@@ -227,6 +230,8 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
             self._backwards_in_window = 0
             self._report_progress()
         self.micro_steps += 1
+        if boundary and self._preemption is not None:
+            check_at_boundary(self._preemption, self)  # may save and raise Preempted
 
     def _grad_norm_before_step(self) -> torch.Tensor | None:
         """The gradient norm (on the device) when the optimizer's step will not compute it
@@ -302,6 +307,8 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
             wait_for_removals()
             self._destroyed = True
             self.optimizer.close()
+            if self._preemption is not None:
+                self._preemption.uninstall()
 
     def __repr__(self) -> str:
         cfg = self.parsed_config

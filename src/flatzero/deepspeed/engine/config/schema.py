@@ -196,12 +196,29 @@ class FlatzeroSection:
             memory and returns; a background thread writes and publishes the checkpoint
             (``save_checkpoint(asynchronous=True)``); the next save or load, and
             ``engine.destroy()``, wait for it and raise its error on every rank.
+        preemption_dir: save on a signal: on ``preemption_signals`` every rank saves the
+            same step into this directory at the next boundary ``engine.step()``, then
+            ``flatzero.checkpoint.Preempted`` (a ``SystemExit``) ends the process
+            (``flatzero.checkpoint.preemption``); null: off.
+        preemption_signals: the signals that ask for the save, comma-separated names.
+        preemption_grace_s: seconds between the signal and the kill (the least of the
+            scheduler's grace and torchrun's 30 s); a save starting later is logged as
+            likely to be killed (seconds).
+        preemption_check_every: optimizer steps between the ranks' agreements on a signal
+            (one host-side all-reduce of one scalar each).
+        preemption_exit_code: the exit status after the save (null: 128 + the signal's
+            number).
     """
 
     param_sync: str = field(default="gather", metadata={"choices": PARAM_SYNC})
     elementwise_optimizer: bool = False
     load_fallback: str = field(default="none", metadata={"choices": LOAD_FALLBACKS})
     async_save: bool = False
+    preemption_dir: str | None = None
+    preemption_signals: str = "SIGTERM,SIGUSR1"
+    preemption_grace_s: int = 30
+    preemption_check_every: int = 1
+    preemption_exit_code: int | None = None
 
     def __post_init__(self) -> None:
         if self.param_sync not in PARAM_SYNC:

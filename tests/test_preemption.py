@@ -1,0 +1,104 @@
+"""Save on a signal under real torchrun, 2 ranks, gloo (issue 40 item 5).
+
+``preemption_scripts/train.py`` trains through the DeepSpeed door with ``preemption_dir``
+and asynchronous saves every 3 steps. Two launches of ``torchrun --nproc-per-node 2``:
+
+1. SIGTERM to torchrun only (Kubernetes: the container's first process gets it; torchrun
+   forwards it to the workers): every rank saves the same step, ``latest`` names it, the
+   checkpoint is complete (every rank file verifies), the workers exit with 143.
+2. Resumes from that step (every rank says so); then Slurm's way (``--signal=TERM@...``
+   reaches every process of the step): SIGTERM to torchrun and to each worker, and once more
+   to each worker; the workers get it three times: the same, at a later step, and no
+   ``.tmp-*`` is left of the asynchronous saves.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flatzero.checkpoint import CheckpointReader, read_latest
+
+SCRIPT = Path(__file__).parent / "preemption_scripts" / "train.py"
+TIMEOUT_S = 120
+
+
+def torchrun(ckpt: Path, log: Path, steps: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [str(SCRIPT), str(ckpt), str(log), "--steps", str(steps)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_for_step(log: Path, at_least: int, proc: subprocess.Popen) -> None:
+    """Until both ranks took ``at_least`` steps (in this launch's log)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        steps = [log / f"step.rank{r}" for r in range(2)]
+        if all(p.exists() and p.read_text() and int(p.read_text()) >= at_least for p in steps):
+            return
+        assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
+        time.sleep(0.05)
+    raise AssertionError("the ranks did not reach the step")
+
+
+def preempted(log: Path) -> list[list[str]]:
+    return [(log / f"preempted.rank{r}").read_text().split() for r in range(2)]
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err.decode()
+
+
+def saved_step(ckpt: Path) -> int:
+    """The engine step of the checkpoint ``latest`` names, after verifying every file."""
+    with CheckpointReader(ckpt) as reader:
+        reader.verify()
+        return reader.meta.extra["flatzero_engine"]["global_steps"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="signals as on a Linux cluster")
+def test_sigterm_saves_the_same_step_on_every_rank_and_the_run_resumes(tmp_path: Path):
+    ckpt = tmp_path / "ckpt"
+    logs = [tmp_path / f"launch{i}" for i in range(2)]
+    for log in logs:
+        log.mkdir()
+
+    # 1. Kubernetes: SIGTERM to torchrun only
+    proc = torchrun(ckpt, logs[0], 1000)
+    wait_for_step(logs[0], 4, proc)
+    proc.send_signal(signal.SIGTERM)
+    code, err = finish(proc)
+    assert code != 0, err[-3000:]
+    first = preempted(logs[0])
+    assert first[0] == first[1], first  # the same step on every rank
+    step, tag, status = first[0]
+    assert tag == f"global_step{step}" and status == "143", first
+    assert read_latest(ckpt) == tag and saved_step(ckpt) == int(step)
+
+    # 2. Slurm: SIGTERM to torchrun and to the workers, then to the workers again
+    proc = torchrun(ckpt, logs[1], 1000)
+    wait_for_step(logs[1], int(step) + 3, proc)
+    pids = [int((logs[1] / f"pid.rank{r}").read_text()) for r in range(2)]
+    for target in [proc.pid, *pids, *pids]:
+        os.kill(target, signal.SIGTERM)
+        time.sleep(0.02)
+    code, err = finish(proc)
+    assert code != 0, err[-3000:]
+    assert [(logs[1] / f"resumed.rank{r}").read_text().split() for r in range(2)] == [[step]] * 2
+    second = preempted(logs[1])
+    assert second[0] == second[1] and int(second[0][0]) > int(step), (first, second)
+    step2, tag2, _ = second[0]
+    assert read_latest(ckpt) == tag2 and saved_step(ckpt) == int(step2)
+    assert not list(ckpt.glob(".tmp-*"))
