@@ -428,7 +428,7 @@ ERRORS = [  # (config, world size, exception, exact message)
         {"train_micro_batch_size_per_gpu": 2, "flatzero": {"bucket_size": 5}},
         1,
         ValueError,
-        "config key 'flatzero.bucket_size' is not a key of 'flatzero' that DeepSpeed or flatzero knows (known: async_save, bucket_numel, device, elementwise_optimizer, host_huge_pages, host_threads, learn_bucket_order, load_fallback, param_sync, progress, reduce_staging_buffers, reduce_staging_bytes, staging_buffers, tier); fix its spelling or remove it",
+        "config key 'flatzero.bucket_size' is not a key of 'flatzero' that DeepSpeed or flatzero knows (known: async_save, bucket_numel, device, elementwise_optimizer, host_huge_pages, host_threads, learn_bucket_order, load_fallback, param_sync, preemption_check_every, preemption_dir, preemption_exit_code, preemption_grace_s, preemption_signals, progress, reduce_staging_buffers, reduce_staging_bytes, staging_buffers, tier); fix its spelling or remove it",
         id="fz_key",
     ),
     pytest.param(
@@ -831,6 +831,11 @@ def test_flatzero_section_is_derived_from_the_dataclasses():
         "elementwise_optimizer": True,
         "load_fallback": "newest_valid",
         "async_save": True,
+        "preemption_dir": "ckpt",
+        "preemption_signals": "SIGUSR1",
+        "preemption_grace_s": 100,
+        "preemption_check_every": 5,
+        "preemption_exit_code": 99,
     }
     assert {k.key for k in FLATZERO_KEYS} == set(given)
     cfg = parse_config({**B, "flatzero": given}, world_size=1)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from flatzero.checkpoint import CheckpointReader, read_latest
+from flatzero.checkpoint import CheckpointReader, load_checkpoint, read_latest, save_checkpoint
 
 SCRIPT = Path(__file__).parent / "preemption_scripts" / "train.py"
 TIMEOUT_S = 120
@@ -102,3 +102,48 @@ def test_sigterm_saves_the_same_step_on_every_rank_and_the_run_resumes(tmp_path:
     step2, tag2, _ = second[0]
     assert read_latest(ckpt) == tag2 and saved_step(ckpt) == int(step2)
     assert not list(ckpt.glob(".tmp-*"))
+
+
+def pytorch_door_preempted(rank: int, ws: int, root: str) -> dict:
+    """``save_on_signal`` at 2 ranks; rank 1 gets SIGTERM twice after its 3rd step (real
+    signals, sent to itself) while an asynchronous save is being written; what each saw."""
+    import torch
+
+    from flatzero.checkpoint import Preempted, PreemptionConfig, save_on_signal
+    from flatzero.checkpoint.atomic import set_fault_hook
+    from test_checkpoint_async import make, slow_writes, state, step
+
+    model, opt = make()
+    watch = save_on_signal(opt, PreemptionConfig(directory=root, exit_code=7), model=model)
+    set_fault_hook(slow_writes)
+    at = {}
+    try:
+        for i in range(100):
+            step(model, opt, i)
+            at[i + 1] = state(opt)
+            if i == 1:
+                save_checkpoint(root, opt, asynchronous=True)
+            if i == 2 and rank == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGTERM)
+    except Preempted as preempted:
+        out = {"steps": len(at), "checkpoint": preempted.checkpoint.name, "code": preempted.code}
+    finally:
+        set_fault_hook(None)
+        watch.uninstall()
+    _, fresh = make()
+    loaded = load_checkpoint(root, fresh)
+    out["loaded"] = loaded.tag
+    out["same"] = all(torch.equal(v, state(fresh)[k]) for k, v in at[out["steps"]].items())
+    return out
+
+
+def test_pytorch_door_saves_the_same_step_on_a_signal(tmp_path: Path):
+    from flatzero.launch import run_ranks
+
+    out = run_ranks(pytorch_door_preempted, 2, str(tmp_path), timeout_s=90)
+    assert out[0] == out[1], out
+    assert out[0]["steps"] == 3 and out[0]["checkpoint"] == "step3", out  # the next boundary
+    assert out[0]["code"] == 7 and out[0]["loaded"] == "step3" and out[0]["same"], out
+    assert read_latest(tmp_path) == "step3"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step2", "step3"]

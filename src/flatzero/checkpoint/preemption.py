@@ -91,6 +91,10 @@ class PreemptionConfig:
             raise ValueError(
                 f"PreemptionConfig.check_every must be a positive int, got {self.check_every!r}"
             )
+        if self.exit_code is not None and not 0 <= self.exit_code <= 255:
+            raise ValueError(
+                f"PreemptionConfig.exit_code must be 0 to 255 or None, got {self.exit_code!r}"
+            )
         if not self.grace_s > 0:
             raise ValueError(f"PreemptionConfig.grace_s must be > 0 seconds, got {self.grace_s!r}")
 

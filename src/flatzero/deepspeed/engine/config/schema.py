@@ -206,7 +206,7 @@ class FlatzeroSection:
             likely to be killed (seconds).
         preemption_check_every: optimizer steps between the ranks' agreements on a signal
             (one host-side all-reduce of one scalar each).
-        preemption_exit_code: the exit status after the save (null: 128 + the signal's
+        preemption_exit_code: the exit status after the save, 1 to 255 (null: 128 + the signal's
             number).
     """
 
