@@ -10,6 +10,10 @@ and asynchronous saves every 3 steps. Two launches of ``torchrun --nproc-per-nod
    reaches every process of the step): SIGTERM to torchrun and to each worker, and once more
    to each worker; the workers get it three times: the same, at a later step, and no
    ``.tmp-*`` is left of the asynchronous saves.
+
+Then the PyTorch door (``save_on_signal``, 2 ranks through ``run_ranks``) and the Hugging
+Face route (an Accelerate loop through ``patch_deepspeed()``, one process), each with real
+signals a process sends itself.
 """
 
 from __future__ import annotations
@@ -147,3 +151,31 @@ def test_pytorch_door_saves_the_same_step_on_a_signal(tmp_path: Path):
     assert out[0]["code"] == 7 and out[0]["loaded"] == "step3" and out[0]["same"], out
     assert read_latest(tmp_path) == "step3"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step2", "step3"]
+
+
+def test_hugging_face_route_saves_on_a_signal(tmp_path: Path):
+    """An Accelerate loop through ``patch_deepspeed()`` with ``preemption_dir`` in its
+    DeepSpeed config, one process: SIGUSR1 after the 3rd step ends it at the 4th with 138
+    (128 + SIGUSR1) and a complete ``global_step4`` that ``latest`` names."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("deepspeed")
+    from flatzero.ports import free_port
+
+    script = Path(__file__).parent / "preemption_scripts" / "accelerate_loop.py"
+    env = {
+        **os.environ,
+        **{"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"},
+        **{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"},
+    }
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 128 + signal.SIGUSR1, done.stderr[-3000:]
+    assert "preempted by SIGUSR1: saved" in done.stderr, done.stderr[-3000:]
+    assert read_latest(tmp_path / "ckpt") == "global_step4"
+    assert saved_step(tmp_path / "ckpt") == 4
