@@ -67,8 +67,8 @@ class BackgroundSave:
             The background error on the rank it happened on; ``RuntimeError`` on the others.
         """
         t0 = time.perf_counter()
-        untrack(self)
         self.thread.join()
+        untrack(self)  # after the join: a wait broken off (Ctrl-C) leaves it to the exit
         waited = time.perf_counter() - t0
         if waited > 0.1:
             logger.info("waited %.2f s for the asynchronous save of %s", waited, self.path)
