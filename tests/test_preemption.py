@@ -179,3 +179,27 @@ def test_hugging_face_route_saves_on_a_signal(tmp_path: Path):
     assert "preempted by SIGUSR1: saved" in done.stderr, done.stderr[-3000:]
     assert read_latest(tmp_path / "ckpt") == "global_step4"
     assert saved_step(tmp_path / "ckpt") == 4
+
+
+def test_the_ranks_agree_every_check_every_boundaries_and_the_handler_only_notes():
+    """One process (no collective): SIGUSR1, sent twice for real, is noted once and
+    acted on at the next ``check_every``-th boundary only; the handlers come off after."""
+    from flatzero.checkpoint import PreemptionConfig, SignalWatch
+
+    before = signal.getsignal(signal.SIGUSR1)
+    watch = SignalWatch(PreemptionConfig(directory="x", check_every=3), None).install()
+    try:
+        assert watch.agree() is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert list(watch.came) == [signal.SIGUSR1]
+        assert watch.agree() is None  # boundary 2: no agreement
+        age, signum = watch.agree()  # boundary 3
+        assert signum == signal.SIGUSR1 and 0 <= age < 60
+    finally:
+        watch.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) == before
+    with pytest.raises(ValueError, match="not a signal of this system"):
+        PreemptionConfig(directory="x", signals=("SIGNOPE",))
+    with pytest.raises(ValueError, match="check_every must be a positive int"):
+        PreemptionConfig(directory="x", check_every=0)
