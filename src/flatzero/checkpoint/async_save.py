@@ -188,7 +188,9 @@ def snapshot(
     sizes = [padded(sum(t.numel() * t.element_size() for _, t in ts)) for _, ts, _ in files]
     total = max(PAGE, sum(sizes))
     on_device = {t.device for _, ts, _ in files for _, t in ts if accel.is_accelerator(t.device)}
-    buffer = checkpointer.buffer(total, pin=bool(on_device))
+    buffer = checkpointer.buffer(
+        total, pin=bool(on_device), device=min(on_device, key=str, default=None)
+    )
     images = []
     later: list[tuple[torch.Tensor, torch.Tensor]] = []
     from_device: dict[torch.device, tuple[list, list]] = {}
