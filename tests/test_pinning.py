@@ -140,3 +140,46 @@ def test_every_registration_goes_through_page_locked():
         if "pin_host(" in p.read_text() and p.name not in ("accel.py", "hostmem.py")
     )
     assert callers == [], callers
+
+
+def test_frozen_params_are_snapshotted_like_the_shards_not_before_the_save_returns():
+    """Item 9: in an asynchronous save, the model's frozen params are copied as the master
+    and state shards are (by the background thread, or the next step's fence), not before
+    ``save_checkpoint`` returns; its buffers (a forward pass changes them) are."""
+    from flatzero.checkpoint.async_save import snapshot
+    from flatzero.checkpoint.checkpointer import Checkpointer
+
+    shard, frozen, buffer = torch.ones(1000), torch.full((1000,), 2.0), torch.full((10,), 3.0)
+    files = [
+        ("rank", [("master", shard)], None),
+        ("rest", [("frozen.weight", frozen), ("norm.running_mean", buffer)], None),
+    ]
+    images, staging = snapshot(Checkpointer(), files, deferrable=[True, {"frozen.weight"}])
+    rest = images[1].data
+
+    def values(image_data: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+        return image_data[4 * start : 4 * (start + numel)].view(torch.float32)
+
+    assert torch.equal(values(rest, 1000, 10), buffer)  # copied before the save returned
+    assert not values(rest, 0, 1000).any() and not values(images[0].data, 0, 1000).any()
+    staging.copy_host()  # the background thread's part
+    assert torch.equal(values(rest, 0, 1000), frozen)
+    assert torch.equal(values(images[0].data, 0, 1000), shard)
+
+
+def test_offload_waits_sleep_rather_than_spin(monkeypatch):
+    """Item 10: the offload's events are blocking (a host wait on one sleeps; a spinning
+    wait takes a core from the host step of this rank or a neighbour)."""
+    from flatzero.optim import offload as offload_module
+
+    flat, grads, *_ = _flat_for_offload()
+    _AsyncDevice().install(monkeypatch)
+    inner, made = accel.new_event, []
+
+    def new_event(device: torch.device, **kwargs: bool):
+        made.append(kwargs.get("blocking", False))
+        return inner(device, **kwargs)
+
+    monkeypatch.setattr(accel, "new_event", new_event)
+    offload_module.HostOffload(flat, grads, OffloadConfig(pin_memory=True), threads=1)
+    assert made and all(made), made

@@ -276,9 +276,11 @@ class HostOffload:
         self._fresh = [False] * len(self._downloads)
         if accel.has_streams(self.device):
             self._stream = accel.new_stream(self.device)
-            self._events = [accel.new_event(self.device) for _ in pairs]
-            self._scalar_event = accel.new_event(self.device)
-            self._upload_event = accel.new_event(self.device)
+            # blocking: the host sleeps in their waits rather than spin a core that the
+            # host step (this rank's or a neighbour's) would use
+            self._events = [accel.new_event(self.device, blocking=True) for _ in pairs]
+            self._scalar_event = accel.new_event(self.device, blocking=True)
+            self._upload_event = accel.new_event(self.device, blocking=True)
             self._fences += [*self._events, self._scalar_event, self._upload_event]
 
     # ----------------------------------------------------------- stepper.ShardStepper
