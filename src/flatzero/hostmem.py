@@ -196,6 +196,7 @@ class StagingBuffer:
 
     def __post_init__(self) -> None:
         self._unpin = weakref.finalize(self, _unpin, self.data, self.device, self.registered)
+        self._unpin.atexit = False  # the process's exit releases its pages anyway
 
     def release(self) -> None:
         """Unpin what flatzero pinned for this buffer, and nothing else of the process (a
