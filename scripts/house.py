@@ -210,7 +210,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
         ("patch", ("patch",)),
     ),
     "testing": (
-        ("state", ("emulated.state",)),
+        ("state", ("emulated.pinning", "emulated.state")),
         ("memory and streams", ("emulated.storage", "emulated.streams")),
         (
             "ops, device module, collectives",

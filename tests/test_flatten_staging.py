@@ -29,6 +29,7 @@ from device.harness import UnevenNet, host_copy, launch, this_device, unchanged
 from flatzero import FlattenConfig, accel, flatten_parameters
 from flatzero.flatten import BucketFillError, driver, tiers
 from flatzero.flatten.source import CheckpointSource, TensorSource
+from flatzero.hostmem import mapped_host
 from flatzero.launch import run_ranks
 from flatzero.memory import DeviceOutOfMemoryError
 from flatzero.storage import writer as stwriter
@@ -328,7 +329,7 @@ def test_pin_host_registers_exactly_the_tensor(monkeypatch, caplog):
     module = type("Module", (), {"cudart": staticmethod(lambda: runtime)})()
     monkeypatch.setattr(accel, "accelerator_type", lambda: "cuda")
     monkeypatch.setattr(accel, "device_module", lambda device: module)
-    buffer = torch.empty(4096, dtype=torch.uint8)
+    buffer = mapped_host(4096)  # pages of its own (a heap tensor may share one: refused)
     assert accel.pin_host(buffer)
     accel.unpin_host(buffer)
     assert runtime.calls == [

@@ -337,7 +337,7 @@ class _AsyncDevice:
                 pass  # device-side order; this fake checks the host's
 
         class Event:
-            def __init__(self, device=None) -> None:
+            def __init__(self, device=None, blocking: bool = False) -> None:
                 self.ops: list = []
 
             def record(self, stream) -> None:

@@ -21,9 +21,13 @@ call: that is ``devices.py``, built on this module.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import inspect
 import logging
+import mmap
+import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,6 +51,7 @@ __all__ = [
     "new_stream",
     "on_device",
     "pin_host",
+    "pinned_bytes",
     "pinned_empty",
     "reset_peak_memory_stats",
     "rng_states",
@@ -312,10 +317,11 @@ _REGISTER_PORTABLE = 1
 ``torch.cuda._pin_memory_utils`` registers them)."""
 
 
-def _host_registration() -> tuple[Any, Any] | None:
-    """``(register, unregister)`` of this process's accelerator runtime for page-locking
-    existing host memory (CUDA and ROCm: ``cudaHostRegister``/``cudaHostUnregister`` of
-    ``torch.cuda.cudart()``), or None where the runtime offers no such calls."""
+def _host_registration() -> tuple[Any, Any, Any] | None:
+    """``(register, unregister, runtime)`` of this process's accelerator runtime for
+    page-locking existing host memory (CUDA and ROCm: ``cudaHostRegister``/
+    ``cudaHostUnregister`` of ``torch.cuda.cudart()``), or None where the runtime offers no
+    such calls."""
     device_type = accelerator_type()
     if device_type is None:
         return None
@@ -328,42 +334,116 @@ def _host_registration() -> tuple[Any, Any] | None:
         return None
     register = getattr(calls, "cudaHostRegister", None)
     unregister = getattr(calls, "cudaHostUnregister", None)
-    return None if register is None or unregister is None else (register, unregister)
+    return None if register is None or unregister is None else (register, unregister, calls)
+
+
+_PAGE = mmap.PAGESIZE
+"""Bytes per host page: the runtime page-locks whole pages."""
+
+_pinned_pages: dict[int, tuple[int, int]] = {}
+"""Address -> (first page, end page) of every range ``pin_host`` registered and
+``unpin_host`` did not release yet."""
+_pinned_lock = threading.Lock()
+
+
+def _pages(tensor: torch.Tensor) -> tuple[int, int]:
+    start = tensor.data_ptr()
+    return start // _PAGE, -(-(start + tensor.nbytes) // _PAGE)
+
+
+# [Note: a refused registration]
+# ``torch.cuda.cudart().cudaHostRegister`` returns the runtime's error and leaves it
+# latched as the thread's last error (torch's binding does not clear it): the next kernel
+# launch, whose check reads that last error, would raise it (712 "part or all of the
+# requested memory range is already mapped", 2 "out of memory") at an unrelated op. So a
+# refused registration clears it at once (``_clear_last_error``), and ``pin_host`` never
+# asks for what the runtime refuses for sure: memory that does not start on a page of its
+# own, or shares a page with memory it registered (two registrations of one page fail
+# with 712; small buffers from the heap share pages, ``hostmem.page_locked`` gives each
+# buffer a mapping of its own).
+
+
+def _clear_last_error(runtime: Any) -> None:
+    """Clear the accelerator runtime's latched error of this thread (see
+    [Note: a refused registration]): its ``cudaGetLastError`` where the runtime object has
+    one, else that of the CUDA (HIP) runtime library this process has loaded."""
+    get_last_error = getattr(runtime, "cudaGetLastError", None) or _loaded_get_last_error()
+    if get_last_error is not None:
+        get_last_error()
+
+
+@functools.cache
+def _loaded_get_last_error() -> Any:
+    """``cudaGetLastError`` (``hipGetLastError``) of the runtime library already mapped into
+    this process (torch's own: ``RTLD_NOLOAD`` never loads a second one), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/lib" in line}
+    except OSError:
+        return None
+    for library, name in (("libcudart", "cudaGetLastError"), ("libamdhip64", "hipGetLastError")):
+        for path in sorted(p for p in paths if library in os.path.basename(p)):
+            try:
+                return getattr(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY), name)
+            except (OSError, AttributeError):
+                continue
+    return None
 
 
 def pin_host(tensor: torch.Tensor) -> bool:
     """Page-lock the host memory of the contiguous CPU ``tensor`` in place, for
-    asynchronous copies to and from this process's accelerator; True when done.
+    asynchronous copies to and from this process's accelerator (in the current device's
+    context: ``on_device`` the device the buffer serves); True when done.
 
     The pages stay the caller's alone: ``unpin_host`` releases exactly them, where memory
     from torch's pinned caching allocator could only be given back by emptying that
     process-wide cache, every other cached block with it (a DataLoader's ``pin_memory``
-    batches). False,
-    nothing changed, where the runtime cannot register host memory (no accelerator, or a
-    backend without the calls: the caller may take ``pinned_empty``'s memory instead) or
-    refused (the system's page-locked limit; warned with the size)."""
+    batches). False, nothing changed, where the runtime cannot register host memory (no
+    accelerator, or a backend without the calls: the caller may take ``pinned_empty``'s
+    memory instead), ``tensor`` does not start on a page boundary or shares a page with
+    memory registered here, or the runtime refused (the system's page-locked limit; warned
+    with the size, its latched error cleared: [Note: a refused registration])."""
     calls = _host_registration()
     if calls is None or tensor.nbytes == 0:
         return False
-    code = int(calls[0](tensor.data_ptr(), tensor.nbytes, _REGISTER_PORTABLE))
-    if code != 0:
-        logger.warning(
-            "could not page-lock %d bytes of host memory (runtime error %d); uploads use "
-            "pageable memory and are synchronous",
-            tensor.nbytes,
-            code,
-        )
-        return False
-    return True
+    pages = _pages(tensor)
+    with _pinned_lock:
+        if tensor.data_ptr() % _PAGE or any(
+            first < pages[1] and pages[0] < end for first, end in _pinned_pages.values()
+        ):
+            return False
+        code = int(calls[0](tensor.data_ptr(), tensor.nbytes, _REGISTER_PORTABLE))
+        if code != 0:
+            _clear_last_error(calls[2])
+        if code == 0:
+            _pinned_pages[tensor.data_ptr()] = pages
+            return True
+    logger.warning(
+        "could not page-lock %d bytes of host memory (runtime error %d); uploads use "
+        "pageable memory and are synchronous",
+        tensor.nbytes,
+        code,
+    )
+    return False
 
 
 def unpin_host(tensor: torch.Tensor) -> None:
-    """Undo ``pin_host(tensor)``: call it with the same tensor once no copy reads or writes
-    it any more, before its memory is freed. Nothing else of the process is touched."""
+    """Undo ``pin_host(tensor)``: call it with the same tensor once no copy reads or
+    writes it any more, before its memory is freed. Nothing else of the process is touched."""
     calls = _host_registration()
     assert calls is not None, "unpin_host without a runtime that pinned it"
-    code = int(calls[1](tensor.data_ptr()))
+    with _pinned_lock:
+        _pinned_pages.pop(tensor.data_ptr(), None)
+        code = int(calls[1](tensor.data_ptr()))
+        if code != 0:
+            _clear_last_error(calls[2])
     if code != 0:
         logger.warning(
             "unpinning %d bytes of host memory failed (runtime error %d)", tensor.nbytes, code
         )
+
+
+def pinned_bytes() -> int:
+    """Bytes of whole pages ``pin_host`` registered and ``unpin_host`` did not release."""
+    with _pinned_lock:
+        return sum((end - first) * _PAGE for first, end in _pinned_pages.values())

@@ -11,19 +11,22 @@ touch cuts the faults 512-fold. PyTorch offers this only through the process-wid
 huge pages spare it TLB misses (measured: docs/benchmarks.md, "Figures behind the code's
 docstrings").
 
-Staging buffers for uploads (``staging_buffer``) are page-locked by flatzero itself where
-the accelerator's runtime can register host memory, so that releasing them gives back
-exactly those pages and never empties the process's pinned cache.
+Page-locked buffers (``page_locked``: staging slots, offload's gradient shards, the
+asynchronous save's snapshot) are mappings of their own, registered by flatzero where the
+accelerator's runtime can, so that releasing them gives back exactly those pages and never
+empties the process's pinned cache (see [Note: page-locked host buffers, in one place]).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import logging
 import mmap
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +36,14 @@ from torch.overrides import TorchFunctionMode
 
 from . import accel
 
-__all__ = ["HugePageFactories", "StagingBuffer", "empty_host", "mapped_host", "staging_buffer"]
+__all__ = [
+    "HugePageFactories",
+    "StagingBuffer",
+    "empty_host",
+    "mapped_host",
+    "page_locked",
+    "staging_buffer",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -174,12 +184,19 @@ class StagingBuffer:
         data: the buffer.
         pinned: page-locked: a copy to or from the accelerator is an asynchronous DMA.
         registered: page-locked in place by flatzero (``accel.pin_host``) rather than
-            taken from torch's pinned caching allocator; ``release`` unpins it.
+            taken from torch's pinned caching allocator; ``release`` unpins it, and so
+            does dropping the last reference to this object (before its pages are unmapped).
+        device: the device whose context registered it (None: the current one).
     """
 
     data: torch.Tensor
     pinned: bool
     registered: bool = False
+    device: torch.device | None = None
+
+    def __post_init__(self) -> None:
+        self._unpin = weakref.finalize(self, _unpin, self.data, self.device, self.registered)
+        self._unpin.atexit = False  # the process's exit releases its pages anyway
 
     def release(self) -> None:
         """Unpin what flatzero pinned for this buffer, and nothing else of the process (a
@@ -187,27 +204,58 @@ class StagingBuffer:
         writes the buffer any more, then drop it. A buffer from torch's pinned caching
         allocator goes back to that cache when dropped; the cache is never emptied here."""
         if self.registered:
-            accel.unpin_host(self.data)
             self.registered = False
+            self._unpin()
 
 
-def staging_buffer(nbytes: int, *, pin: bool) -> StagingBuffer:
-    """A host buffer of ``nbytes`` bytes for uploads, page-locked if ``pin`` and possible.
+def _unpin(data: torch.Tensor, device: torch.device | None, registered: bool) -> None:
+    if registered:
+        with _context(device):
+            accel.unpin_host(data)
 
-    Page-locked (pinned) memory makes a host-to-device copy a true asynchronous DMA. It is
-    flatzero's own memory registered with the accelerator's runtime where the runtime can
-    (CUDA, ROCm), so that releasing it touches no other pinned memory of the process;
-    elsewhere it comes from torch's pinned caching allocator, which rounds a request up to
-    a power of two (callers ask for powers of two). When pinning fails (the system's
-    page-locked limit, a backend without pinned memory), the buffer is pageable and its
-    copies are synchronous: slower, never wrong. Call ``release`` when done with it.
-    """
-    host = empty_host(nbytes, torch.uint8)
-    if not pin:
-        return StagingBuffer(host, pinned=False)
-    if accel.pin_host(host):
-        return StagingBuffer(host, pinned=True, registered=True)
-    cached = accel.pinned_empty(nbytes)
+
+def _context(device: torch.device | None) -> contextlib.AbstractContextManager[None]:
+    """``device`` made current for the block (nothing when None): a registration is made in
+    the context of the device its buffer serves, never in device 0's by default."""
+    return contextlib.nullcontext() if device is None else accel.on_device(device)
+
+
+# [Note: page-locked host buffers, in one place]
+# Every long-lived host buffer flatzero page-locks (the staging ring's slots, optimizer
+# offload's gradient shards, an asynchronous save's snapshot) comes from ``page_locked``: a
+# private anonymous mapping of its own (``mapped_host``: no page shared with other memory,
+# so no registration can collide with another; ``MADV_DONTFORK``: a forked DataLoader
+# worker gets no copy of it, where Linux 5.9+ would copy every page-locked page into the
+# child at the fork), registered in the context of the device it serves, unregistered by
+# ``release`` or, at the latest, when its ``StagingBuffer`` is dropped, before the mapping
+# goes. Memory from torch's pinned caching allocator (the fallback where the runtime cannot
+# register) is torch's: it is neither marked nor unregistered here.
+
+
+def page_locked(nbytes: int, *, device: torch.device | None = None) -> StagingBuffer:
+    """A host buffer of ``nbytes`` bytes for copies to and from ``device`` (see
+    [Note: page-locked host buffers, in one place]): registered in place where the
+    runtime can, else from torch's pinned caching allocator, else pageable (its copies are
+    then synchronous: slower, never wrong). Call ``release`` when done with it."""
+    host = mapped_host(nbytes)
+    with _context(device):
+        if accel.pin_host(host):
+            return StagingBuffer(host, pinned=True, registered=True, device=device)
+        cached = accel.pinned_empty(nbytes)
     if cached is not None:
-        return StagingBuffer(cached, pinned=True)
+        return StagingBuffer(cached[:nbytes], pinned=True)
     return StagingBuffer(host, pinned=False)
+
+
+def staging_buffer(nbytes: int, *, pin: bool, device: torch.device | None = None) -> StagingBuffer:
+    """A host buffer of ``nbytes`` bytes for uploads to ``device``, page-locked if ``pin``
+    and possible (``page_locked``), else pageable host memory.
+
+    Page-locked (pinned) memory makes a host-to-device copy a true asynchronous DMA. Where
+    the runtime cannot register host memory it comes from torch's pinned caching allocator,
+    which rounds a request up to a power of two (callers ask for powers of two). Call
+    ``release`` when done with it.
+    """
+    if not pin:
+        return StagingBuffer(empty_host(nbytes, torch.uint8), pinned=False)
+    return page_locked(nbytes, device=device)

@@ -30,14 +30,20 @@ def launch(
     capacity_bytes: int = GiB,
     backend: str | None = None,
     host_collectives: bool = True,
+    host_registration: bool | None = None,
     timeout_s: float = 120.0,
 ) -> list[Any]:
     """``fn(rank, world_size, kind, *args)`` on ``world_size`` fresh rank processes whose
     accelerator is ``kind``: the emulated one (with ``capacity_bytes`` of memory per rank)
-    or CUDA (NCCL). Skips when the emulator cannot be installed on this torch."""
+    or CUDA (NCCL); ``host_registration``: the emulated device's ``cudart()`` (None: as
+    its deferred-stream mode). Skips when the emulator cannot be installed on this torch."""
     if kind == "emu":
         prepare = functools.partial(
-            install, "emu", capacity_bytes=capacity_bytes, host_collectives=host_collectives
+            install,
+            "emu",
+            capacity_bytes=capacity_bytes,
+            host_collectives=host_collectives,
+            host_registration=host_registration,
         )
         backend = backend or EMU_BACKEND
     else:

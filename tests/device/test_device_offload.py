@@ -65,9 +65,9 @@ class _Recorder:
             self.bump("new_stream")
             return self.originals["new_stream"](device)
 
-        def new_event(device):
+        def new_event(device, **kwargs):
             self.bump("new_event")
-            return Event(self.originals["new_event"](device))
+            return Event(self.originals["new_event"](device, **kwargs))
 
         def synchronize(device):
             self.bump("synchronize in a step" if self.in_step else "synchronize")

@@ -23,7 +23,7 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -172,14 +172,16 @@ def snapshot(
     checkpointer: Checkpointer,
     files: Sequence[tuple[str, Sequence[tuple[str, torch.Tensor]], dict[str, str] | None]],
     *,
-    deferrable: Sequence[bool],
+    deferrable: Sequence[bool | Collection[str]],
 ) -> tuple[list[FileImage], Staging]:
     """``files`` (per file: its name, its tensors in order and its metadata) laid out in
     ``checkpointer``'s reusable host buffer as the files' data (``image.lay_out``), and the
     copies into it that are still to land (``Staging``): device tensors' (on a side stream,
     into a page-locked buffer) and, for each file with ``deferrable`` true (tensors that
-    only the optimizer's step or a load changes), host tensors'. The other host tensors are
-    copied now. The buffer is allocated at the first call and kept; a larger state (or
+    only the optimizer's step or a load changes), host tensors'; ``deferrable`` may instead
+    name a file's tensors that are (frozen params: no forward pass changes them). The other
+    host tensors are copied now, and the device's next work waits for the other device
+    tensors' copies. The buffer is allocated at the first call and kept; a larger state (or
     device tensors after host ones) allocates anew.
 
     Raises:
@@ -188,16 +190,23 @@ def snapshot(
     sizes = [padded(sum(t.numel() * t.element_size() for _, t in ts)) for _, ts, _ in files]
     total = max(PAGE, sum(sizes))
     on_device = {t.device for _, ts, _ in files for _, t in ts if accel.is_accelerator(t.device)}
-    buffer = checkpointer.buffer(total, pin=bool(on_device))
+    buffer = checkpointer.buffer(
+        total, pin=bool(on_device), device=min(on_device, key=str, default=None)
+    )
     images = []
     later: list[tuple[torch.Tensor, torch.Tensor]] = []
     from_device: dict[torch.device, tuple[list, list]] = {}
     offset = 0
-    for (name, tensors, metadata), size, defer in zip(files, sizes, deferrable, strict=True):
+    for (name, tensors, metadata), size, defer_which in zip(files, sizes, deferrable, strict=True):
         image, copies = lay_out(name, tensors, metadata, buffer.data[offset : offset + size])
         images.append(image)
         offset += size
-        for dst, src in copies:
+        defers = [  # per copy: lay_out copies the tensors with bytes, in order
+            defer_which if isinstance(defer_which, bool) else n in defer_which
+            for n, t in tensors
+            if t.numel() * t.element_size()
+        ]
+        for (dst, src), defer in zip(copies, defers, strict=True):
             if accel.is_accelerator(src.device):
                 now_and_later = from_device.setdefault(src.device, ([], []))
                 now_and_later[1 if defer else 0].append((dst, src))

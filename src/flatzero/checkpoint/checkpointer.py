@@ -21,11 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-from .. import accel
 from ..control import raise_if_any_failed
-from ..hostmem import StagingBuffer, mapped_host
+from ..hostmem import StagingBuffer, mapped_host, page_locked
 from ..optim import ZeroOptimizer
 from .exit import track, untrack
 
@@ -84,18 +84,14 @@ class BackgroundSave:
                 self.forget()
 
 
-def _allocate(nbytes: int, pin: bool) -> StagingBuffer:
-    """``nbytes`` (a multiple of the page) of page-aligned host memory, page-locked if
-    ``pin`` and possible. A mapping of its own on huge pages (``hostmem.mapped_host``), so
-    that its pages stay with it, faulted in once, from the first save to the last."""
-    host = mapped_host(nbytes)
-    if pin and accel.pin_host(host):
-        return StagingBuffer(host, pinned=True, registered=True)
+def _allocate(nbytes: int, pin: bool, device: torch.device | None) -> StagingBuffer:
+    """``nbytes`` (a multiple of the page) of page-aligned host memory, page-locked for
+    copies from ``device`` if ``pin`` and possible (``hostmem.page_locked``). A mapping of
+    its own on huge pages (``hostmem.mapped_host``), so that its pages stay with it, faulted
+    in once, from the first save to the last."""
     if pin:
-        cached = accel.pinned_empty(nbytes)
-        if cached is not None:
-            return StagingBuffer(cached[:nbytes], pinned=True)
-    return StagingBuffer(host, pinned=False)
+        return page_locked(nbytes, device=device)
+    return StagingBuffer(mapped_host(nbytes), pinned=False)
 
 
 class Checkpointer:
@@ -110,9 +106,10 @@ class Checkpointer:
         self.snapshot: StagingBuffer | None = None
         self.pending: BackgroundSave | None = None
 
-    def buffer(self, nbytes: int, pin: bool) -> StagingBuffer:
-        """The snapshot buffer, of at least ``nbytes`` bytes, page-locked with ``pin``: the
-        one kept, or a new one where that is too small (or not page-locked as needed).
+    def buffer(self, nbytes: int, pin: bool, device: torch.device | None = None) -> StagingBuffer:
+        """The snapshot buffer, of at least ``nbytes`` bytes, page-locked with ``pin`` for
+        copies from ``device``: the one kept, or a new one where that is too small (or not
+        page-locked as needed).
 
         Raises:
             RuntimeError / OSError: out of host memory.
@@ -120,7 +117,7 @@ class Checkpointer:
         buffer = self.snapshot
         if buffer is None or buffer.data.numel() < nbytes or (pin and not buffer.pinned):
             self.release_snapshot()
-            buffer = self.snapshot = _allocate(nbytes, pin)
+            buffer = self.snapshot = _allocate(nbytes, pin, device)
         return buffer
 
     def release_snapshot(self) -> None:

@@ -26,11 +26,14 @@ __all__ = ["Collected", "RankFiles", "collect", "layout_names", "rank_files", "s
 class RankFiles:
     """What this rank writes: its rank file's tensors (state shards, then RNG states) and
     metadata, and on rank 0 the model's rest. Live tensors for a synchronous save, their
-    copies in host memory for an asynchronous one."""
+    copies in host memory for an asynchronous one. ``frozen``: the names in ``rest`` of
+    frozen params (no forward pass changes them: an asynchronous save copies them as it
+    copies the shards, not before it returns)."""
 
     tensors: list[tuple[str, torch.Tensor]]
     metadata: dict[str, str]
     rest: list[tuple[str, torch.Tensor]]
+    frozen: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

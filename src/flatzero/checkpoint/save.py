@@ -10,6 +10,7 @@ for an asynchronous save its snapshot and background thread (the optimizer's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import logging
@@ -246,6 +247,9 @@ class Save:
         staged = StagedDirectory.beside(root / agreed, nonce)
         _create_tmp(staged, optimizer.flat, config)
         files = rank_files(collected, optimizer.flat, config)
+        if model is not None:  # its frozen params: snapshot like the shards (issue 41, 9)
+            names = frozenset(n for n, _ in model.named_parameters(remove_duplicate=False))
+            files = dataclasses.replace(files, frozen=names)
         return cls(optimizer, root, staged, collected, files, config)
 
     # ------------------------------------------------------------------ synchronous
@@ -429,9 +433,10 @@ class Save:
         """Lay this rank's files out in host memory and start copying them there (every
         rank agrees it could; rank 0 removes ``tmp`` if not), then finish the copies, write
         and publish in a background thread. The rank file's tensors (master and state
-        shards) are held by the optimizer's next step or load until copied (``Staging``);
-        the model's rest (buffers a forward pass may change) is copied before this returns
-        (on an accelerator: the device's next work is queued after its copy)."""
+        shards) and the model's frozen params are held by the optimizer's next step or load
+        until copied (``Staging``); the model's buffers (a forward pass may change them)
+        are copied before this returns (on an accelerator: the device's next work is
+        queued after their copy)."""
         flat = self.flat
         checkpointer = checkpointer_of(self.optimizer)
         wanted = self._wanted()
@@ -442,7 +447,7 @@ class Save:
                 (RuntimeError, OSError),  # out of host memory
             ):
                 self.images, self.staging = snapshot(
-                    checkpointer, wanted, deferrable=[True, False][: len(wanted)]
+                    checkpointer, wanted, deferrable=[True, self.files.frozen][: len(wanted)]
                 )
             staging = self.staging
             assert staging is not None

@@ -94,10 +94,13 @@ class StagingRing:
         slots: number of buffers.
         nbytes: size of each buffer (bytes); see ``staging_slot_bytes``.
         pin: page-lock them (``hostmem.staging_buffer``).
+        device: the device they upload to (registered in its context).
     """
 
-    def __init__(self, slots: int, nbytes: int, *, pin: bool) -> None:
-        self._slots = [_Slot(staging_buffer(nbytes, pin=pin)) for _ in range(slots)]
+    def __init__(
+        self, slots: int, nbytes: int, *, pin: bool, device: torch.device | None = None
+    ) -> None:
+        self._slots = [_Slot(staging_buffer(nbytes, pin=pin, device=device)) for _ in range(slots)]
         self.pinned = pin and all(s.staging.pinned for s in self._slots)
         self.slot_bytes = nbytes
         self._next = 0
@@ -165,7 +168,7 @@ class TierContext:
         nbytes = staging_slot_bytes(largest_staged_bytes)
         ring = self._rings.get(nbytes)
         if ring is None:
-            ring = StagingRing(self.staging_slots, nbytes, pin=True)
+            ring = StagingRing(self.staging_slots, nbytes, pin=True, device=self.device)
             self._rings[nbytes] = ring
         return ring
 

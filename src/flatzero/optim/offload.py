@@ -24,7 +24,7 @@ from .. import accel
 from ..comm import all_gather_buckets_from_own_slices
 from ..cores import init_threads
 from ..flatten.buffers import FlatParams
-from ..hostmem import empty_host
+from ..hostmem import StagingBuffer, empty_host, page_locked
 from .config import OffloadConfig
 from .inner import build_inner_optimizer, scale_grads, step_with_grad_scale, with_fused_default
 
@@ -43,8 +43,9 @@ HOST = torch.device("cpu")
 """Where an offloaded optimizer steps."""
 
 _REGISTER_MIN_BYTES = 2**23
-"""Host buffers from this size on are page-locked in place (``accel.pin_host``): they are
-``empty_host``'s own pages; smaller ones come from torch's pinned allocator."""
+"""Host buffers from this size on are page-locked in place (``hostmem.page_locked``: a
+mapping of their own, ``MADV_DONTFORK``); smaller ones come from torch's pinned
+allocator."""
 
 
 def check_host_kernel(
@@ -178,13 +179,13 @@ def offload_host_bytes(
     )
 
 
-def _unpin_all(tensors: list[torch.Tensor], fences: list[Any]) -> None:
-    if tensors:
+def _unpin_all(buffers: list[StagingBuffer], fences: list[Any]) -> None:
+    if buffers:
         for event in fences:  # a copy may still read or write the pages (an upload)
             event.synchronize()
-    for tensor in tensors:
-        accel.unpin_host(tensor)
-    tensors.clear()
+    for buffer in buffers:
+        buffer.release()
+    buffers.clear()
 
 
 # [Note: an offloaded step]
@@ -238,7 +239,7 @@ class HostOffload:
         self._pg = flat.process_group
         self.copies = accel.is_accelerator(self.device)
         self.pinned = self.copies and config.pin_memory
-        self._registered: list[torch.Tensor] = []
+        self._registered: list[StagingBuffer] = []
         self._fences: list[Any] = []
         """Every event of this object: waited on before the pages are unpinned."""
         weakref.finalize(self, _unpin_all, self._registered, self._fences)
@@ -275,9 +276,11 @@ class HostOffload:
         self._fresh = [False] * len(self._downloads)
         if accel.has_streams(self.device):
             self._stream = accel.new_stream(self.device)
-            self._events = [accel.new_event(self.device) for _ in pairs]
-            self._scalar_event = accel.new_event(self.device)
-            self._upload_event = accel.new_event(self.device)
+            # blocking: the host sleeps in their waits rather than spin a core that the
+            # host step (this rank's or a neighbour's) would use
+            self._events = [accel.new_event(self.device, blocking=True) for _ in pairs]
+            self._scalar_event = accel.new_event(self.device, blocking=True)
+            self._upload_event = accel.new_event(self.device, blocking=True)
             self._fences += [*self._events, self._scalar_event, self._upload_event]
 
     # ----------------------------------------------------------- stepper.ShardStepper
@@ -324,17 +327,22 @@ class HostOffload:
         """An empty host tensor, page-locked while ``self.pinned`` (registered in place,
         else from torch's pinned allocator); on the first failure every later buffer is
         pageable too and one warning says so."""
-        host = empty_host(numel, dtype)
         if not self.pinned:
-            return host
-        # A small buffer may share a page with other memory: registering it in place
-        # could collide with another registration; torch's pinned allocator takes it.
-        if host.nbytes >= _REGISTER_MIN_BYTES and accel.pin_host(host):
-            self._registered.append(host)
-            return host
-        cached = accel.pinned_empty(numel * dtype.itemsize)
-        if cached is not None:
-            return cached.view(dtype)
+            return empty_host(numel, dtype)
+        nbytes = numel * dtype.itemsize
+        if nbytes >= _REGISTER_MIN_BYTES:  # a mapping of its own, registered in place
+            buffer = page_locked(nbytes, device=self.device)
+            host = buffer.data.view(dtype)
+            if buffer.registered:
+                self._registered.append(buffer)
+            if buffer.pinned:
+                return host
+        else:  # a page of its own would be mostly waste: torch's pinned allocator
+            host = empty_host(numel, dtype)
+            with accel.on_device(self.device):
+                cached = accel.pinned_empty(nbytes)
+            if cached is not None:
+                return cached.view(dtype)
         self.pinned = False
         logger.warning(
             "optimizer offload: pin_memory is on but host memory could not be page-locked; "

@@ -166,15 +166,15 @@ class SafetensorsWriter:
         self.checksum[name] = summer.result() if summer is not None else None
         self._next += 1
 
-    def _staging_slots(self, pin: bool) -> list[torch.Tensor]:
+    def _staging_slots(self, pin: bool, device: torch.device) -> list[torch.Tensor]:
         """The host chunks device tensors go through: allocated at the first device tensor
-        (pinned when ``pin`` and the system allows), as large as the largest entry needs,
-        kept until the file is closed."""
+        (pinned for ``device`` when ``pin`` and the system allows), as large as the largest
+        entry needs, kept until the file is closed."""
         if not self._staging:
             largest = max(e.nbytes for e in self.entries)
             size = max(1, min(_CHUNK_BYTES, largest))
             count = _SLOTS if largest > size else 1
-            self._staging = [staging_buffer(size, pin=pin) for _ in range(count)]
+            self._staging = [staging_buffer(size, pin=pin, device=device) for _ in range(count)]
             self._pinned = pin and all(b.pinned for b in self._staging)
         return [b.data for b in self._staging]
 
@@ -194,7 +194,7 @@ class SafetensorsWriter:
         if data.numel() == 0:
             return
         streamed = _streamed(data)
-        slots = self._staging_slots(streamed)
+        slots = self._staging_slots(streamed, data.device)
         ops = staging_plan(data.numel(), slots[0].numel(), len(slots))
         if not streamed:  # not on an accelerator: synchronous copies through the chunks
             for op in ops:

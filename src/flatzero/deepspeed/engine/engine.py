@@ -299,11 +299,15 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
 
     def destroy(self) -> None:
         """Wait for an asynchronous save still being written (``wait_for_save``) and for
-        old checkpoints still being deleted (``atomic.wait_for_removals``), then remove the
-        gradient hooks from the params (the engine cannot train after; the module stays
+        old checkpoints still being deleted (``atomic.wait_for_removals``), free the
+        asynchronous saves' snapshot buffer (unpinned: ``release_snapshot``), then remove
+        the gradient hooks from the params (the engine cannot train after; the module stays
         usable). Calling it again does nothing."""
         if not self._destroyed:
+            from ...checkpoint.checkpointer import release_snapshot
+
             self.wait_for_save()
+            release_snapshot(self.optimizer)
             wait_for_removals()
             self._destroyed = True
             self.optimizer.close()

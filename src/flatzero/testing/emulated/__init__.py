@@ -6,13 +6,15 @@ where there is no GPU, in CI. :func:`install` registers a backend that torch tre
 accelerator like any other (``torch.device("emu", 0)``, ``torch.get_device_module("emu")``,
 ``init_process_group("cpu:gloo,emu:emu-gloo")``), one job per module: ``state`` (the
 device, its capacity and counters), ``storage`` (CPU bytes underneath), ``kernels`` and
-``fallback`` (the ops), ``streams``, ``device_module``, ``collectives`` (gloo over CPU
-aliases) and ``registration``.
+``fallback`` (the ops), ``streams`` (synchronous, or deferred: [Note: deferred streams]),
+``pinning`` (host registration under CUDA's rules), ``device_module``, ``collectives``
+(gloo over CPU aliases) and ``registration``.
 
-Known limits (do not read more into a test on it): every op is synchronous, so a missing
-stream wait is never caught; there is no pinned host memory (``pin_memory()`` raises once
-the emulated device is the process's accelerator); reserved == allocated (no caching
-allocator); each op costs ~40x its CPU time.
+Known limits (do not read more into a test on it): the default stream is synchronous, and
+side-stream copies too unless the deferred mode is on (``FLATZERO_EMU_STREAMS=deferred``);
+there is no pinned allocator (``pin_memory()`` raises once the emulated device is the
+process's accelerator; ``install(host_registration=True)`` registers host memory in place);
+reserved == allocated (no caching allocator); each op costs ~40x its CPU time.
 """
 
 from .registration import install

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from .state import require
 from .storage import cpu_alias
+from .streams import before_op
 
 __all__ = ["GlooOverAliases"]
 
@@ -48,6 +49,7 @@ class GlooOverAliases(dist.ProcessGroup):
         emulated collective is synchronous, like every emulated op)."""
         if not require().host_collectives:
             _refuse_host_tensors(method, args)
+        before_op()  # NCCL's stream waits for the current stream
         work = getattr(self._gloo, method)(*(_aliases(a) for a in args))
         work.wait()
         return work

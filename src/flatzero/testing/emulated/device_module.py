@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .state import PRIVATEUSE1, Counters, index_of, require
-from .streams import Event, Stream, current_stream
+from .streams import Event, Stream, current_stream, flush_all
 
 __all__ = ["DeviceModule", "Guard", "Hooks"]
 
@@ -26,6 +26,15 @@ class DeviceModule:
 
     Stream = Stream
     Event = Event
+
+    @property
+    def cudart(self):
+        """``cudart()``: the host registration calls ([Note: emulated registration]), only
+        where ``install(host_registration=True)``."""
+        registry = require().host_registry
+        if registry is None:
+            raise AttributeError("cudart")
+        return lambda: registry
 
     def is_initialized(self) -> bool:
         return True
@@ -49,7 +58,7 @@ class DeviceModule:
         require().current = index
 
     def synchronize(self, device=None) -> None:
-        return None
+        flush_all()
 
     def manual_seed_all(self, seed: int) -> None:
         return None

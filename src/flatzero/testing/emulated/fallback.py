@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_map
 from .kernels import resize_
 from .state import require
 from .storage import bind, cpu_alias, to_emulated
+from .streams import before_op
 
 __all__ = ["fallback"]
 
@@ -88,6 +89,10 @@ class _Fallback:
 
     def run(self) -> Any:
         self._check_placement()
+        registry = require().host_registry
+        if registry is not None:
+            registry.raise_latched()
+        before_op()
         self._swap_out_args()
         result = self.op(*self.args, **self.kwargs)
         for emulated, clone in self.out_copies:

@@ -16,6 +16,7 @@ from .storage import (
     extent_bytes,
     new_storage,
 )
+from .streams import before_op, issue
 
 __all__ = ["IMPLS", "copy_bytes", "resize_"]
 
@@ -45,22 +46,24 @@ def _empty_memory_format(
 
 
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False):
-    copy_bytes(dst, src)
+    issue(lambda: copy_bytes(dst, src), asynchronous=non_blocking)
     return dst
 
 
 def _copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False):
-    copy_bytes(dst, src)
+    issue(lambda: copy_bytes(dst, src), asynchronous=non_blocking)
     return dst
 
 
 def _local_scalar_dense(tensor: torch.Tensor):
+    before_op()
     return cpu_alias(tensor).item()
 
 
 def resize_(tensor: torch.Tensor, size, memory_format=None):
     """Resize emulated ``tensor`` in place to contiguous ``size``, growing its storage (a new
     one, charged, holding the old bytes) when it is too small."""
+    before_op()
     size = tuple(size)
     stride = contiguous_strides(size)
     needed = extent_bytes(size, stride, tensor.dtype) + tensor.storage_offset() * (

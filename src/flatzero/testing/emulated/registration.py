@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -11,9 +12,14 @@ from .collectives import GlooOverAliases
 from .device_module import DeviceModule, Guard, Hooks
 from .fallback import fallback
 from .kernels import IMPLS
+from .pinning import HostRegistry
 from .state import Counters, EmulatedDevice, EmulationUnavailable, installed, set_installed
 
-__all__ = ["install"]
+__all__ = ["DEFERRED_ENV", "install"]
+
+DEFERRED_ENV = "FLATZERO_EMU_STREAMS"
+"""``FLATZERO_EMU_STREAMS=deferred``: ``install`` turns on [Note: deferred streams] (a
+test sets it before launching its rank processes)."""
 
 _LIBRARIES: list[torch.library.Library] = []
 
@@ -26,7 +32,12 @@ _LIBRARIES: list[torch.library.Library] = []
 
 
 def install(
-    name: str = "emu", *, capacity_bytes: int = 1 << 30, host_collectives: bool = True
+    name: str = "emu",
+    *,
+    capacity_bytes: int = 1 << 30,
+    host_collectives: bool = True,
+    deferred_streams: bool | None = None,
+    host_registration: bool | None = None,
 ) -> EmulatedDevice:
     """Register the emulated accelerator ``name`` in this process (once per process).
 
@@ -37,6 +48,11 @@ def install(
         host_collectives: whether the ``<name>-gloo`` backend also takes host tensors (as
             gloo does); False makes it refuse them as NCCL does, for a group created with
             the device backend alone (``init_process_group("<name>-gloo")``).
+        deferred_streams: [Note: deferred streams] (``streams``); None: on when the
+            environment has ``FLATZERO_EMU_STREAMS=deferred`` (``DEFERRED_ENV``).
+        host_registration: the device module offers ``cudart()`` to page-lock host memory
+            ([Note: emulated registration]); None: as ``deferred_streams`` (so that the
+            copies flatzero makes asynchronous only from page-locked memory are).
 
     Returns:
         The installed device (its counters and capacity).
@@ -59,12 +75,18 @@ def install(
         raise EmulationUnavailable(
             f"PrivateUse1 is already taken by {torch._C._get_privateuse1_backend_name()!r}"
         )
+    if deferred_streams is None:
+        deferred_streams = os.environ.get(DEFERRED_ENV, "") == "deferred"
+    if host_registration is None:
+        host_registration = deferred_streams
     state = EmulatedDevice(
         name=name,
         device_count=1,
         backend_name=f"{name}-gloo",
         counters=[Counters(capacity=capacity_bytes)],
         host_collectives=host_collectives,
+        deferred_streams=deferred_streams,
+        host_registry=HostRegistry() if host_registration else None,
     )
     set_installed(state)
     try:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .pinning import HostRegistry
+
 __all__ = [
     "PRIVATEUSE1",
     "Counters",
@@ -44,12 +46,16 @@ class Counters:
 @dataclass
 class EmulatedDevice:
     """The installed emulated accelerator: its name and memory counters per device (see
-    [Note: one device per process])."""
+    [Note: one device per process]); ``deferred_streams``: [Note: deferred streams]
+    (``streams``); ``host_registry``: [Note: emulated registration] (None: the device
+    module has no ``cudart``)."""
 
     name: str
     device_count: int
     backend_name: str
     host_collectives: bool = True
+    deferred_streams: bool = False
+    host_registry: HostRegistry | None = None
     counters: list[Counters] = field(default_factory=list)
     current: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
