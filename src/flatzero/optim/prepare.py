@@ -34,8 +34,15 @@ from .offload import check_host_kernel
 from .reducers import GradReducer, check_unclaimed
 from .stage1 import Stage1Reducer
 from .stage2 import LocalStage2Reducer, Stage2Reducer
+from .whole import WholePiece
 
-__all__ = ["allocate_grad_shards", "check_buckets_usable", "flat_params_for", "make_reducer"]
+__all__ = [
+    "allocate_grad_shards",
+    "check_buckets_usable",
+    "flat_params_for",
+    "make_reducer",
+    "whole_pieces",
+]
 
 
 def _probe_optimizer(
@@ -54,8 +61,18 @@ _REFUSED_ELSEWHERE = (
 )
 
 
-def _check_given_flat(flat: FlatParams, process_group: dist.ProcessGroup | None) -> None:
-    """Refuse ``FlatParams`` over another process group, or without master shards."""
+def _check_given_flat(
+    flat: FlatParams, process_group: dist.ProcessGroup | None, whole_params: bool
+) -> None:
+    """Refuse ``FlatParams`` over another process group, without master shards, or with
+    params cut between ranks for an optimizer that steps whole params."""
+    if whole_params and not all(
+        len(g.param_pieces(i)) <= 1 for g in flat.layout.groups for i in range(len(g.slots))
+    ):
+        raise ValueError(
+            "the optimizer steps whole params but the FlatParams cut some params between "
+            "ranks; flatten with FlattenConfig(whole_params=True)"
+        )
     if process_group is not None and process_group is not flat.process_group:
         raise ValueError(
             "process_group differs from the one the FlatParams were flattened over; "
@@ -102,6 +119,7 @@ def flat_params_for(
     flatten_config: FlattenConfig | None,
     offload: bool = False,
     refused: BaseException | None = None,
+    whole_params: bool = False,
 ) -> FlatParams:
     """The ``FlatParams`` a ``ZeroOptimizer`` runs on: ``params`` flattened, or given.
 
@@ -117,6 +135,8 @@ def flat_params_for(
             shards are built in host memory (``FlattenConfig.master_on_host``).
         refused: what this rank's ``ZeroOptimizer`` refused before (its config, its
             optimizer class), raised on every rank with this function's own refusals.
+        whole_params: the optimizer steps whole params: flatten with
+            ``FlattenConfig.whole_params`` (given ``FlatParams`` must have been).
 
     Raises:
         ValueError / TypeError: bad params, optimizer arguments or setup; nothing flattened.
@@ -132,7 +152,7 @@ def flat_params_for(
         if given:
             _probe(optimizer, [g.options for g in params.groups], defaults, offload)
             check_unclaimed(p for g in params.groups for p in g.params)
-            _check_given_flat(params, process_group)
+            _check_given_flat(params, process_group, whole_params)
         else:
             groups = collect_param_groups(params)
             _refuse_empty_groups(groups)
@@ -146,6 +166,8 @@ def flat_params_for(
     config = flatten_config or _leave_params_in_place(groups)
     if offload:
         config = dataclasses.replace(config, master_on_host=True)
+    if whole_params:
+        config = dataclasses.replace(config, whole_params=True)
     return flatten_parameters(_as_group_dicts(groups), process_group=process_group, config=config)
 
 
@@ -229,6 +251,21 @@ def _zero_padding(shard: torch.Tensor, layout: GroupLayout, rank: int) -> None:
         gaps += [shard[base + start : base + end] for start, end in layout.gaps(index, lo, hi)]
     if gaps:
         torch._foreach_zero_(gaps)
+
+
+def whole_pieces(flat: FlatParams) -> list[list[WholePiece]]:
+    """Per group, the whole params in this rank's master shard (a whole-params layout puts
+    each param inside one rank's slice); empty params are left out."""
+    out = []
+    for group in flat.layout.groups:
+        out.append(
+            [
+                WholePiece(piece.shard_start, group.slots[piece.slot].spec.shape)
+                for piece in group.shard_pieces(flat.rank)
+                if piece.numel == group.slots[piece.slot].numel
+            ]
+        )
+    return out
 
 
 def make_reducer(flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> GradReducer:
