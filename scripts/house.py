@@ -150,7 +150,17 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "optim": (
         (
             "pieces",
-            ("buckets", "gather", "inner", "norm", "config", "scaler", "agreement", "torch_clip"),
+            (
+                "buckets",
+                "gather",
+                "whole",
+                "inner",
+                "norm",
+                "config",
+                "scaler",
+                "agreement",
+                "torch_clip",
+            ),
         ),
         ("reduce and step", ("reducers", "stage1", "stage2", "state", "offload", "stepper")),
         ("optimizer", ("prepare", "zero", "__init__")),

@@ -29,7 +29,7 @@ from ..layout import GroupLayout
 from ..params import ParamGroup, collect_param_groups
 from .buckets import empty_buffer
 from .config import ZeroConfig
-from .inner import build_inner_optimizer
+from .inner import build_inner_optimizer, needs_whole_params
 from .offload import check_host_kernel
 from .reducers import GradReducer, check_unclaimed
 from .stage1 import Stage1Reducer
@@ -119,7 +119,6 @@ def flat_params_for(
     flatten_config: FlattenConfig | None,
     offload: bool = False,
     refused: BaseException | None = None,
-    whole_params: bool = False,
 ) -> FlatParams:
     """The ``FlatParams`` a ``ZeroOptimizer`` runs on: ``params`` flattened, or given.
 
@@ -135,8 +134,9 @@ def flat_params_for(
             shards are built in host memory (``FlattenConfig.master_on_host``).
         refused: what this rank's ``ZeroOptimizer`` refused before (its config, its
             optimizer class), raised on every rank with this function's own refusals.
-        whole_params: the optimizer steps whole params: flatten with
-            ``FlattenConfig.whole_params`` (given ``FlatParams`` must have been).
+
+    An optimizer that steps whole params (``inner.needs_whole_params``) gets a whole-params
+    layout (``FlattenConfig.whole_params``); given ``FlatParams`` must have one.
 
     Raises:
         ValueError / TypeError: bad params, optimizer arguments or setup; nothing flattened.
@@ -149,6 +149,7 @@ def flat_params_for(
     with every_rank_or_none(deciders, _REFUSED_ELSEWHERE, catch=catch, error_type=ValueError):
         if refused is not None:
             raise refused
+        whole_params = needs_whole_params(optimizer)
         if given:
             _probe(optimizer, [g.options for g in params.groups], defaults, offload)
             check_unclaimed(p for g in params.groups for p in g.params)
@@ -253,9 +254,12 @@ def _zero_padding(shard: torch.Tensor, layout: GroupLayout, rank: int) -> None:
         torch._foreach_zero_(gaps)
 
 
-def whole_pieces(flat: FlatParams) -> list[list[WholePiece]]:
+def whole_pieces(flat: FlatParams, optimizer: Any) -> list[list[WholePiece]] | None:
     """Per group, the whole params in this rank's master shard (a whole-params layout puts
-    each param inside one rank's slice); empty params are left out."""
+    each param inside one rank's slice; empty params are left out), for an ``optimizer``
+    that ``needs_whole_params``; else None."""
+    if not needs_whole_params(optimizer):
+        return None
     out = []
     for group in flat.layout.groups:
         out.append(

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WholePiece", "WholeParamsOptimizer"]
+__all__ = ["WholeParamsOptimizer", "WholePiece"]
 
 
 @dataclass(frozen=True)
@@ -180,14 +180,14 @@ class WholeParamsOptimizer(torch.optim.Optimizer):
         for views in self._views:
             for view in views:
                 for name, value in self.wrapped.state.get(view, {}).items():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        if not _per_element(value, view):
-                            raise ValueError(
-                                f"{self.whole_class.__name__} keeps state {name!r} of shape "
-                                f"{tuple(value.shape)} for a param of shape {tuple(view.shape)}; "
-                                "flatzero's sharded state holds only per-element state and "
-                                "scalars, so this optimizer's state cannot be saved"
-                            )
+                    tensor = isinstance(value, torch.Tensor) and value.dim() > 0
+                    if tensor and not _per_element(value, view):
+                        raise ValueError(
+                            f"{self.whole_class.__name__} keeps state {name!r} of shape "
+                            f"{tuple(value.shape)} for a param of shape {tuple(view.shape)}; "
+                            "flatzero's sharded state holds only per-element state and "
+                            "scalars, so this optimizer's state cannot be saved"
+                        )
         return super().state_dict()
 
 

@@ -33,7 +33,6 @@ from .gather import full_param, full_params
 from .inner import (
     build_inner_optimizer,
     check_optimizer_class,
-    needs_whole_params,
     optimizer_class_of,
     with_fused_default,
 )
@@ -172,7 +171,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             flatten_config=flatten_config,
             offload=offload is not None,
             refused=refused,
-            whole_params=refused is None and needs_whole_params(optimizer),
         )
         check_buckets_usable(flat, offload=offload is not None)
         if offload is not None:
@@ -196,7 +194,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._masters,
             options,
             with_fused_default(optimizer, defaults, options, self._stepper.step_device),
-            whole_pieces(flat) if needs_whole_params(optimizer) else None,
+            whole_pieces(flat, optimizer),
         )
         self._scaler = _loss_scaler(config, flat)
         self._reducer: GradReducer = make_reducer(flat, self._grads, config)
