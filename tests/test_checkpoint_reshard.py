@@ -63,16 +63,38 @@ shape_st = st.lists(
     new_bucket=st.integers(1, 2000),
     old_align=st.sampled_from([1, 8, 64]),
     new_align=st.sampled_from([1, 64]),
+    old_whole=st.booleans(),
+    new_whole=st.booleans(),
 )
 def test_reshard_any_layout_to_any_layout(
-    shapes, groups, old_ws, new_ws, old_bucket, new_bucket, old_align, new_align
+    shapes,
+    groups,
+    old_ws,
+    new_ws,
+    old_bucket,
+    new_bucket,
+    old_align,
+    new_align,
+    old_whole,
+    new_whole,
 ):
+    """Any layout, whole-params (Muon's) or not, to any other."""
     specs = make_params(shapes, groups)
     full = full_values(specs)
-    old = plan_layout(specs, world_size=old_ws, bucket_numel=old_bucket, alignment=old_align)
+    old = plan_layout(
+        specs,
+        world_size=old_ws,
+        bucket_numel=old_bucket,
+        alignment=old_align,
+        whole_params=old_whole,
+    )
     # the new model registers its groups the other way round: matching is by name
     new = plan_layout(
-        list(reversed(specs)), world_size=new_ws, bucket_numel=new_bucket, alignment=new_align
+        list(reversed(specs)),
+        world_size=new_ws,
+        bucket_numel=new_bucket,
+        alignment=new_align,
+        whole_params=new_whole,
     )
     saved = shards_of(old, full)
     expected = shards_of(new, full)

@@ -164,3 +164,54 @@ def test_rank_outside_world_is_an_error():
     gl = plan_layout([[ParamSpec("a", (2,), "float32")]], world_size=2, bucket_numel=10).groups[0]
     with pytest.raises(ValueError, match="rank 2 is outside world size 2"):
         gl.shard_pieces(2)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    groups=st.lists(specs, min_size=1, max_size=3).map(_groups),
+    world_size=st.integers(1, 8),
+    bucket_numel=st.integers(1, 5000),
+    alignment=st.sampled_from([1, 8, 64]),
+)
+def test_whole_params_layout_puts_every_param_whole_on_one_rank(
+    groups, world_size, bucket_numel, alignment
+):
+    """``whole_params=True`` (Muon): each param inside one rank's slice, params never
+    overlap, every element covered once, padding exactly the gaps, slices as long as the
+    fullest rank's part of the bucket."""
+    layout = plan_layout(
+        groups,
+        world_size=world_size,
+        bucket_numel=bucket_numel,
+        alignment=alignment,
+        whole_params=True,
+    )
+    for gl in layout.groups:
+        members = [s for s in groups[gl.group_index] if s.dtype == gl.dtype]
+        assert sorted(s.spec.name for s in gl.slots) == sorted(s.name for s in members)
+        for i, slot in enumerate(gl.slots):
+            b = gl.buckets[slot.bucket]
+            assert slot.offset % alignment == 0
+            if slot.numel:
+                assert slot.offset // b.slice_numel == (slot.end - 1) // b.slice_numel
+                assert len(gl.param_pieces(i)) == 1
+        for b in gl.buckets:
+            assert b.numel == b.slice_numel * world_size
+            assert b.slice_numel % alignment == 0
+            slots = gl.bucket_slots(b.index)
+            for a, c in itertools.pairwise(slots):
+                assert a.end <= c.offset
+            fills = [0] * world_size
+            for s in slots:
+                if s.numel:
+                    rank = s.offset // b.slice_numel
+                    fills[rank] = s.end - rank * b.slice_numel
+            assert max(alignment, -(-max(fills) // alignment) * alignment) == b.slice_numel
+            gap_total = sum(e - s for s, e in gl.gaps(b.index))
+            assert gap_total + sum(s.numel for s in slots) == b.numel
+        covered = {i: 0 for i in range(len(gl.slots))}
+        for rank in range(world_size):
+            for piece in gl.shard_pieces(rank):
+                assert piece.param_start == 0 and piece.param_end == gl.slots[piece.slot].numel
+                covered[piece.slot] += 1
+        assert all(covered[i] == 1 for i, s in enumerate(gl.slots) if s.numel)

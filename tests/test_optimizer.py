@@ -174,8 +174,6 @@ def test_client_adamw_keeps_fused():
     [
         ("LBFGS", "closure"),
         ("SparseAdam", "sparse"),
-        ("Adafactor", "rows and columns"),
-        ("Muon", "2-D"),
     ],
 )
 def test_optimizers_that_need_shapes_are_refused_before_anything_changes(name, reason):

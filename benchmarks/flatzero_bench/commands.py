@@ -11,6 +11,7 @@ from flatzero_bench.device_memory import device_memory
 from flatzero_bench.doors import doors
 from flatzero_bench.init import init_bench
 from flatzero_bench.load import load_bench
+from flatzero_bench.muon import muon_bench
 from flatzero_bench.offload import offload_bench
 from flatzero_bench.plan import plan_bench
 from flatzero_bench.step import step
@@ -26,6 +27,7 @@ BENCHMARKS: tuple[tuple[str, ModuleType], ...] = (
     ("plan", plan_bench),
     ("device-memory", device_memory),
     ("offload", offload_bench),
+    ("muon", muon_bench),
 )
 """``flatzero bench NAME``: each module has ``add_arguments(parser)`` and ``run(args)``,
 and its docstring's first line is its help."""

@@ -72,6 +72,8 @@ class FlattenConfig:
             the machine: ``flatzero info --measure`` shows both.
         tier_reason: why ``tier`` was set, when a caller chose it for the user (the
             DeepSpeed door does on CPU), for the init report; ``None``: the user asked.
+        whole_params: lay every param whole inside one rank's slice (``flatzero.owners``),
+            for an optimizer that steps whole tensors (Muon); ``ZeroOptimizer`` sets it.
     """
 
     tier: str = "auto"
@@ -86,6 +88,7 @@ class FlattenConfig:
     dtype: str | None = None
     host_huge_pages: bool = True
     tier_reason: str | None = None
+    whole_params: bool = False
 
     def __post_init__(self) -> None:
         for check in _CHECKS:  # the tier registry's: ``tier`` is one of its tiers
@@ -94,7 +97,7 @@ class FlattenConfig:
         _check_positive_int("alignment", self.alignment, maximum=2**20)
         _check_positive_int("staging_buffers", self.staging_buffers, maximum=1024)
         _check_positive_int("host_threads", self.host_threads, allow_none=True)
-        for name in ("build_master", "master_on_host"):
+        for name in ("build_master", "master_on_host", "whole_params"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"FlattenConfig.{name} must be True or False, got {getattr(self, name)!r}"

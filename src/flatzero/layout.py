@@ -26,6 +26,8 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from .owners import newton_schulz_cost, place_whole
+
 __all__ = [
     "DEFAULT_ALIGNMENT",
     "BucketLayout",
@@ -419,12 +421,47 @@ def _plan_group(
     return GroupLayout(group_index, dtype, tuple(slots), tuple(buckets), world_size, alignment)
 
 
+def _plan_whole_group(
+    group_index: int,
+    dtype: str,
+    specs: Sequence[tuple[int, ParamSpec]],
+    world_size: int,
+    bucket_numel: int,
+    alignment: int,
+) -> GroupLayout:
+    """Like ``_plan_group``, but every param lies whole inside one rank's slice
+    (``owners.place_whole``)."""
+    placement = place_whole(
+        [spec.numel for _, spec in specs],
+        [newton_schulz_cost(spec.shape) for _, spec in specs],
+        world_size=world_size,
+        bucket_numel=bucket_numel,
+        alignment=alignment,
+    )
+    bucket_of = {i: b for b, members in enumerate(placement.buckets) for i in members}
+    slots = tuple(
+        ParamSlot(spec, reg_index, bucket_of[i], placement.offsets[i])
+        for i, (reg_index, spec) in enumerate(specs)
+    )
+    buckets = []
+    shard_offset = 0
+    for index, (members, slice_numel) in enumerate(
+        zip(placement.buckets, placement.slice_numels, strict=True)
+    ):
+        used = max(slots[i].end for i in members)
+        numel = slice_numel * world_size
+        buckets.append(BucketLayout(index, numel, members, used, shard_offset, world_size))
+        shard_offset += slice_numel
+    return GroupLayout(group_index, dtype, slots, tuple(buckets), world_size, alignment)
+
+
 def plan_layout(
     groups: Sequence[Sequence[ParamSpec]],
     *,
     world_size: int,
     bucket_numel: int,
     alignment: int = DEFAULT_ALIGNMENT,
+    whole_params: bool = False,
 ) -> Layout:
     """Plan the flat, sharded layout of ``groups`` of trainable, deduplicated params.
 
@@ -433,6 +470,8 @@ def plan_layout(
         world_size: number of ranks the buckets are sliced for (>= 1).
         bucket_numel: target bucket size in elements (>= 1); a bigger param gets its own bucket.
         alignment: params start on multiples of this many elements (>= 1).
+        whole_params: every param lies whole inside one rank's slice, for optimizers that
+            step whole tensors (``owners``); buckets may pad more to balance the ranks.
 
     Returns:
         One ``GroupLayout`` per (param group, dtype); groups without params produce none.
@@ -457,8 +496,9 @@ def plan_layout(
             seen[spec.name] = group_index
             by_dtype.setdefault(spec.dtype, []).append((reg_index, spec))
         for dtype, members in by_dtype.items():
+            plan_group = _plan_whole_group if whole_params else _plan_group
             layouts.append(
-                _plan_group(
+                plan_group(
                     group_index,
                     dtype,
                     list(reversed(members)),

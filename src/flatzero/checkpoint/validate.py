@@ -30,6 +30,7 @@ from ..control import control_group
 from ..dtypes import DTYPES
 from ..layout import Layout
 from ..optim import ZeroOptimizer
+from ..optim.inner import needs_whole_params, optimizer_class_of
 from .format import META, CheckpointDamaged, CheckpointMeta, decode_value, state_key
 from .rng import RNG_PREFIX
 
@@ -294,9 +295,11 @@ def check_rank_files(reader: Any, ranks: set[int]) -> None:
 # ------------------------------------------------------------------------- optimizer
 def _probe_state_names(cls: type, options: dict[str, Any]) -> tuple[set[str], set[str]]:
     """``(per-element, scalar)`` state names ``cls`` keeps after a step with ``options``
-    (on a throwaway 3-element param); ``cls``'s constructor checks the options."""
-    param = torch.nn.Parameter(torch.zeros(3))
-    param.grad = torch.zeros(3)
+    (on a throwaway 3-element param, 2-D for an optimizer of whole matrices);
+    ``cls``'s constructor checks the options."""
+    shape = (1, 3) if needs_whole_params(cls) else (3,)
+    param = torch.nn.Parameter(torch.zeros(shape))
+    param.grad = torch.zeros(shape)
     accepted = inspect.signature(cls.__init__).parameters
     inner = cls([param], **{k: v for k, v in options.items() if k in accepted})
     inner.param_groups[0].update(options)  # group keys the constructor does not take
@@ -312,7 +315,7 @@ def check_for_optimizer(meta: CheckpointMeta, directory: Path, optimizer: ZeroOp
     fits ``optimizer`` (a ``ZeroOptimizer``): saved hyperparameters its inner class
     accepts, and the state names that class keeps with them."""
     inner = optimizer.inner
-    cls = type(inner)
+    cls = optimizer_class_of(inner)
     where = directory / META
     if meta.optimizer is not None and meta.optimizer != cls.__name__:
         return  # check_same_optimizer says it (or the state is not loaded)

@@ -195,7 +195,11 @@ def _plan(
     if config.dtype is not None:  # cast while copying into the buckets
         specs = [[dataclasses.replace(s, dtype=config.dtype) for s in g] for g in specs]
     layout = plan_layout(
-        specs, world_size=world_size, bucket_numel=config.bucket_numel, alignment=config.alignment
+        specs,
+        world_size=world_size,
+        bucket_numel=config.bucket_numel,
+        alignment=config.alignment,
+        whole_params=config.whole_params,
     )
     return _Plan(groups, layout, params_on, keys, _Sizes.of(layout))
 

@@ -3,8 +3,11 @@
 ``ZeroOptimizer`` hands the inner optimizer one flat 1-D fp32 tensor per group (this rank's
 master shard). That is only the same optimizer as on the original params when its update
 of an element depends on that element's own gradient and state alone (elementwise), as
-for Adam, AdamW, SGD, Adagrad, RMSprop and the like. Optimizers that look at a param's
-shape or at all params at once would silently compute something else and are refused.
+for Adam, AdamW, SGD, Adagrad, RMSprop and the like. Optimizers that step each param as a
+whole (Muon, Adafactor) get whole params: the layout puts every param whole on one owner
+rank (``FlattenConfig.whole_params``) and ``whole.WholeParamsOptimizer`` steps them as views
+of the shard. Optimizers that look at all params at once would silently compute something
+else and are refused.
 """
 
 from __future__ import annotations
@@ -19,11 +22,15 @@ import torch
 from torch import nn
 
 from ..hostmem import HugePageFactories
+from .whole import WholeParamsOptimizer, WholePiece
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
+    "WHOLE_PARAM_OPTIMIZERS",
     "build_inner_optimizer",
     "check_optimizer_class",
+    "needs_whole_params",
+    "optimizer_class_of",
     "scale_grads",
     "step_with_grad_scale",
     "takes_grad_scale",
@@ -49,17 +56,18 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
 )
 """``torch.optim`` classes whose update is elementwise: they work on a flat shard."""
 
+WHOLE_PARAM_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    getattr(torch.optim, name) for name in ("Muon", "Adafactor") if hasattr(torch.optim, name)
+)
+"""``torch.optim`` classes that step each param as a whole: they run on whole params, each
+on its owner rank (``whole.WholeParamsOptimizer``)."""
+
 _REFUSED: dict[str, str] = {
     "LBFGS": (
         "it needs a closure and runs a line search over all parameters at once, which "
         "sharded flat tensors cannot provide"
     ),
     "SparseAdam": "it needs sparse gradients, and flat gradient shards are dense",
-    "Adafactor": (
-        "it factors the second moment over the rows and columns of each 2-D parameter, "
-        "and a flat 1-D shard has no rows or columns"
-    ),
-    "Muon": "it orthogonalizes the update of each 2-D parameter, which needs whole matrices",
 }
 
 
@@ -102,7 +110,7 @@ def check_optimizer_class(optimizer: Any, *, elementwise: bool | None = None) ->
                 f"{cls.__name__} cannot be used with ZeroOptimizer: {reason}. Use an "
                 "elementwise optimizer such as torch.optim.AdamW, Adam, SGD, Adagrad or RMSprop"
             )
-    if cls in ELEMENTWISE_OPTIMIZERS or elementwise:
+    if cls in ELEMENTWISE_OPTIMIZERS or elementwise or needs_whole_params(cls):
         return cls
     raise TypeError(
         f"ZeroOptimizer does not know whether {cls.__module__}.{cls.__qualname__} updates each "
@@ -111,6 +119,18 @@ def check_optimizer_class(optimizer: Any, *, elementwise: bool | None = None) ->
         "optimizers. If it is elementwise, pass elementwise_optimizer=True; known ones are "
         + ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
     )
+
+
+def needs_whole_params(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (a class or a ``functools.partial`` of one) steps whole params
+    (``WHOLE_PARAM_OPTIMIZERS`` or a subclass)."""
+    return issubclass(_optimizer_class(optimizer), WHOLE_PARAM_OPTIMIZERS)
+
+
+def optimizer_class_of(inner: torch.optim.Optimizer) -> type:
+    """The user's optimizer class behind an inner optimizer (the wrapped class of a
+    ``WholeParamsOptimizer``)."""
+    return inner.whole_class if isinstance(inner, WholeParamsOptimizer) else type(inner)
 
 
 def _fused_devices() -> tuple[str, ...]:
@@ -227,6 +247,7 @@ def build_inner_optimizer(
     shards: Sequence[nn.Parameter],
     group_options: Sequence[dict[str, Any]],
     defaults: dict[str, Any],
+    whole: Sequence[Sequence[WholePiece]] | None = None,
 ) -> torch.optim.Optimizer:
     """Build ``optimizer`` over one param group per flat master shard.
 
@@ -236,6 +257,8 @@ def build_inner_optimizer(
         group_options: per group, the user's hyperparameters (``lr``, ``weight_decay``, ...);
             ``fused=None``/``foreach=None`` in them are dropped, so ``defaults`` decide.
         defaults: keyword arguments for the optimizer (its defaults for every group).
+        whole: for an optimizer that ``needs_whole_params``, per group the whole params
+            this rank owns in its shard (``None``: a probe, none).
 
     State made at construction (``Adagrad``'s sums) goes on huge pages for host shards, as a
     first step's does (``step_with_grad_scale``).
@@ -246,6 +269,9 @@ def build_inner_optimizer(
     ]
     try:
         with HugePageFactories():
+            if needs_whole_params(optimizer):
+                options = [_without_unchosen(o) for o in group_options]
+                return WholeParamsOptimizer(optimizer, shards, options, defaults, whole)
             return optimizer(groups, **defaults)
     except TypeError as error:
         name = _optimizer_class(optimizer).__name__

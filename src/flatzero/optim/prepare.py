@@ -29,13 +29,20 @@ from ..layout import GroupLayout
 from ..params import ParamGroup, collect_param_groups
 from .buckets import empty_buffer
 from .config import ZeroConfig
-from .inner import build_inner_optimizer
+from .inner import build_inner_optimizer, needs_whole_params
 from .offload import check_host_kernel
 from .reducers import GradReducer, check_unclaimed
 from .stage1 import Stage1Reducer
 from .stage2 import LocalStage2Reducer, Stage2Reducer
+from .whole import WholePiece
 
-__all__ = ["allocate_grad_shards", "check_buckets_usable", "flat_params_for", "make_reducer"]
+__all__ = [
+    "allocate_grad_shards",
+    "check_buckets_usable",
+    "flat_params_for",
+    "make_reducer",
+    "whole_pieces",
+]
 
 
 def _probe_optimizer(
@@ -54,8 +61,18 @@ _REFUSED_ELSEWHERE = (
 )
 
 
-def _check_given_flat(flat: FlatParams, process_group: dist.ProcessGroup | None) -> None:
-    """Refuse ``FlatParams`` over another process group, or without master shards."""
+def _check_given_flat(
+    flat: FlatParams, process_group: dist.ProcessGroup | None, whole_params: bool
+) -> None:
+    """Refuse ``FlatParams`` over another process group, without master shards, or with
+    params cut between ranks for an optimizer that steps whole params."""
+    if whole_params and not all(
+        len(g.param_pieces(i)) <= 1 for g in flat.layout.groups for i in range(len(g.slots))
+    ):
+        raise ValueError(
+            "the optimizer steps whole params but the FlatParams cut some params between "
+            "ranks; flatten with FlattenConfig(whole_params=True)"
+        )
     if process_group is not None and process_group is not flat.process_group:
         raise ValueError(
             "process_group differs from the one the FlatParams were flattened over; "
@@ -118,6 +135,9 @@ def flat_params_for(
         refused: what this rank's ``ZeroOptimizer`` refused before (its config, its
             optimizer class), raised on every rank with this function's own refusals.
 
+    An optimizer that steps whole params (``inner.needs_whole_params``) gets a whole-params
+    layout (``FlattenConfig.whole_params``); given ``FlatParams`` must have one.
+
     Raises:
         ValueError / TypeError: bad params, optimizer arguments or setup; nothing flattened.
             A refusal on one rank is an error on every rank, before any collective that
@@ -129,10 +149,11 @@ def flat_params_for(
     with every_rank_or_none(deciders, _REFUSED_ELSEWHERE, catch=catch, error_type=ValueError):
         if refused is not None:
             raise refused
+        whole_params = needs_whole_params(optimizer)
         if given:
             _probe(optimizer, [g.options for g in params.groups], defaults, offload)
             check_unclaimed(p for g in params.groups for p in g.params)
-            _check_given_flat(params, process_group)
+            _check_given_flat(params, process_group, whole_params)
         else:
             groups = collect_param_groups(params)
             _refuse_empty_groups(groups)
@@ -146,6 +167,8 @@ def flat_params_for(
     config = flatten_config or _leave_params_in_place(groups)
     if offload:
         config = dataclasses.replace(config, master_on_host=True)
+    if whole_params:
+        config = dataclasses.replace(config, whole_params=True)
     return flatten_parameters(_as_group_dicts(groups), process_group=process_group, config=config)
 
 
@@ -229,6 +252,24 @@ def _zero_padding(shard: torch.Tensor, layout: GroupLayout, rank: int) -> None:
         gaps += [shard[base + start : base + end] for start, end in layout.gaps(index, lo, hi)]
     if gaps:
         torch._foreach_zero_(gaps)
+
+
+def whole_pieces(flat: FlatParams, optimizer: Any) -> list[list[WholePiece]] | None:
+    """Per group, the whole params in this rank's master shard (a whole-params layout puts
+    each param inside one rank's slice; empty params are left out), for an ``optimizer``
+    that ``needs_whole_params``; else None."""
+    if not needs_whole_params(optimizer):
+        return None
+    out = []
+    for group in flat.layout.groups:
+        out.append(
+            [
+                WholePiece(piece.shard_start, group.slots[piece.slot].spec.shape)
+                for piece in group.shard_pieces(flat.rank)
+                if piece.numel == group.slots[piece.slot].numel
+            ]
+        )
+    return out
 
 
 def make_reducer(flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> GradReducer:

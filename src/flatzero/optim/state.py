@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .inner import needs_whole_params
 from .scaler import LossScaler
 
 __all__ = ["STATE_DICT_FORMAT", "GroupState", "ShardedOptimizerState", "check_loadable"]
@@ -215,7 +216,8 @@ def check_options(cls: type, state: ShardedOptimizerState) -> None:
             k: v for k, v in group.options.items() if k in accepted and k not in _DEVICE_OPTIONS
         }
         try:
-            cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+            shape = (1, 1) if needs_whole_params(cls) else (1,)
+            cls([torch.nn.Parameter(torch.zeros(shape))], **kwargs)
         except (ValueError, TypeError, IndexError, KeyError) as error:
             raise ValueError(
                 f"param group {i} of the state dict has hyperparameters {cls.__name__} refuses "

@@ -30,10 +30,21 @@ from . import torch_clip
 from .agreement import meaning, setup_fields
 from .config import LossScaleConfig, OffloadConfig, ZeroConfig
 from .gather import full_param, full_params
-from .inner import build_inner_optimizer, check_optimizer_class, with_fused_default
+from .inner import (
+    build_inner_optimizer,
+    check_optimizer_class,
+    optimizer_class_of,
+    with_fused_default,
+)
 from .norm import global_sq_norm
 from .offload import OffloadHostBytes
-from .prepare import allocate_grad_shards, check_buckets_usable, flat_params_for, make_reducer
+from .prepare import (
+    allocate_grad_shards,
+    check_buckets_usable,
+    flat_params_for,
+    make_reducer,
+    whole_pieces,
+)
 from .reducers import GradReducer
 from .scaler import LossScaler
 from .state import GroupState, ShardedOptimizerState, check_loadable, check_options
@@ -183,6 +194,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._masters,
             options,
             with_fused_default(optimizer, defaults, options, self._stepper.step_device),
+            whole_pieces(flat, optimizer),
         )
         self._scaler = _loss_scaler(config, flat)
         self._reducer: GradReducer = make_reducer(flat, self._grads, config)
@@ -200,7 +212,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 config.stage,
                 self._world_size,
                 len(flat.groups),
-                type(self.inner).__name__,
+                optimizer_class_of(self.inner).__name__,
                 flat.layout.num_params,
                 self._stepper.describe(),
             )
@@ -477,7 +489,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             groups=groups,
             loss_scaler=self._scaler.state_dict() if self._scaler is not None else None,
             bucket_order=tuple(self._reducer.order),
-            optimizer=type(self.inner).__name__,
+            optimizer=optimizer_class_of(self.inner).__name__,
         )
 
     def load_sharded_state(self, state: ShardedOptimizerState) -> None:
@@ -508,7 +520,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ):
             state = parse()
             check_loadable(state, self.sharded_state())
-            check_options(type(self.inner), state)
+            check_options(optimizer_class_of(self.inner), state)
         options = {f"param group {i}": meaning(g.options) for i, g in enumerate(state.groups)}
         check_same_everywhere(  # hyperparameters are not sharded: one rank's would diverge
             "the loaded hyperparameters (every rank must load the same)",

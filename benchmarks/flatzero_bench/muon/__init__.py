@@ -1,0 +1,1 @@
+"""``flatzero bench muon``: Newton-Schulz work per rank against DeepSpeed's Muon."""
