@@ -192,3 +192,21 @@ def test_the_legacy_figure_says_it_is_a_lower_bound(llama_70b_on_8_h100):
     assert "DeepSpeed 0.19 device cat" in lines[row + 1]
     assert note.startswith("  (the legacy CPU cat's time is a lower bound")
     assert "8 ranks each running its host work on every core at once" in note
+
+
+@pytest.mark.parametrize(
+    ("model_type", "change", "message"),
+    [
+        ("gpt2", {"n_head": 0}, "the config's 'n_head' is 0; it must be a positive whole number"),
+        ("gpt2", {"n_embd": 10**12}, "n_embd=1000000000000 is more than 10,000,000"),
+        ("mixtral", {"num_local_experts": 10**6}, "are 2,000,000 experts, more than 1,000,000"),
+        ("no_such_model", {}, "transformers cannot build model_type 'no_such_model'"),
+    ],
+)
+def test_a_nonsensical_config_of_any_family_is_refused_before_it_is_built(
+    model_type, change, message, tmp_path
+):
+    pytest.importorskip("transformers")
+    fields = {**FAMILIES.get(model_type, FAMILIES["gpt2"]), **change}
+    with pytest.raises(ValueError, match=message):
+        resolve_model(_write(tmp_path, model_type, fields))

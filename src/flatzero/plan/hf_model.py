@@ -17,10 +17,70 @@ from typing import Any
 
 import torch
 
-__all__ = ["build_hf_model", "hf_layers", "hf_ties", "transformers_available"]
+from ..models.config import MAX_EXPERT_MODULES, MAX_LAYERS, MAX_WIDTH
+
+__all__ = [
+    "build_hf_model",
+    "check_sizes",
+    "hf_layers",
+    "hf_ties",
+    "transformers_available",
+]
 
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 """Where ``config.json`` files keep the layer count (GPT-2: ``n_layer``)."""
+
+
+SIZE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "n_embd",
+    "intermediate_size",
+    "n_inner",
+    "moe_intermediate_size",
+    "num_attention_heads",
+    "n_head",
+    "num_key_value_heads",
+    "head_dim",
+)
+"""Widths a ``config.json`` may give under these names: each at most ``MAX_WIDTH``."""
+
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""Where MoE configs keep their experts per layer."""
+
+
+def check_sizes(data: Mapping[str, Any]) -> None:
+    """Refuse, before transformers builds anything, sizes no real model has: a width above
+    ``MAX_WIDTH``, more than ``MAX_LAYERS`` layers, more than ``MAX_EXPERT_MODULES`` experts
+    over all layers, or a size that is not a positive whole number (named).
+
+    Raises:
+        ValueError: naming the field, its value and the bound.
+    """
+    for key, high in (
+        *((k, MAX_WIDTH) for k in (*SIZE_KEYS, *EXPERT_KEYS)),
+        *((k, MAX_LAYERS) for k in LAYER_KEYS),
+    ):
+        value = data.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"the config's {key!r} is {value!r}; it must be a positive whole number"
+            )
+        if value > high:
+            raise ValueError(
+                f"{key}={value} is more than {high:,}, far beyond any real model; use the value "
+                "of the model's config.json"
+            )
+    layers = hf_layers(data) or 1
+    experts = max((data.get(k) or 0 for k in EXPERT_KEYS), default=0)
+    if layers * experts > MAX_EXPERT_MODULES:
+        raise ValueError(
+            f"{layers} layers of {experts} experts are {layers * experts:,} experts, more than "
+            f"{MAX_EXPERT_MODULES:,}, far beyond any real model; use the values of the model's "
+            "config.json"
+        )
 
 
 def transformers_available() -> bool:
@@ -42,7 +102,8 @@ def _hf_config(data: Mapping[str, Any], layers: int | None) -> Any:
     try:
         config = AutoConfig.for_model(model_type, **fields)
     except ValueError as error:
-        raise ValueError(f"transformers cannot build model_type {model_type!r}: {error}") from None
+        first = str(error).strip().splitlines()[0]
+        raise ValueError(f"transformers cannot build model_type {model_type!r}: {first}") from None
     if layers is not None:
         config.num_hidden_layers = layers  # attribute_map: n_layer for GPT-2, ...
     return config
@@ -83,8 +144,9 @@ def build_hf_model(
         with torch.device("meta"):
             model = auto.from_config(config)
     except (ValueError, TypeError, AttributeError, KeyError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise ValueError(
             f"transformers cannot build {type(config).__name__} from this config.json: "
-            f"{type(error).__name__}: {error}"
+            f"{type(error).__name__}: {first}"
         ) from None
     return model.to(dtype)

@@ -24,7 +24,7 @@ from ..layout import ParamSpec
 from ..models import LlamaConfig, ModelConfig, Qwen3MoeConfig, build_model
 from ..models.zoo import PRESETS
 from ..params import collect_param_groups
-from .hf_model import build_hf_model, hf_layers, hf_ties, transformers_available
+from .hf_model import build_hf_model, check_sizes, hf_layers, hf_ties, transformers_available
 
 __all__ = [
     "GROUPINGS",
@@ -38,6 +38,10 @@ __all__ = [
 GROUPINGS = ("one", "decay")
 """How params are grouped: ``one`` group, or ``decay`` (params with 2+ dims) and the rest,
 as trainers do for weight decay."""
+
+_ZOO_LEAVES_OUT = ("attention_bias", "mlp_bias", "mlp_only_layers", "decoder_sparse_step")
+"""Fields of a config.json the zoo does not build and transformers does: left out of the
+zoo's checks of a config that transformers builds."""
 
 _LLAMA_TYPES = ("llama", "mistral")
 """HF ``model_type`` values whose params have exactly the zoo Llama's names and shapes."""
@@ -256,6 +260,9 @@ def resolve_model(
         head = True if with_lm_head is None else with_lm_head
         zoo_layout = expert_layout is not None and data.get("model_type") == "qwen3_moe"
         if transformers_available() and not zoo_layout:
+            if data.get("model_type") in (*_LLAMA_TYPES, "qwen3_moe"):  # the zoo's checks
+                config_from_hf({k: v for k, v in data.items() if k not in _ZOO_LEAVES_OUT})
+            check_sizes({**data, "num_hidden_layers": layers or data.get("num_hidden_layers")})
             tie = head and hf_ties(data)
             return ModelSource(
                 text, None, with_lm_head=head, tie_embeddings=tie, hf_config=data, layers=layers
