@@ -122,9 +122,9 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
         ("api", ("api", "__init__")),
     ),
     "plan": (
-        ("figures", ("hardware", "memory_model", "model_source", "decision")),
+        ("figures", ("hardware", "memory_model", "hf_model", "model_source", "decision")),
         ("rates", ("calibration", "traffic", "rates", "time_model")),
-        ("planner", ("planner",)),
+        ("planner", ("planner", "advice")),
         ("output", ("report", "cli", "__init__")),
     ),
     "measure": (

@@ -91,7 +91,7 @@ _BAD_MODEL_CONFIGS: list[tuple[dict, str]] = [
     ({"num_attention_heads": 0}, "num_attention_heads must be a positive int, got 0"),
     ({"hidden_size": "abc"}, "the config's 'hidden_size' is 'abc'; it must be a whole number"),
     ({"vocab_size": 1.5}, "the config's 'vocab_size' is 1.5"),
-    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+    ({"model_type": "no_such_model"}, "model_type 'no_such_model'"),
     ({"hidden_size": 10**15}, "hidden_size=1000000000000000 is more than 10,000,000"),
     ({"vocab_size": 10**15}, "vocab_size=1000000000000000 is more than 10,000,000"),
     ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive int, got 0"),

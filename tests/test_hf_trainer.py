@@ -18,8 +18,10 @@ Three process trees, all 2 ranks:
 3. ``accelerate launch --use_deepspeed -m flatzero.run hf_scripts/train_accelerate.py``:
    the Accelerate loop (LambdaLR over the client optimizer) through the launcher.
 
-On CPU the harness (``hf_scripts/cpu_site/sitecustomize.py``, on ``PYTHONPATH`` here only)
-gives Accelerate the gloo backend and skips DeepSpeed's shm op build. The DeepSpeed configs
+On CPU the harness (``hf_scripts/cpu_site/sitecustomize.py``, on ``PYTHONPATH`` of the
+in-process tree only, where DeepSpeed runs without ``flatzero.run``) gives Accelerate the gloo
+backend and skips DeepSpeed's shm op build; the two ``flatzero.run`` trees run without it
+(``flatzero.run`` makes a CPU launch one job itself). The DeepSpeed configs
 carry ``torch_adam: true`` and ``zero_force_ds_cpu_optimizer: false`` so that DeepSpeed runs
 torch's AdamW instead of compiling its fused or CPU Adam ops (no compiler needed); flatzero
 takes both keys as they are.
@@ -124,26 +126,31 @@ CHECKSUM_REL = 1e-7
 """Weights checksums, flatzero against DeepSpeed: fused against foreach AdamW kernels."""
 
 
-def _env(root: Path) -> dict[str, str]:
+def _env(root: Path, site: bool) -> dict[str, str]:
+    """The runs' environment; ``site``: with the CPU harness (``cpu_site/sitecustomize.py``)."""
     env = dict(os.environ)
-    path = [str(SCRIPTS / "cpu_site"), str(ROOT / "src"), env.get("PYTHONPATH", "")]
+    path = [str(SCRIPTS / "cpu_site") if site else "", str(ROOT / "src"), env.get("PYTHONPATH", "")]
     env.update(
         PYTHONPATH=os.pathsep.join(p for p in path if p),
-        DS_ACCELERATOR="cpu",
-        FLATZERO_HF_TEST_CPU="1",
         OMP_NUM_THREADS="1",
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_NO_ADVISORY_WARNINGS="1",
         TOKENIZERS_PARALLELISM="false",
         HF_HOME=str(root / "hf_home"),  # no user accelerate config, no hub cache
     )
+    env.pop("DS_ACCELERATOR", None)
+    if site:
+        env.update(DS_ACCELERATOR="cpu", FLATZERO_HF_TEST_CPU="1")
     return env
 
 
-def _launch(cmd: list[str], cwd: Path, name: str, timings: dict[str, float]) -> str:
+def _launch(
+    cmd: list[str], cwd: Path, name: str, timings: dict[str, float], *, site: bool = False
+) -> str:
     t0 = time.perf_counter()
+    env = _env(cwd, site)
     result = subprocess.run(
-        cmd, cwd=cwd, env=_env(cwd), capture_output=True, text=True, timeout=400, check=False
+        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=400, check=False
     )
     timings[name] = time.perf_counter() - t0
     output = result.stdout + result.stderr
@@ -213,6 +220,7 @@ def runs(tmp_path_factory):
         root,
         "in_process",
         timings,
+        site=True,
     )
     accelerate = [  # `accelerate launch`
         sys.executable,
@@ -337,6 +345,21 @@ def test_launcher_runs_the_unchanged_script_with_one_log_line(runs):
     assert len(lines) == 1, lines
     assert lines[0].startswith("[flatzero] deepspeed.initialize -> flatzero: ZeRO stage 2, fp32")
     assert "AdamW (client)" in lines[0] and "2 ranks" in lines[0]
+
+
+@pytest.mark.slow
+def test_launcher_makes_a_cpu_launch_one_job(runs):
+    """``torchrun --nproc-per-node 2 -m flatzero.run train.py --deepspeed ...`` on CPU, with no
+    harness: the Trainer and its Accelerator see 2 ranks (not a world of 1 per rank, which
+    stopped at DeepSpeed's batch-size check), both ranks end with the same weights, and the
+    losses are those of DeepSpeed's 2-rank run (``test_trainer_through_flatzero_matches_...``
+    compares ``fz_own`` with ``ds_own``)."""
+    root, _ = runs
+    seen = [json.loads((root / "fz_own" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(s["world_size"], s["num_processes"]) for s in seen] == [(2, 2), (2, 2)]
+    assert seen[0]["checksum"] == seen[1]["checksum"]
+    _, log = history(root / "fz_own")
+    assert [r["epoch"] for r in log] == [0.25, 0.5, 0.75, 1.0]  # 32 rows, 2 ranks x 2 x 2 a step
 
 
 @pytest.mark.slow

@@ -437,7 +437,7 @@ def test_safetensors_rejects_mismatches(tmp_path) -> None:
         (lambda: scaled(TINY_QWEN, expert_layout="packed"), "expert_layout is 'packed'"),
         (lambda: dataclasses.replace(TINY_QWEN, norm_topk_prob=1), "norm_topk_prob"),
         (lambda: scaled(TINY_LLAMA, experts=4), "experts apply to MoE models only"),
-        (lambda: scaled("llama-3-70b"), "unknown model preset 'llama-3-70b'"),
+        (lambda: scaled("llama-2-7b"), "unknown model preset 'llama-2-7b'"),
         (lambda: materialize(build_model(TINY_LLAMA), seed=-1), "seed"),
         (lambda: materialize(build_model(TINY_LLAMA), threads=0), "threads"),
     ],

@@ -318,10 +318,15 @@ def test_hf_config_gives_the_params_transformers_builds(kind, tmp_path):
     assert plan.layout.param_numel == sum(p.numel() for p in hf.parameters())
 
 
-def test_hf_config_refuses_what_it_cannot_model(tmp_path):
+def test_hf_config_refuses_what_it_cannot_model(tmp_path, monkeypatch):
+    """Without transformers, a family the zoo does not map is refused by its model type
+    (with transformers it plans: tests/test_plan_models.py)."""
+    import flatzero.plan.model_source as model_source
+
+    monkeypatch.setattr(model_source, "transformers_available", lambda: False)
     data = {**_hf_config("llama"), "model_type": "gpt2"}
     (tmp_path / "config.json").write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="gpt2"):
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported .* without trans"):
         resolve_model(str(tmp_path))
     with pytest.raises(ValueError, match="neither"):
         resolve_model(str(tmp_path / "missing.json"))

@@ -11,10 +11,15 @@ It applies ``flatzero.patch_deepspeed()``, then runs the script as ``__main__`` 
 ``sys.argv`` and ``sys.path[0]`` as ``python train.py ...`` (or ``python -m ...``) would have
 them. The routing line (and flatzero's init report) go to stderr on rank 0 unless the
 script configures logging itself.
+
+On a machine without an accelerator, launched as one of several ranks, it also makes the
+launch one job (``_one_job_without_accelerator``): ``DS_ACCELERATOR=cpu`` unless set, and
+Accelerate's DeepSpeed path gets the gloo backend.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import runpy
@@ -47,6 +52,45 @@ def _show_flatzero_logs() -> None:
         flatzero_logger.setLevel(logging.INFO)
 
 
+def _one_job_without_accelerator() -> None:
+    """Under a launcher (``LOCAL_RANK`` set, ``WORLD_SIZE`` > 1) on a machine without an
+    accelerator: ``DS_ACCELERATOR=cpu`` unless set, and Accelerate's DeepSpeed path gets gloo.
+
+    [Note: Accelerate and the CPU] ``PartialState`` picks a process-group backend only for an
+    accelerator (or ``cpu=True``, which turns DeepSpeed off). Without one it picks none and
+    calls the world 1 rank, so the Trainer sizes ``train_batch_size`` for one rank while
+    DeepSpeed (or flatzero) sees the launcher's world and refuses the batch sizes, or each
+    rank trains alone. Where Accelerate chooses no backend for its DeepSpeed path
+    (``ACCELERATE_USE_DEEPSPEED``, which ``--deepspeed``, ``accelerate launch --use_deepspeed``
+    and a ``DeepSpeedPlugin`` set), gloo is chosen instead; every other choice stands. The
+    same two settings are what a script run without ``flatzero.run`` needs on a CPU.
+    """
+    if "LOCAL_RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    from .accel import accelerator_type
+
+    if accelerator_type() is not None:
+        return
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if importlib.util.find_spec("accelerate") is None:
+        return
+    from accelerate.state import PartialState
+
+    choose = PartialState._prepare_backend
+
+    def gloo_for_deepspeed(
+        self: PartialState,
+        cpu: bool = False,
+        sagemaker_dp: bool = False,
+        backend: str | None = None,
+    ) -> tuple[str | None, object]:
+        chosen, kind = choose(self, cpu, sagemaker_dp, backend)
+        deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+        return ("gloo" if chosen is None and deepspeed and not cpu else chosen), kind
+
+    PartialState._prepare_backend = gloo_for_deepspeed
+
+
 def main(argv: list[str] | None = None) -> None:
     """Patch ``deepspeed.initialize`` and run the script (or ``-m`` module) in ``argv``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -70,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     from .deepspeed.patch import patch_deepspeed
 
     _show_flatzero_logs()
+    _one_job_without_accelerator()
     try:
         patch_deepspeed()
     except ModuleNotFoundError as error:

@@ -4,7 +4,9 @@ A tiny Llama built from a config (no downloads), a fixed synthetic dataset, ever
 from the command line (``TrainingArguments``: ``--deepspeed ds_config.json`` and the rest).
 After training it evaluates on a held-out set and saves the model. Writes the Trainer's
 ``log_history`` and the evaluation metrics to ``OUTPUT_DIR/log_history.json`` on the main
-process. ``--resume DIR`` resumes from a checkpoint directory.
+process, and on every rank ``OUTPUT_DIR/rank<R>.json``: the world size the Trainer and its
+Accelerator see and a checksum of the trained weights. ``--resume DIR`` resumes from a
+checkpoint directory.
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=extra.resume)
     metrics = trainer.evaluate()
     trainer.save_model(args.output_dir)
+    with open(os.path.join(args.output_dir, f"rank{args.process_index}.json"), "w") as f:
+        seen = {
+            "world_size": args.world_size,
+            "num_processes": trainer.accelerator.num_processes,
+            "checksum": sum(p.detach().double().sum().item() for p in model.parameters()),
+        }
+        json.dump(seen, f)
     if trainer.is_world_process_zero():
         with open(os.path.join(args.output_dir, "log_history.json"), "w") as f:
             json.dump(

@@ -80,11 +80,13 @@ def decide_tier(
                 need("host_park"),
             )
         what = "the fp32 master and gradient shards"
-        return decision(None, _too_small(device_type, min_free, need("host_park"), what), 0)
+        why = _too_small(device_type, min_free, need("host_park"), what, total_bytes, shard_bytes)
+        return decision(None, why, 0)
     upload = "host" if world_size == 1 else "sharded"
     if min_free < need(upload):
         what = "the flat buffers and fp32 shards"
-        return decision(None, _too_small(device_type, min_free, need(upload), what), 0)
+        why = _too_small(device_type, min_free, need(upload), what, total_bytes, shard_bytes)
+        return decision(None, why, 0)
     if world_size == 1:
         return decision("host", "params in host memory, one rank", need(upload))
     reason = f"params in host memory, {world_size} ranks share the upload"
@@ -155,9 +157,24 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
 
-def _too_small(device_type: str, free: int, need: int, what: str) -> str:
+def _too_small(
+    device_type: str, free: int, need: int, what: str, params_bytes: int, shard_bytes: int
+) -> str:
+    """Why nothing fits, and what helps: at ZeRO-1/2 the params are whole on every rank, so
+    more ranks shrink only the fp32 shards."""
+    if params_bytes >= free:
+        fix = (
+            f"the params alone ({_gib(params_bytes)}) are whole on every rank at ZeRO-1/2, so "
+            "more ranks cannot help: shard them too (ZeRO-3 / FSDP, not flatzero)"
+        )
+    else:
+        fix = (
+            f"more ranks shrink only the fp32 shards ({_gib(shard_bytes)} here; the params, "
+            f"{_gib(params_bytes)}, stay whole on every rank at ZeRO-1/2), optimizer offload "
+            f"moves them to the host, or free memory on the {device_type}"
+        )
     return (
         f"{what} need {_gib(need)} per rank on {device_type} but the rank with the least free "
-        f"memory has {_gib(free)}; nothing was changed. Use more ranks (the shards shrink with "
-        "them), free memory on the GPU, or bf16 params"
+        f"memory has {_gib(free)}; nothing was changed. {fix}; `flatzero plan` gives the "
+        "numbers of each way out"
     )

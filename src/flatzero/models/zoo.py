@@ -27,6 +27,19 @@ PRESETS: dict[str, ModelConfig] = {
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
     ),
+    # meta-llama/Meta-Llama-3-70B config.json (no rope scaling; untied embeddings): the shape
+    # whose model states do not fit 8 x 80 GB at ZeRO-1/2 (flatzero plan's advice).
+    "llama-3-70b": LlamaConfig(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+    ),
     # Qwen/Qwen3-30B-A3B config.json (every layer sparse; untied embeddings).
     "qwen3-30b-a3b": Qwen3MoeConfig(
         vocab_size=151936,
@@ -44,7 +57,7 @@ PRESETS: dict[str, ModelConfig] = {
         expert_layout="fused",
     ),
 }
-"""Real model shapes by name. Both have untied embeddings in their real configs."""
+"""Real model shapes by name. All have untied embeddings in their real configs."""
 
 
 def get_preset(name: str) -> ModelConfig:

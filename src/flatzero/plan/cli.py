@@ -47,8 +47,9 @@ def _add_model_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--model",
         required=True,
-        help="a zoo preset (llama-3-8b, qwen3-30b-a3b), a benchmark model "
-        "(qwen3-moe-narrow-unfused, ...), a config.json or a model directory holding one",
+        help="a zoo preset (llama-3-8b, llama-3-70b, qwen3-30b-a3b), a benchmark model "
+        "(qwen3-moe-narrow-unfused, ...), a config.json or a model directory holding one "
+        "(any causal LM transformers builds, when it is installed)",
     )
     group.add_argument("--layers", type=count(1, 100_000), help="replace num_hidden_layers")
     group.add_argument(

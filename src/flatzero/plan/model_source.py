@@ -1,9 +1,11 @@
 """What a plan is for: a model's parameter shapes, built on the meta device.
 
-A model is named by a zoo preset (``llama-3-8b``, ``qwen3-30b-a3b``), a benchmark model
-(``qwen3-moe-narrow-unfused``, ``qwen3-30b-a3b-16l-unfused``, ...), a Hugging Face
-``config.json`` or a model directory holding one (no weights are read). Whatever the input,
-the model is built by the zoo on the meta device and its params are grouped as flatzero
+A model is named by a zoo preset (``llama-3-8b``, ``llama-3-70b``, ``qwen3-30b-a3b``), a
+benchmark model (``qwen3-moe-narrow-unfused``, ``qwen3-30b-a3b-16l-unfused``, ...), a Hugging
+Face ``config.json`` or a model directory holding one (no weights are read). A preset or
+benchmark model is built by the zoo on the meta device; a ``config.json`` by transformers
+where it is installed (``hf_model``: any causal LM it can build), else by the zoo for the
+families it maps (llama, mistral, qwen3_moe). Either way the params are grouped as flatzero
 groups them (``collect_param_groups``: trainable, tied ones once), so every byte count of
 the plan comes from the real layout, not from a parameter-count formula.
 """
@@ -22,6 +24,7 @@ from ..layout import ParamSpec
 from ..models import LlamaConfig, ModelConfig, Qwen3MoeConfig, build_model
 from ..models.zoo import PRESETS
 from ..params import collect_param_groups
+from .hf_model import build_hf_model, check_sizes, hf_layers, hf_ties, transformers_available
 
 __all__ = [
     "GROUPINGS",
@@ -36,6 +39,10 @@ GROUPINGS = ("one", "decay")
 """How params are grouped: ``one`` group, or ``decay`` (params with 2+ dims) and the rest,
 as trainers do for weight decay."""
 
+_ZOO_LEAVES_OUT = ("attention_bias", "mlp_bias", "mlp_only_layers", "decoder_sparse_step")
+"""Fields of a config.json the zoo does not build and transformers does: left out of the
+zoo's checks of a config that transformers builds."""
+
 _LLAMA_TYPES = ("llama", "mistral")
 """HF ``model_type`` values whose params have exactly the zoo Llama's names and shapes."""
 
@@ -46,25 +53,65 @@ class ModelSource:
 
     Attributes:
         name: how the user named it (preset, benchmark model or path).
-        config: the zoo config the meta-device model is built from.
+        config: the zoo config the meta-device model is built from; None when transformers
+            builds it from ``hf_config``.
         with_lm_head: the model has ``lm_head`` (``AutoModelForCausalLM``); without it, the
             base model (``AutoModel``).
         tie_embeddings: ``lm_head.weight`` is ``embed_tokens.weight`` (counted once).
+        hf_config: a ``config.json`` (as a dict) that transformers builds on the meta device,
+            instead of ``config``.
+        layers: with ``hf_config``, its layer count replaced by this (None: its own).
     """
 
     name: str
-    config: ModelConfig
+    config: ModelConfig | None
     with_lm_head: bool = True
     tie_embeddings: bool = False
+    hf_config: dict[str, Any] | None = None
+    layers: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.config, (LlamaConfig, Qwen3MoeConfig)):
+        if (self.config is None) == (self.hf_config is None):
+            raise ValueError("ModelSource needs exactly one of config and hf_config")
+        if self.config is not None and not isinstance(self.config, (LlamaConfig, Qwen3MoeConfig)):
             raise TypeError(
                 f"ModelSource.config must be a LlamaConfig or Qwen3MoeConfig, got "
                 f"{type(self.config).__name__}"
             )
         if self.tie_embeddings and not self.with_lm_head:
             raise ValueError("ModelSource.tie_embeddings needs with_lm_head=True")
+
+    @property
+    def kind(self) -> str:
+        """The family as the report names it (``Llama``, ``Qwen3Moe, 128 experts fused``,
+        ``gpt2 (transformers)``)."""
+        if self.config is None:
+            return f"{self.hf_config['model_type']} (transformers)"
+        kind = type(self.config).__name__.removesuffix("Config")
+        if isinstance(self.config, Qwen3MoeConfig):
+            kind += f", {self.config.num_experts} experts {self.config.expert_layout}"
+        return kind
+
+    @property
+    def num_hidden_layers(self) -> int | None:
+        """Decoder layers (None when a ``config.json`` names no layer count)."""
+        if self.config is None:
+            return hf_layers(self.hf_config, self.layers)
+        return self.config.num_hidden_layers
+
+    def describe(self) -> dict[str, Any]:
+        """The model as JSON-serializable data: the zoo config's fields, or the
+        ``config.json`` transformers built."""
+        if self.config is None:
+            fields: dict[str, Any] = {"hf_config": self.hf_config, "layers": self.layers}
+        else:
+            fields = dataclasses.asdict(self.config)
+        return {
+            **fields,
+            "name": self.name,
+            "with_lm_head": self.with_lm_head,
+            "tie_embeddings": self.tie_embeddings,
+        }
 
 
 def _get(data: dict[str, Any], key: str, default: Any = None) -> Any:
@@ -141,6 +188,12 @@ def config_from_hf(
         ValueError: an unsupported model type or field (named), or a missing field.
     """
     model_type = data.get("model_type")
+    if model_type not in (*_LLAMA_TYPES, "qwen3_moe"):
+        raise ValueError(
+            f"model_type {model_type!r} is not supported by the planner without transformers; "
+            f"supported: {', '.join((*_LLAMA_TYPES, 'qwen3_moe'))}; with transformers "
+            "installed (pip install -e '.[hf]'), any causal LM it can build plans"
+        )
     tie = _bool(data, "tie_word_embeddings", False)
     fields = _common_fields(data)
     if model_type in _LLAMA_TYPES:
@@ -163,10 +216,7 @@ def config_from_hf(
             **fields,
         )
         return moe, tie
-    raise ValueError(
-        f"model_type {model_type!r} is not supported by the planner; supported: "
-        f"{', '.join((*_LLAMA_TYPES, 'qwen3_moe'))}"
-    )
+    raise AssertionError(model_type)  # every supported type returned above
 
 
 def _named_config(name: str) -> ModelConfig | None:
@@ -207,6 +257,16 @@ def resolve_model(
                 f"directory with one; presets: {', '.join(PRESETS)}"
             )
         data = load_config_dict(str(path))  # errors name the file
+        head = True if with_lm_head is None else with_lm_head
+        zoo_layout = expert_layout is not None and data.get("model_type") == "qwen3_moe"
+        if transformers_available() and not zoo_layout:
+            if data.get("model_type") in (*_LLAMA_TYPES, "qwen3_moe"):  # the zoo's checks
+                config_from_hf({k: v for k, v in data.items() if k not in _ZOO_LEAVES_OUT})
+            check_sizes({**data, "num_hidden_layers": layers or data.get("num_hidden_layers")})
+            tie = head and hf_ties(data)
+            return ModelSource(
+                text, None, with_lm_head=head, tie_embeddings=tie, hf_config=data, layers=layers
+            )
         config, tie = config_from_hf(data, expert_layout=expert_layout or "fused")
     changes: dict[str, Any] = {}
     if layers is not None:
@@ -223,13 +283,21 @@ def param_groups(source: ModelSource, dtype: str, grouping: str = "one") -> list
     device in ``dtype``, grouped by ``grouping`` (see ``GROUPINGS``), tied params once."""
     if grouping not in GROUPINGS:
         raise ValueError(f"grouping {grouping!r} must be one of {', '.join(GROUPINGS)}")
-    model = build_model(
-        source.config,
-        device="meta",
-        dtype=getattr(torch, dtype),
-        with_lm_head=source.with_lm_head,
-        tie_embeddings=source.tie_embeddings,
-    )
+    if source.hf_config is not None:
+        model = build_hf_model(
+            source.hf_config,
+            dtype=getattr(torch, dtype),
+            with_lm_head=source.with_lm_head,
+            layers=source.layers,
+        )
+    else:
+        model = build_model(
+            source.config,
+            device="meta",
+            dtype=getattr(torch, dtype),
+            with_lm_head=source.with_lm_head,
+            tie_embeddings=source.tie_embeddings,
+        )
     return [g.specs() for g in collect_param_groups(group_dicts(model, grouping))]
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..models import Qwen3MoeConfig
+from ..words import plural
+from .advice import fit_advice, fit_advice_lines
 from .memory_model import itemsize
 from .planner import MethodPlan, Plan, huge_pages_advice
 
@@ -26,18 +27,16 @@ def _gib(nbytes: float) -> str:
 
 def _model_line(plan: Plan) -> str:
     spec = plan.spec
-    config = spec.model.config
     layout = plan.layout
     numel = layout.param_numel
     nbytes = sum(g.param_numel * itemsize(g.dtype) for g in layout.groups)
     buckets = sum(len(g.buckets) for g in layout.groups)
     padding = sum(g.padding_numel for g in layout.groups)
-    kind = type(config).__name__.removesuffix("Config")
-    if isinstance(config, Qwen3MoeConfig):
-        kind += f", {config.num_experts} experts {config.expert_layout}"
+    layers = spec.model.num_hidden_layers
     head = "" if spec.model.with_lm_head else ", no lm_head"
+    shape = spec.model.kind + ("" if layers is None else f", {layers} layers") + head
     return (
-        f"model {spec.model.name} ({kind}, {config.num_hidden_layers} layers{head}): "
+        f"model {spec.model.name} ({shape}): "
         f"{numel / 1e9:.3f}B params in {layout.num_params:,} tensors, {_gib(nbytes)} GiB "
         f"{spec.dtype}; {buckets} buckets of <= {spec.bucket_numel:,} elements, padding "
         f"{100 * padding / max(1, numel):.3f}%"
@@ -124,6 +123,15 @@ def _method_row(m: MethodPlan, chosen: bool, usable: int | None) -> str:
     )
 
 
+def _legacy_lower_bound(ranks: int) -> str:
+    """What the DeepSpeed legacy row's time leaves out, said beside it."""
+    return (
+        "  (the legacy CPU cat's time is a lower bound: its bytes at these rates, without "
+        f"{plural(ranks, 'rank')} each running its host work on every core at once, which "
+        "DeepSpeed #7677 found to dominate: docs/plan.md)"
+    )
+
+
 def _init_lines(plan: Plan) -> list[str]:
     heads = ("host peak", *_LINK_HEAD, "time s")
     head = f"{'dev peak':>9} {'fits':>4} " + " ".join(f"{h:>9}" for h in heads)
@@ -133,6 +141,8 @@ def _init_lines(plan: Plan) -> list[str]:
     ds_path = plan.deepspeed_019[0]
     for m in plan.methods.values():
         lines.append(_method_row(m, m.method in (plan.decision.tier, ds_path), usable))
+    if "deepspeed_legacy" in plan.methods:
+        lines.append(_legacy_lower_bound(spec.gpus_per_node))
     tier = plan.decision.tier or "none (MemoryError on every rank)"
     lines.append(f"flatzero auto -> {tier}: {plan.decision.reason}")
     lines.append(f"DeepSpeed 0.19.x -> {ds_path}: {plan.deepspeed_019[1]}")
@@ -197,6 +207,7 @@ def format_plan(plan: Plan) -> str:
             title,
             _model_line(plan),
             *_memory_lines(plan),
+            *fit_advice_lines(plan),
             *_async_save_lines(plan),
             *_offload_lines(plan),
             *_init_lines(plan),
@@ -217,12 +228,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
                 for k, v in vars(spec).items()
                 if k not in ("model", "gpu", "host", "calibration")
             },
-            "model": {
-                **dataclasses.asdict(spec.model.config),
-                "name": spec.model.name,
-                "with_lm_head": spec.model.with_lm_head,
-                "tie_embeddings": spec.model.tie_embeddings,
-            },
+            "model": spec.model.describe(),
             "gpu": None if spec.gpu is None else dataclasses.asdict(spec.gpu),
             "host": dataclasses.asdict(spec.host),
             "world_size": spec.world_size,
@@ -271,4 +277,5 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "rates": dataclasses.asdict(plan.rates),
         "calibration": None if spec.calibration is None else spec.calibration.to_dict(),
         "huge_pages_advice": huge_pages_advice(plan),
+        "fit_advice": None if (advice := fit_advice(plan)) is None else dataclasses.asdict(advice),
     }
