@@ -272,9 +272,7 @@ def _tensor_parallel_worker(rank: int, world_size: int, launcher_var: str | None
     return out
 
 
-@pytest.mark.parametrize(
-    "launcher_var", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"]
-)
+@pytest.mark.parametrize("launcher_var", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE"])
 def test_data_parallel_groups_of_one_rank_per_host_share_the_hosts_cores(launcher_var):
     for r in run_ranks(_tensor_parallel_worker, 2, launcher_var, timeout_s=60):
         want = max(1, r["usable"] // 2)  # two ranks of the job on this host
