@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..comm import rank_of, world_size_of
+from ..control import collective_group
 from ..flatten.buffers import FlatParams
 from .buckets import (
     BucketState,
@@ -157,7 +158,9 @@ class GradReducer:
         self.flat = flat
         self.grads = grads
         self.config = config
-        self.pg = flat.process_group
+        self.pg = collective_group(flat.process_group)
+        """flatzero's own group over the process group's ranks (``control.collective_group``):
+        a user's collective inside backward never meets one of these reductions."""
         self.world_size = world_size_of(self.pg)
         self.rank = rank_of(self.pg)
         self.buckets = bucket_states(flat.groups, grads)
