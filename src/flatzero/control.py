@@ -69,6 +69,9 @@ shares one)."""
 _collectives: dict[tuple[tuple[int, ...], str], dist.ProcessGroup] = {}
 """flatzero's own collective groups by the global ranks they span and their backend."""
 
+_shared: set[tuple[tuple[int, ...], str]] = set()
+"""Ranks and backends whose reductions share the user's group (``collective_group``)."""
+
 
 def _separate_control_needed(group: dist.ProcessGroup | None) -> bool:
     """Whether ``group`` needs a gloo group of its own for host-side agreement."""
@@ -160,7 +163,10 @@ def collective_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | Non
     ranks, with ``group``'s backend and the job's timeout (``job_timeout``); ``group`` itself
     at world size 1. Created once per set of ranks and backend, as ``control_group`` creates
     its groups (every rank of the job calls ``new_group`` when ``group`` spans the job, the
-    group's ranks only otherwise, after the same naming check), and reused.
+    group's ranks only otherwise, after the same naming check), and reused. Where that check
+    fails (a subgroup's ranks registered different numbers of groups), ``group`` itself,
+    with one warning naming ``prepare_control_groups``: reductions share the user's group,
+    as before there was a group of flatzero's own.
 
     Collective over ``group`` the first time (over the whole job when it spans the job).
     """
@@ -173,9 +179,21 @@ def collective_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | Non
     ours = _collectives.get(key)
     if ours is not None and _alive(ours):
         return ours
+    if key in _shared:
+        return group
     everyone_calls = len(ranks) == dist.get_world_size()
-    if not everyone_calls:
-        _check_group_counts_agree(parent, ranks)
+    if not everyone_calls and not _group_counts_agree(parent):
+        _shared.add(key)
+        logger.warning(
+            "flatzero's reductions over ranks %s share their process group: those ranks "
+            "registered different numbers of process groups, so a group of flatzero's own "
+            "would get a different rendezvous name on each. A collective of yours inside "
+            "backward on that group can then hang; call flatzero.control."
+            "prepare_control_groups(<the rank lists of every data-parallel group>) on every "
+            "rank right after creating those groups",
+            ranks,
+        )
+        return group
     ours = dist.new_group(
         ranks=ranks,
         backend=backend,
@@ -193,13 +211,19 @@ def _registered_groups() -> int:
     return len(dist.distributed_c10d._world.pg_names)
 
 
-def _check_group_counts_agree(parent: dist.ProcessGroup, ranks: list[int]) -> None:
+def _group_counts_agree(parent: dist.ProcessGroup) -> bool:
+    """Whether ``parent``'s ranks have registered as many process groups each (torch names a
+    group made by some ranks only by its ranks and that count). Collective on ``parent``."""
     count = _registered_groups()
     high, neg_low = all_reduce_max_each([count, -count], parent)
-    if high != -neg_low:
+    return high == -neg_low
+
+
+def _check_group_counts_agree(parent: dist.ProcessGroup, ranks: list[int]) -> None:
+    if not _group_counts_agree(parent):
         raise RuntimeError(
             f"cannot create a flatzero group over ranks {ranks}: those ranks have "
-            f"registered different numbers of process groups ({-neg_low} to {high}), so "
+            "registered different numbers of process groups, so "
             "torch would give the group a different rendezvous name on each of them and "
             "they would wait for each other until a timeout. Call "
             "flatzero.control.prepare_control_groups(<the rank lists of every "
