@@ -33,6 +33,7 @@ import flatzero.optim.buckets as buckets
 from flatzero import FlattenConfig
 from flatzero.launch import run_ranks
 from flatzero.optim import LossScaleConfig, ZeroConfig, ZeroOptimizer
+from flatzero.plan.memory_model import held_gradient_bytes
 
 LR = 1e-2
 WIDTH = 32
@@ -255,6 +256,57 @@ def _unused_params(rank: int, world_size: int) -> dict[str, Any]:
             adamw.zero_grad(set_to_none=False)
         out["reference"] = _snapshot(ref)
     return out
+
+
+class ChainWithExpert(Chain):
+    """``Chain`` and an expert no token is routed to, registered last: first in launch
+    order, so every chunk waits for it until its params count as zero."""
+
+    def __init__(self, expert_trains: bool = True) -> None:
+        super().__init__()
+        self.expert = nn.Linear(WIDTH, WIDTH)
+        self.expert.requires_grad_(expert_trains)
+
+
+def _first_pass_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """Issue 41 item 1: the held gradients of each step with an unused expert, and the
+    layers' params against the same run without the expert among the trained params."""
+    out: dict[str, Any] = {"layer_grad_bytes": (WIDTH * WIDTH + WIDTH) * 4}
+    for expert_trains in (True, False):
+        model = ChainWithExpert(expert_trains)
+        opt = ZeroOptimizer(
+            model.parameters(),
+            flatten_config=FlattenConfig(bucket_numel=1100, device="cpu", progress=False),
+            lr=LR,
+        )
+        held = []
+        for step in range(3):
+            model.loss(_inputs(step, rank), set()).backward()
+            opt.step()
+            held.append(opt.held_gradient_peak_bytes())
+            opt._reducer.held_peak = 0
+        out[expert_trains] = {
+            "held": held,
+            "plan_held": held_gradient_bytes(opt.flat.layout, stage=2),
+            "layers": {
+                n: p.detach().clone() for n, p in model.named_parameters() if "expert" not in n
+            },
+        }
+        opt.close()
+    return _pack(out)
+
+
+def test_first_pass_holds_no_more_than_later_passes_with_an_unused_param():
+    for result in map(_unpack, run_ranks(_first_pass_worker, 2, timeout_s=60)):
+        held = result[True]["held"]
+        # Before: [all 8 layers, one layer, one layer] held: the expert's chunk, first in
+        # launch order, waited for the end of the first backward pass.
+        assert 0 < held[0] <= max(held[1:]) <= result["layer_grad_bytes"], held
+        # flatzero plan counts what backward holds: one bucket (here about one layer), in
+        # every pass (before: 8 layers held in the first, beyond what it counted).
+        assert max(held) <= result[True]["plan_held"] < 2 * result["layer_grad_bytes"]
+        for name, value in result[False]["layers"].items():  # the same numbers, bitwise
+            assert torch.equal(result[True]["layers"][name], value), name
 
 
 def _late_gradient_worker(rank: int, world_size: int) -> str:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatzero import FlattenConfig, flatten_parameters
+from flatzero import FlattenConfig, OffloadConfig, ZeroOptimizer, flatten_parameters
 from flatzero import control as control_module
 from flatzero import cores as threads
 from flatzero.cores import (
@@ -242,9 +242,47 @@ def _subgroup_worker(rank: int, world_size: int) -> dict:
 
 
 def test_subgroups_count_their_ranks_over_one_reused_control_group():
+    # run_ranks sets LOCAL_WORLD_SIZE=3 as torchrun would: all three ranks share this
+    # host, whichever group flattens (issue 41 item 2: rank 2's group of one counted 1
+    # beside the two flattening ranks of the other group).
     results = run_ranks(_subgroup_worker, 3, timeout_s=60)
-    assert [r["ranks_on_host"] for r in results] == [[2, 2], [2, 2], [1, 1]]
+    assert [r["ranks_on_host"] for r in results] == [[3, 3], [3, 3], [3, 3]]
     assert [r["created"] for r in results] == [[[0, 1]], [[0, 1]], []]
+
+
+def _tensor_parallel_worker(rank: int, world_size: int, launcher_var: str | None) -> dict:
+    """Data-parallel groups of one rank each (tensor parallelism across this host's ranks):
+    the init share and the offloaded optimizer's CPU step threads."""
+    for name in LAUNCHER_LOCAL_SIZES:
+        os.environ.pop(name, None)
+    if launcher_var is not None:
+        os.environ[launcher_var] = str(world_size)
+    mine, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world_size)])
+    model = nn.Linear(8, 8)
+    opt = ZeroOptimizer(
+        model.parameters(), lr=0.1, process_group=mine, offload_optimizer=OffloadConfig()
+    )
+    share = opt.flat.report.core_share
+    out = {
+        "share": (share.ranks_on_host, share.ranks_sharing_cores, share.threads),
+        "offload_threads": opt._stepper.threads,
+        "usable": usable_cores(),
+    }
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("launcher_var", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE"])
+def test_data_parallel_groups_of_one_rank_per_host_share_the_hosts_cores(launcher_var):
+    for r in run_ranks(_tensor_parallel_worker, 2, launcher_var, timeout_s=60):
+        want = max(1, r["usable"] // 2)  # two ranks of the job on this host
+        assert r["share"] == (2, 2, want)
+        assert r["offload_threads"] == want
+
+
+def test_without_a_launcher_variable_a_group_of_one_counts_itself():
+    for r in run_ranks(_tensor_parallel_worker, 2, None, timeout_s=60):
+        assert r["share"] == (1, 1, r["usable"])  # mp.spawn: host_threads sets it by hand
 
 
 # ------------------------------------------------------ item 2: init owns the share

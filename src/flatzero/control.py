@@ -15,6 +15,14 @@ as long as its process group: it is destroyed with them by
 ``torch.distributed.destroy_process_group()``. (Destroying it earlier and creating it
 again would reuse its rendezvous prefix in the store, which torch derives from the ranks
 and the number of groups, and meet the previous group's stale keys.)
+
+The optimizer's reductions and gathers run on a group of flatzero's own too
+(``collective_group``): the same ranks and backend as the user's group, created once the
+same way. Stage 2 issues its reductions during backward at points that differ between
+ranks (as each rank's gradients arrive); a user's collective inside backward on the same
+group (SyncBatchNorm, a mixture-of-experts all-to-all) would then meet a different
+collective of ours on each rank: a gloo error, an NCCL hang. DeepSpeed clones the group
+for the same reason.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ __all__ = [
     "Failures",
     "RankError",
     "any_rank_failed",
+    "collective_group",
     "control_group",
     "every_rank_or_none",
     "host_work_timeout",
@@ -56,6 +65,12 @@ file system), so that only a hung rank, never a slow disk, times out."""
 _controls: dict[tuple[int, ...], dist.ProcessGroup] = {}
 """Control groups by the global ranks they span (any process group over those ranks
 shares one)."""
+
+_collectives: dict[tuple[tuple[int, ...], str], dist.ProcessGroup] = {}
+"""flatzero's own collective groups by the global ranks they span and their backend."""
+
+_shared: set[tuple[tuple[int, ...], str]] = set()
+"""Ranks and backends whose reductions share the user's group (``collective_group``)."""
 
 
 def _separate_control_needed(group: dist.ProcessGroup | None) -> bool:
@@ -85,14 +100,18 @@ def _new_control(ranks: list[int], *, everyone_calls: bool) -> dist.ProcessGroup
 
 
 def prepare_control_groups(rank_lists: Sequence[Sequence[int]]) -> None:
-    """Create the control groups of several process groups at once, on every rank of the
-    job, in the same order everywhere (what ``torch.distributed.new_group`` asks).
+    """Create the control groups of several process groups at once, and flatzero's own
+    collective groups over them (``collective_group``, with the default group's backend),
+    on every rank of the job, in the same order everywhere (what
+    ``torch.distributed.new_group`` asks).
 
     Call it right after creating data-parallel subgroups (e.g. with the same rank lists
     as ``dist.new_subgroups_by_enumeration``) when ranks of the job have created
-    different sets of other process groups; ``control_group`` then finds them instead of
-    creating them over the subgroup's ranks alone. Collective over the whole job.
+    different sets of other process groups; ``control_group`` and ``collective_group``
+    then find them instead of creating them over the subgroup's ranks alone. Collective
+    over the whole job.
     """
+    backend = str(dist.get_backend())
     for ranks in rank_lists:
         key = tuple(sorted(int(r) for r in ranks))
         existing = _controls.get(key)
@@ -102,6 +121,15 @@ def prepare_control_groups(rank_lists: Sequence[Sequence[int]]) -> None:
         if dist.get_rank() not in key:
             del _controls[key]  # torch's placeholder for a group this rank is not in
         del control
+        if len(key) > 1:
+            ours = dist.new_group(
+                ranks=list(key),
+                backend=backend,
+                timeout=job_timeout(),
+                group_desc="flatzero collectives",
+            )
+            if dist.get_rank() in key:
+                _collectives[(key, backend)] = ours
 
 
 def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -130,18 +158,72 @@ def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return _new_control(ranks, everyone_calls=False)
 
 
+def collective_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """flatzero's own group for the optimizer's reductions and gathers over ``group``'s
+    ranks, with ``group``'s backend and the job's timeout (``job_timeout``); ``group`` itself
+    at world size 1. Created once per set of ranks and backend, as ``control_group`` creates
+    its groups (every rank of the job calls ``new_group`` when ``group`` spans the job, the
+    group's ranks only otherwise, after the same naming check), and reused. Where that check
+    fails (a subgroup's ranks registered different numbers of groups), ``group`` itself,
+    with one warning naming ``prepare_control_groups``: reductions share the user's group,
+    as before there was a group of flatzero's own.
+
+    Collective over ``group`` the first time (over the whole job when it spans the job).
+    """
+    if world_size_of(group) == 1:
+        return group
+    parent = group if group is not None else dist.group.WORLD
+    ranks = sorted(dist.get_process_group_ranks(parent))
+    backend = str(dist.get_backend(parent))
+    key = (tuple(ranks), backend)
+    ours = _collectives.get(key)
+    if ours is not None and _alive(ours):
+        return ours
+    if key in _shared:
+        return group
+    everyone_calls = len(ranks) == dist.get_world_size()
+    if not everyone_calls and not _group_counts_agree(parent):
+        _shared.add(key)
+        logger.warning(
+            "flatzero's reductions over ranks %s share their process group: those ranks "
+            "registered different numbers of process groups, so a group of flatzero's own "
+            "would get a different rendezvous name on each. A collective of yours inside "
+            "backward on that group can then hang; call flatzero.control."
+            "prepare_control_groups(<the rank lists of every data-parallel group>) on every "
+            "rank right after creating those groups",
+            ranks,
+        )
+        return group
+    ours = dist.new_group(
+        ranks=ranks,
+        backend=backend,
+        timeout=job_timeout(),
+        use_local_synchronization=not everyone_calls,
+        group_desc="flatzero collectives",
+    )
+    _collectives[key] = ours
+    logger.debug("created flatzero's %s group over ranks %s", backend, ranks)
+    return ours
+
+
 def _registered_groups() -> int:
     """How many process groups this rank has registered (torch's naming input)."""
     return len(dist.distributed_c10d._world.pg_names)
 
 
-def _check_group_counts_agree(parent: dist.ProcessGroup, ranks: list[int]) -> None:
+def _group_counts_agree(parent: dist.ProcessGroup) -> bool:
+    """Whether ``parent``'s ranks have registered as many process groups each (torch names a
+    group made by some ranks only by its ranks and that count). Collective on ``parent``."""
     count = _registered_groups()
     high, neg_low = all_reduce_max_each([count, -count], parent)
-    if high != -neg_low:
+    return high == -neg_low
+
+
+def _check_group_counts_agree(parent: dist.ProcessGroup, ranks: list[int]) -> None:
+    if not _group_counts_agree(parent):
         raise RuntimeError(
-            f"cannot create flatzero's control group over ranks {ranks}: those ranks have "
-            f"registered different numbers of process groups ({-neg_low} to {high}), so "
+            f"cannot create a flatzero group over ranks {ranks}: those ranks have "
+            "registered different numbers of process groups, so "
             "torch would give the group a different rendezvous name on each of them and "
             "they would wait for each other until a timeout. Call "
             "flatzero.control.prepare_control_groups(<the rank lists of every "

@@ -54,8 +54,9 @@ LAUNCHER_LOCAL_SIZES = (
     "SLURM_NTASKS_PER_NODE",  # srun --ntasks-per-node
 )
 """The variables in which launchers say how many ranks they started on this node, in
-the order they are read (torchrun under srun: ``LOCAL_WORLD_SIZE`` first). Compared with
-the ranks counted through the process group and logged; never the share's source."""
+the order they are read (torchrun under srun: ``LOCAL_WORLD_SIZE`` first). Over a group
+that spans the job they are compared with the count and logged; over a subgroup they are a
+floor of the count ([Note: a rank's core share])."""
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,11 @@ class CoreShare:
         affinity_cores: CPUs in this process's affinity mask.
         quota_cores: the cgroup CPU quota in cores (``1.5``: 150 ms per 100 ms period),
             or None without one.
-        ranks_on_host: ranks of the group on this host (this one included), counted
-            through the process group.
-        ranks_sharing_cores: of those, the ranks whose affinity overlaps this rank's.
+        ranks_on_host: ranks of the job on this host (this one included): counted
+            through the process group, and at least the launcher's count when the group
+            is a subgroup of the job.
+        ranks_sharing_cores: of those, the ranks whose affinity overlaps this rank's (a
+            rank outside the group counts as overlapping).
         launcher_says: the launcher's own count of ranks on this node as ``NAME=value``
             (``LAUNCHER_LOCAL_SIZES``), or None; for cross-checking only.
     """
@@ -262,12 +265,21 @@ def _gather(item: tuple[str, int], group: dist.ProcessGroup | None) -> list[tupl
 #   (host name and kernel boot id) and affinity mask. ``ranks_on_host`` counts the ranks
 #   with this rank's identity; ``ranks_sharing_cores`` those of them whose affinity
 #   overlaps this rank's (all of them unless the launcher pinned ranks to cores);
+# - a subgroup (data parallel inside tensor parallelism: one rank per host in each
+#   data-parallel group) sees only its own ranks, while every rank of the job on this host
+#   shares its cores. There the launcher's count of ranks on this node
+#   (``LAUNCHER_LOCAL_SIZES``) is a floor of ``ranks_on_host``, and the ranks the group does
+#   not show count as sharing this rank's cores (their affinity is unknown): never more
+#   threads than cores, at the price of fewer than the share where ranks are pinned. A
+#   launcher that sets none of them (``mp.spawn``) leaves the count to the group:
+#   ``FlattenConfig.host_threads`` and ``OffloadConfig.threads`` set it by hand;
 # - ``threads = max(1, min(affinity_cores // ranks_sharing_cores,
 #   floor(quota / ranks_on_host)))`` (the quota term only where there is a quota). When
 #   every rank may run on every core this is ``usable_cores() // ranks_on_host``.
 #
-# The launchers' own counts (``LOCAL_WORLD_SIZE``, ``LOCAL_SIZE``, ...) are only compared
-# with the count and logged when they differ.
+# Over a group that spans the job the launchers' own counts are only compared with the
+# count and logged when they differ (network namespaces of one kernel: torchrun says 2 per
+# "node", 4 ranks share the cores).
 
 
 def _share(cores: int, quota: float | None, on_host: int, sharing: int) -> int:
@@ -284,8 +296,8 @@ def _cross_check(share: CoreShare, launcher: tuple[str, int] | None) -> None:
     if launcher is not None and launcher[1] != share.ranks_on_host:
         logger.warning(
             "%s=%d says %d rank(s) run on this host; flatzero counted %d of its process "
-            "group through the group itself and shares the cores by the count (%s). Set "
-            "FlattenConfig.host_threads if ranks outside the group flatten at the same time",
+            "group through the group itself and shares the cores by the count (%s). "
+            "FlattenConfig.host_threads sets the threads by hand",
             *launcher,
             launcher[1],
             share.ranks_on_host,
@@ -293,23 +305,31 @@ def _cross_check(share: CoreShare, launcher: tuple[str, int] | None) -> None:
         )
 
 
+def _spans_the_job(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` has every rank of the job (no process group: one rank, alone)."""
+    return not dist.is_initialized() or world_size_of(group) == dist.get_world_size()
+
+
 def core_share(group: dist.ProcessGroup | None) -> CoreShare:
-    """This rank's share of its host's cores among the ranks of ``group`` ([Note: a rank's
-    core share]). Collective: one all-gather on ``group``'s control group (none without a
-    process group).
+    """This rank's share of its host's cores among the job's ranks on this host, counted
+    through ``group`` ([Note: a rank's core share]). Collective: one all-gather on
+    ``group``'s control group (none without a process group).
     """
     cpus = _affinity()
     mask = sum(1 << cpu for cpu in cpus)
     me = host_identity()
     peers = [m for host, m in _gather((me, mask), group) if host == me]
-    sharing = sum(1 for m in peers if m & mask)
-    quota = cgroup_cpu_quota()
+    on_host, sharing = len(peers), sum(1 for m in peers if m & mask)
     launcher = launcher_local_size()
+    if launcher is not None and not _spans_the_job(group):
+        unseen = max(0, launcher[1] - on_host)  # ranks of other groups: they may share
+        on_host, sharing = on_host + unseen, sharing + unseen
+    quota = cgroup_cpu_quota()
     share = CoreShare(
-        threads=_share(len(cpus), quota, len(peers), sharing),
+        threads=_share(len(cpus), quota, on_host, sharing),
         affinity_cores=len(cpus),
         quota_cores=quota,
-        ranks_on_host=len(peers),
+        ranks_on_host=on_host,
         ranks_sharing_cores=sharing,
         launcher_says=f"{launcher[0]}={launcher[1]}" if launcher else None,
     )

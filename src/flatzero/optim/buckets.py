@@ -204,6 +204,11 @@ class BackwardPass:
             all their chunks are staged.
         arrived: params whose gradient arrived.
         unused: params the pass will not reach: their gradient counts as zero.
+        tentative: params the pass's graph does not reach at its start, in a pass that may
+            still see a backward inside backward (the first): counted as zero only once a
+            whole bucket's gradients wait behind them (``Stage2Reducer._pump``).
+        missing: per bucket, its params whose gradient has not arrived.
+        complete: buckets whose every gradient arrived, in arrival order.
         cursor: position of the next chunk to launch.
         task: the autograd graph task the pass started in.
         nested: a gradient arrived from another graph task (a backward inside backward).
@@ -215,6 +220,9 @@ class BackwardPass:
     held: dict[int, torch.Tensor] = field(default_factory=dict)
     arrived: set[int] = field(default_factory=set)
     unused: set[int] = field(default_factory=set)
+    tentative: set[int] = field(default_factory=set)
+    missing: list[int] = field(default_factory=list)
+    complete: list[int] = field(default_factory=list)
     cursor: int = 0
     task: int = -1
     nested: bool = False

@@ -22,6 +22,7 @@ from torch import nn
 
 from .. import accel
 from ..comm import all_gather_buckets_from_own_slices
+from ..control import collective_group
 from ..cores import init_threads
 from ..flatten.buffers import FlatParams
 from ..hostmem import StagingBuffer, empty_host, page_locked
@@ -236,7 +237,7 @@ class HostOffload:
         self.threads = threads
         self.device = flat.groups[0].device
         self.step_device = HOST
-        self._pg = flat.process_group
+        self._pg = collective_group(flat.process_group)
         self.copies = accel.is_accelerator(self.device)
         self.pinned = self.copies and config.pin_memory
         self._registered: list[StagingBuffer] = []

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..comm import rank_of, world_size_of
+from ..control import collective_group
 from ..flatten.buffers import FlatParams
 from .buckets import (
     BucketState,
@@ -97,7 +98,8 @@ LATE = (
     "flatzero stage 2: a gradient arrived for a param that this backward pass had counted as "
     "unused and already reduced as zero. A backward pass ran inside this one (reentrant "
     "activation checkpointing, use_reentrant=True) that the first backward pass did not "
-    "show. Use torch.utils.checkpoint with use_reentrant=False, or turn reentrant "
+    "show, or that started only after a whole bucket of gradients had waited for this "
+    "param. Use torch.utils.checkpoint with use_reentrant=False, or turn reentrant "
     "checkpointing on before the first backward pass"
 )
 
@@ -157,7 +159,9 @@ class GradReducer:
         self.flat = flat
         self.grads = grads
         self.config = config
-        self.pg = flat.process_group
+        self.pg = collective_group(flat.process_group)
+        """flatzero's own group over the process group's ranks (``control.collective_group``):
+        a user's collective inside backward never meets one of these reductions."""
         self.world_size = world_size_of(self.pg)
         self.rank = rank_of(self.pg)
         self.buckets = bucket_states(flat.groups, grads)

@@ -142,10 +142,16 @@ class Stage2Reducer(GradReducer):
     (``torch._C._will_engine_execute_node`` on each param's ``AccumulateGrad`` node) and
     count as zero at once, so they hold nothing up, on each rank its own. That is only
     sound when every gradient comes from the graph the pass started in: the first backward
-    pass does not use it and watches for gradients from another graph task (reentrant
-    activation checkpointing runs a backward inside backward); once any was seen, never
-    again. A gradient that arrives after its chunk was reduced without it raises
-    ``RuntimeError``.
+    pass watches for gradients from another graph task (reentrant activation checkpointing
+    runs a backward inside backward); once any was seen, never again. In the first pass the
+    unreached params are *tentative*: they count as zero only once every gradient of some
+    bucket behind the next chunk has arrived and waits, and only until a gradient from
+    another graph task shows up (a checkpointed segment's gradients come before a whole
+    bucket waits for them). So an unused param early in launch order (an expert with no
+    tokens, registered last) holds back about one bucket in the first pass too, not every
+    gradient. Which chunks are launched, and their contents, are the same either way; only
+    the moment differs, on each rank its own. A gradient that arrives after its chunk was
+    reduced without it raises ``RuntimeError``.
     """
 
     def __init__(self, flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> None:
@@ -159,6 +165,11 @@ class Stage2Reducer(GradReducer):
                 for pid, *_ in chunk.params:
                     self._bucket_of[pid] = chunk.bucket
         self._schedule()
+        self._bucket_params = [0] * len(self.buckets)
+        """Per bucket: its params that have chunks (a pass waits for each one's gradient)."""
+        for pid, positions in enumerate(self._chunks_of):
+            if positions:
+                self._bucket_params[self._bucket_of[pid]] += 1
         self.window = WindowState.EMPTY
         self.order_state = OrderState.RECORDING if config.learn_bucket_order else OrderState.AGREED
         self._last_arrival: dict[int, int] = {}
@@ -182,9 +193,15 @@ class Stage2Reducer(GradReducer):
             for pid, *_ in chunk.params:
                 self._chunks_of[pid].append(pos)
         self._expected = [len(c.params) for c in self.chunks]
+        self._last_pos = {chunk.bucket: pos for pos, chunk in enumerate(self.chunks)}
+        """Per bucket: the launch position of its last chunk."""
 
     def _new_pass(self) -> BackwardPass:
-        return BackwardPass(list(self._expected), [len(c) for c in self._chunks_of])
+        return BackwardPass(
+            list(self._expected),
+            [len(c) for c in self._chunks_of],
+            missing=list(self._bucket_params),
+        )
 
     def _hook(self, pid: int, param: nn.Parameter) -> None:
         grad = param.grad
@@ -195,6 +212,7 @@ class Stage2Reducer(GradReducer):
             self._begin(state)
         elif torch._C._current_graph_task_id() != state.task:
             state.nested = True
+            state.tentative.clear()  # a backward inside backward may still reach them
         if pid in state.arrived:
             raise RuntimeError(TWICE)
         state.arrived.add(pid)
@@ -202,6 +220,11 @@ class Stage2Reducer(GradReducer):
         positions = self._chunks_of[pid]
         if not positions:
             return
+        state.tentative.discard(pid)
+        bucket = self._bucket_of[pid]
+        state.missing[bucket] -= 1
+        if state.missing[bucket] == 0:
+            state.complete.append(bucket)
         if pid in state.unused:
             if state.unstaged[pid] < len(positions):
                 raise RuntimeError(LATE)
@@ -218,24 +241,53 @@ class Stage2Reducer(GradReducer):
 
     def _begin(self, state: BackwardPass) -> None:
         """The pass's first gradient: queue its end, note its graph task, and (unless a
-        backward inside backward was seen) count the params it will not reach as zero."""
+        backward inside backward was seen) count the params it will not reach as zero: at
+        once, or in the first pass as ``tentative`` (see the class docstring)."""
         Variable._execution_engine.queue_callback(self._end_of_backward)
         self.window = self.window.begin()
         state.task = torch._C._current_graph_task_id()
-        if not self.skip_unused:
+        if self.unused_rule is UnusedRule.AT_END:
             return
         will_run = torch._C._will_engine_execute_node
-        for pid, node in enumerate(self._nodes):
-            if self._chunks_of[pid] and not will_run(node):
-                state.unused.add(pid)
-                for pos in self._chunks_of[pid]:
-                    state.pending[pos] -= 1
+        unreached = [
+            pid
+            for pid, node in enumerate(self._nodes)
+            if self._chunks_of[pid] and not will_run(node)
+        ]
+        if not self.skip_unused:
+            state.tentative.update(unreached)
+            return
+        for pid in unreached:
+            self._count_unused(state, pid)
+
+    def _count_unused(self, state: BackwardPass, pid: int) -> None:
+        """Count ``pid``'s gradient as zero in this pass: its chunks no longer wait for it."""
+        state.unused.add(pid)
+        for pos in self._chunks_of[pid]:
+            state.pending[pos] -= 1
 
     def _pump(self, state: BackwardPass) -> None:
         """Launch chunks, in order, while the next one has all it waits for."""
-        while state.cursor < len(self.chunks) and state.pending[state.cursor] == 0:
+        while state.cursor < len(self.chunks) and (
+            state.pending[state.cursor] == 0 or self._count_tentative(state)
+        ):
             self._launch(state, self.chunks[state.cursor])
             state.cursor += 1
+
+    def _count_tentative(self, state: BackwardPass) -> bool:
+        """The first pass: when a whole bucket's gradients wait behind the next chunk,
+        count the tentative params that chunk waits for as zero. Whether the chunk is
+        ready now."""
+        if not state.tentative or not any(
+            self._last_pos[b] >= state.cursor for b in state.complete
+        ):
+            return False
+        chunk = self.chunks[state.cursor]
+        waiting = [pid for pid, *_ in chunk.params if pid in state.tentative]
+        for pid in waiting:
+            state.tentative.discard(pid)
+            self._count_unused(state, pid)
+        return state.pending[state.cursor] == 0
 
     def _launch(self, state: BackwardPass, chunk: ReduceChunk) -> None:
         """Stage ``chunk`` from the held gradients (zeros where there are none) and start

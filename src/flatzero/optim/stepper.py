@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from ..comm import all_gather_buckets_from_own_slices
-from ..control import control_group
+from ..control import collective_group, control_group
 from ..cores import core_share
 from ..flatten.buffers import FlatParams
 from .config import OffloadConfig
@@ -84,7 +84,7 @@ class DeviceStepper:
         self.step_grads = grads
         self.step_device = flat.groups[0].device
         pairs = [(g, b) for g in flat.groups for b in range(len(g.buckets))]
-        self._pg = flat.process_group
+        self._pg = collective_group(flat.process_group)
         self._buckets = [g.buckets[b] for g, b in pairs]
         self._bucket_shards = [g.bucket_shard(b) for g, b in pairs]
         self._master_slices = [g.master_slice(b) for g, b in pairs]

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..comm import check_same_everywhere, rank_of, world_size_of
 from ..config import FlattenConfig
-from ..control import control_group, every_rank_or_none
+from ..control import collective_group, control_group, every_rank_or_none
 from ..flatten import FlatParams
 from ..gcpause import paused_gc
 from . import torch_clip
@@ -177,7 +177,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             masters_to_host(flat)
         self.flat = flat
         self.config = config
-        self._pg = flat.process_group
+        self._pg = collective_group(flat.process_group)  # reductions, gathers, the norm
         self._world_size = world_size_of(self._pg)
         self._rank = rank_of(self._pg)
         self._grads = allocate_grad_shards(flat)

@@ -39,6 +39,7 @@ __all__ = [
     "async_snapshot_bytes",
     "deepspeed_init_memory",
     "flatzero_init_memory",
+    "held_gradient_bytes",
     "itemsize",
     "largest_gradient_bytes",
     "model_states",
@@ -234,6 +235,27 @@ def largest_gradient_bytes(layout: Layout) -> int:
     return max(
         (slot.numel * itemsize(g.dtype) for g in layout.groups for slot in g.slots), default=0
     )
+
+
+def held_gradient_bytes(layout: Layout, *, stage: int) -> int:
+    """Bytes of autograd's gradients one rank holds at once in backward, at least: the
+    largest gradient (``largest_gradient_bytes``), and in stage 2 over several ranks the
+    gradients of the largest bucket, which wait for their reduction chunks
+    (``ZeroOptimizer.held_gradient_peak_bytes``) in every backward pass, the first one
+    included (an unused param early in launch order holds back about one bucket, issue 41
+    item 1). Device memory (host memory on a machine without an accelerator)."""
+    largest = largest_gradient_bytes(layout)
+    if stage != 2 or layout.world_size == 1:
+        return largest
+    bucket = max(
+        (
+            sum(g.slots[i].numel for i in b.slots) * itemsize(g.dtype)
+            for g in layout.groups
+            for b in g.buckets
+        ),
+        default=0,
+    )
+    return max(largest, bucket)
 
 
 _TORCH_OPTIMIZERS: dict[str, tuple[str, dict[str, float]]] = {

@@ -25,8 +25,8 @@ from .memory_model import (
     async_snapshot_bytes,
     deepspeed_init_memory,
     flatzero_init_memory,
+    held_gradient_bytes,
     itemsize,
-    largest_gradient_bytes,
     model_states,
     offload_host_memory,
 )
@@ -201,8 +201,9 @@ class Plan:
             holds no master shard nor optimizer state where a GPU holds the rest.
         async_snapshot: host bytes per rank an asynchronous save keeps
             (``memory_model.async_snapshot_bytes``), whether ``spec.async_save`` or not.
-        largest_gradient: bytes of the largest param's gradient, which backward holds for a
-            moment beside ``states``, at least (``memory_model.largest_gradient_bytes``).
+        largest_gradient: bytes of autograd's gradients backward holds at once beside
+            ``states``, at least: the largest param's, and in stage 2 over several ranks the
+            largest bucket's (``memory_model.held_gradient_bytes``).
     """
 
     spec: PlanSpec
@@ -469,5 +470,5 @@ def make_plan(spec: PlanSpec) -> Plan:
         host_ram_bytes=spec.host_ram_bytes or spec.host.memory_bytes,
         offload_host=offload_host,
         async_snapshot=async_snapshot_bytes(layout, optimizer=spec.optimizer),
-        largest_gradient=largest_gradient_bytes(layout),
+        largest_gradient=held_gradient_bytes(layout, stage=spec.stage),
     )
