@@ -396,10 +396,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--steps", type=count(0, 1_000_000), default=d.steps, help="optimizer steps"
     )
-    parser.add_argument("--layers", type=count(1, 1000), default=d.layers)
-    parser.add_argument("--hidden", type=int, default=d.hidden)
-    parser.add_argument("--experts", type=count(1, 1024), default=d.experts)
-    parser.add_argument("--vocab", type=int, default=d.vocab)
+    parser.add_argument("--layers", type=count(1, 1000), default=d.layers, help="decoder layers")
+    parser.add_argument("--hidden", type=int, default=d.hidden, help="hidden size")
+    parser.add_argument(
+        "--experts", type=count(1, 1024), default=d.experts, help="experts per MoE layer"
+    )
+    parser.add_argument("--vocab", type=int, default=d.vocab, help="vocabulary size (tokens)")
     parser.add_argument(
         "--trials", type=count(1, 1000), default=d.trials, help="timed inits per method"
     )
