@@ -29,7 +29,7 @@ from ..gcpause import paused_gc
 from ..layout import GroupLayout, Layout, plan_layout
 from ..params import ParamGroup, collect_param_groups
 from ..process_group import join_launched_job
-from ..report import GroupReport, ReportBuilder
+from ..report import GroupReport, ReportBuilder, report_is_owned
 from ..storage.index import SafetensorsCheckpoint
 from .alloc import allocate_masters
 from .buffers import FlatGroup, FlatParams
@@ -483,7 +483,7 @@ def flatten_parameters(
         _return_cached_blocks(flat_groups)
 
     init_report = report.build(decision.reason, group_reports)
-    if rank == 0:
+    if rank == 0 and not report_is_owned():
         logger.info("%s", init_report.summary())
     frozen = [p for g in plan.groups for p in g.frozen]
     return FlatParams(

@@ -26,6 +26,8 @@ from ..config import FlattenConfig
 from ..control import control_group, every_rank_or_none
 from ..flatten import FlatParams
 from ..gcpause import paused_gc
+from ..report import report_is_owned
+from ..words import plural
 from . import torch_clip
 from .agreement import meaning, setup_fields
 from .config import LossScaleConfig, OffloadConfig, ZeroConfig
@@ -194,14 +196,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Whether the last ``step()`` was skipped for an fp16 overflow."""
         self._init_optimizer_plumbing()
         torch_clip.register(self, (p for g in flat.groups for p in g.params))
-        if self._rank == 0:
+        if self._rank == 0 and not report_is_owned():  # the door's report holds it
             logger.info(
-                "ZeroOptimizer stage %d over %d ranks: %d group(s), %s, %d params%s",
+                "ZeroOptimizer stage %d over %s: %s, %s, %s%s",
                 config.stage,
-                self._world_size,
-                len(flat.groups),
+                plural(self._world_size, "rank"),
+                plural(len(flat.groups), "group"),
                 type(self.inner).__name__,
-                flat.layout.num_params,
+                plural(flat.layout.num_params, "param"),
                 self._stepper.describe(),
             )
 
