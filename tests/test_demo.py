@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from flatzero.cli import _parser
 from flatzero.demo import DemoSpec, run_demo
@@ -57,3 +58,57 @@ def test_demo_cli_arguments(tmp_path):
     )
     assert (args.command, args.steps, args.world_size, args.out) == ("demo", 3, 2, str(tmp_path))
     assert callable(args.run)
+
+
+def test_the_flatten_caveat_says_why_only_when_flatzero_is_slower():
+    from flatzero.demo import LEGACY, TORCH_CAT, _flatten_caveat
+
+    times = {"flatzero cpu": 0.2, "flatzero sharded": 0.3, TORCH_CAT: 0.1, LEGACY: 0.15}
+    assert "torch.cat beats a bucket loop" in _flatten_caveat(times)
+    assert "needs a GPU" in _flatten_caveat(times)
+    times["flatzero sharded"] = 0.05
+    assert "beats" not in _flatten_caveat(times) and "needs a GPU" in _flatten_caveat(times)
+
+
+def test_the_held_out_text_is_never_trained_on():
+    """The demo trains on some standard library modules' bytes and measures the loss on
+    another's: the held-out windows are not in the training text."""
+    from flatzero.demo import HELD_OUT_MODULE, TRAIN_MODULES, _text, _windows
+
+    assert HELD_OUT_MODULE not in TRAIN_MODULES
+    train = bytes(_text(TRAIN_MODULES, 256).to(torch.uint8).tolist())
+    held = _windows(_text((HELD_OUT_MODULE,), 256), 8, 64, seed=0)
+    assert held.shape == (8, 64) and int(held.max()) < 256
+    assert all(bytes(w.to(torch.uint8).tolist()) not in train for w in held)
+
+
+def test_the_picture_carries_the_door_to_door_headline(tmp_path):
+    pytest.importorskip("matplotlib")
+    from flatzero.demo import LEGACY, TORCH_CAT, _plot
+
+    times = {"flatzero cpu": 0.2, "flatzero sharded": 0.3, TORCH_CAT: 0.1, LEGACY: 0.15}
+    doors = {
+        "doors": {
+            "flatzero": {"init_s": 0.2, "first_step_s": 0.1, "ttfs_s": 0.3},
+            "deepspeed": {"init_s": 6.0, "first_step_s": 0.2, "ttfs_s": 6.2},
+        },
+        "ratio": {"init_s": 0.03, "first_step_s": 0.5, "ttfs_s": 0.05},
+    }
+    rank0 = {"losses": [5.0, 4.0], "held_out": [5.5, 4.5, 4.2]}
+    texts: list[str] = []
+    import matplotlib.axes
+
+    original = matplotlib.axes.Axes.text
+
+    def record(self, x, y, s, *args, **kwargs):
+        texts.append(s)
+        return original(self, x, y, s, *args, **kwargs)
+
+    matplotlib.axes.Axes.text = record
+    try:
+        assert _plot(tmp_path / "demo.png", times, rank0, doors, "t", "tiny")
+    finally:
+        matplotlib.axes.Axes.text = original
+    assert "flatzero / DeepSpeed\n0.03x" in texts and "flatzero / DeepSpeed\n0.05x" in texts
+    assert any("needs a GPU" in t for t in texts)  # the flatten panel says why
+    assert (tmp_path / "demo.png").stat().st_size > 1000
