@@ -280,7 +280,7 @@ def _plot(
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (head, loss, flat) = plt.subplots(1, 3, figsize=(17, 4.8))
+    fig, (head, loss, flat) = plt.subplots(1, 3, figsize=(17, 5.4))
     _plot_doors(head, doors, door_model)
     steps = range(1, len(ranks0["losses"]) + 1)
     loss.plot(steps, ranks0["losses"], marker="o", markersize=3, label="training batches")
@@ -294,14 +294,10 @@ def _plot(
     colors = ["tab:green" if n.startswith("flatzero") else "tab:gray" for n in names]
     flat.barh(names, [times[n] * 1e3 for n in names], color=colors)
     flat.invert_yaxis()
-    flat.set_xlabel("ms (slowest rank, median)")
-    flat.set_title("flattening alone, in process")
     caveat = _flatten_caveat(times)
-    caveat = textwrap.fill(caveat[0].upper() + caveat[1:] + ".", 52)
-    flat.text(
-        0.98, 0.04, caveat, transform=flat.transAxes, ha="right", va="bottom", fontsize=8,
-        bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "0.8"},
-    )  # fmt: skip
+    caveat = textwrap.fill(caveat[0].upper() + caveat[1:] + ".", 70)
+    flat.set_xlabel(f"ms (slowest rank, median)\n\n{caveat}", fontsize=8)
+    flat.set_title("flattening alone, in process")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -325,7 +321,7 @@ def _flatten_caveat(times: dict[str, float]) -> str:
 def _plot_doors(ax: Any, doors: dict[str, Any] | None, model: str) -> None:
     """The headline panel: init and init + first step, flatzero's door against
     DeepSpeed's, with flatzero / DeepSpeed written over each pair."""
-    ax.set_title(f"door to door on {model}: fresh torchrun launches, slowest rank", fontsize=10)
+    ax.set_title(f"door to door on {model}\nfresh torchrun launches, slowest rank", fontsize=10)
     if not doors:
         ax.text(0.5, 0.5, "door comparison skipped (--door-trials 0)", ha="center")
         ax.set_axis_off()
