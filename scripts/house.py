@@ -59,7 +59,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("deepspeed", ("deepspeed",)),
     ("measuring", ("measure",)),
     ("doors", ("flatzero", "run", "launch", "plan")),
-    ("tools", ("harness", "demo", "testing")),
+    ("tools", ("harness", "demo_spec", "demo", "testing")),
     ("command line", ("cli", "__main__")),
 )
 """The floors from the ground up and the rooms on each.
@@ -104,6 +104,7 @@ ROOMS: dict[str, str] = {
     "launch": "run a function on N local ranks as torchrun would (tests, benchmarks, demo)",
     "plan": "flatzero plan: predicted memory, tier, bytes per link and init time",
     "harness": "finds the benchmark harness (benchmarks/flatzero_bench) for bench and demo",
+    "demo_spec": "flatzero demo's settings and options (no torch: --help answers at once)",
     "demo": "flatzero demo: the DeepSpeed door end to end, against DeepSpeed's",
     "testing": "for tests and benchmarks: an emulated accelerator, the real DeepSpeed set up",
     "cli": "the flatzero command: parses, dispatches, prints one line on a user error",

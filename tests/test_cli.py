@@ -228,7 +228,14 @@ def test_every_option_has_help_showing_its_default_and_no_markup():
 
 @pytest.mark.parametrize(
     "argv, status",
-    [(["--help"], 0), (["-v", "--help"], 0), (["no-such-command"], 2), ([], 2)],
+    [
+        (["--help"], 0),
+        (["-v", "--help"], 0),
+        (["no-such-command"], 2),
+        ([], 2),
+        (["demo", "--help"], 0),
+        (["demo", "--steps", "many"], 2),
+    ],
 )
 def test_the_command_line_answers_without_torch(argv, status):
     """``python -m flatzero --help`` and an argument error answer without importing torch

@@ -57,7 +57,10 @@ def test_demo_cli_arguments(tmp_path):
         ["demo", "--steps", "3", "--world-size", "2", "--out", str(tmp_path)]
     )
     assert (args.command, args.steps, args.world_size, args.out) == ("demo", 3, 2, str(tmp_path))
-    assert callable(args.run)
+    from flatzero import demo
+    from flatzero.cli import _function
+
+    assert _function(args.run) is demo.run  # imported once the command runs
 
 
 def test_the_flatten_caveat_says_why_only_when_flatzero_is_slower():

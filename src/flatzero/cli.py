@@ -76,7 +76,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("info", "versions, devices and tiers",
             "flatzero.plan.cli:add_info_arguments", "flatzero.cli:_info"),
     Command("demo", "the DeepSpeed door end to end, against DeepSpeed's",
-            "flatzero.demo:add_arguments", "flatzero.demo:run"),
+            "flatzero.demo_spec:add_arguments", "flatzero.demo:run"),
     Command("export", "consolidated safetensors weights of a checkpoint",
             "flatzero.checkpoint.export:add_export_arguments",
             "flatzero.checkpoint.export:export_main"),
@@ -113,7 +113,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _command(subparsers: Any, name: str, help_text: str, add_arguments, run) -> None:
     """Add the subcommand ``name`` with its options (``add_arguments(parser)``) and ``run``
-    (also the benchmark harness's way in: ``flatzero_bench.commands.add_benchmarks``)."""
+    (a function, or ``"module:function"`` imported when it runs; also the benchmark
+    harness's way in: ``flatzero_bench.commands.add_benchmarks``)."""
     p = subparsers.add_parser(name, help=help_text, description=help_text,
                               formatter_class=HelpFormatter)  # fmt: skip
     add_arguments(p)
@@ -137,8 +138,8 @@ def _parser(load: Collection[str] | None = None) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for c in COMMANDS:
-        if load is None or c.name in load:
-            _command(sub, c.name, c.help, _function(c.arguments), _function(c.run))
+        if load is None or c.name in load:  # ``run`` is imported once parsing succeeded
+            _command(sub, c.name, c.help, _function(c.arguments), c.run)
         else:
             sub.add_parser(c.name, help=c.help)
     if load is not None and "bench" not in load:
@@ -165,8 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    run = _function(args.run) if isinstance(args.run, str) else args.run
     try:
-        return int(args.run(args) or 0)
+        return int(run(args) or 0)
     except USER_ERRORS as error:
         if args.debug:
             raise
