@@ -46,6 +46,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "cli_types",
             "ports",
             "gcpause",
+            "progress",
             "models",
         ),
     ),
@@ -59,7 +60,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("deepspeed", ("deepspeed",)),
     ("measuring", ("measure",)),
     ("doors", ("flatzero", "run", "launch", "plan")),
-    ("tools", ("harness", "demo", "testing")),
+    ("tools", ("harness", "demo_spec", "demo", "testing")),
     ("command line", ("cli", "__main__")),
 )
 """The floors from the ground up and the rooms on each.
@@ -80,6 +81,7 @@ ROOMS: dict[str, str] = {
     "cli_types": "argparse types of the command line (counts with bounds)",
     "ports": "a free TCP port for a local rendezvous",
     "gcpause": "the garbage collector paused around init",
+    "progress": "progress bars for long work: rank 0, a terminal, FLATZERO_PROGRESS",
     "models": "model shapes built without downloads (Llama, Qwen3-MoE), for plan, bench, demo",
     "accel": "the device seam: every call to an accelerator runtime",
     "devices": "which device a rank uses; where a process group runs collectives",
@@ -104,6 +106,7 @@ ROOMS: dict[str, str] = {
     "launch": "run a function on N local ranks as torchrun would (tests, benchmarks, demo)",
     "plan": "flatzero plan: predicted memory, tier, bytes per link and init time",
     "harness": "finds the benchmark harness (benchmarks/flatzero_bench) for bench and demo",
+    "demo_spec": "flatzero demo's settings and options (no torch: --help answers at once)",
     "demo": "flatzero demo: the DeepSpeed door end to end, against DeepSpeed's",
     "testing": "for tests and benchmarks: an emulated accelerator, the real DeepSpeed set up",
     "cli": "the flatzero command: parses, dispatches, prints one line on a user error",

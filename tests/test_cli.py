@@ -194,3 +194,69 @@ def test_bench_and_demo_say_where_the_harness_lives_when_it_is_missing(monkeypat
         err = capsys.readouterr().err
         assert f"flatzero {argv[0]}: error:" in err and "flatzero_bench" in err
         assert "benchmarks" in err and len(err.strip().splitlines()) == 1
+
+
+def _walk(parser, path=()):
+    """Every (command path, action) of ``parser`` and its subparsers, help actions aside."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk(sub, (*path, name))
+        elif not isinstance(action, argparse._HelpAction):
+            yield path, action
+
+
+def test_every_option_has_help_showing_its_default_and_no_markup():
+    """Every option of every command (the benchmarks' included) says what it does, shows
+    its default when it has one, and carries no reStructuredText markup."""
+    from flatzero.cli import HelpFormatter, _parser
+
+    formatter = HelpFormatter("flatzero")
+    seen = 0
+    for path, action in _walk(_parser()):
+        where = " ".join(path) + " " + ("/".join(action.option_strings) or action.dest)
+        text = formatter._get_help_string(action)
+        assert action.help, f"{where}: no help text"
+        assert "``" not in text, f"{where}: markup in {text!r}"
+        if action.option_strings and action.default not in (None, False):
+            assert "default" in text, f"{where}: the default {action.default!r} is not shown"
+        seen += 1
+    assert seen > 100  # every command's options were walked, the benchmarks' too
+
+
+@pytest.mark.parametrize(
+    "argv, status",
+    [
+        (["--help"], 0),
+        (["-v", "--help"], 0),
+        (["no-such-command"], 2),
+        ([], 2),
+        (["demo", "--help"], 0),
+        (["demo", "--steps", "many"], 2),
+    ],
+)
+def test_the_command_line_answers_without_torch(argv, status):
+    """``python -m flatzero --help`` and an argument error answer without importing torch
+    (which takes seconds): the package's names load on first use, a command's module only
+    when that command is named."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import runpy, sys; sys.argv[1:] = {argv!r}\ntry:\n    runpy.run_module('flatzero', run_name='__main__')\nexcept SystemExit as e:\n    print('torch' in sys.modules, e.code)"  # noqa: E501
+    done = subprocess.run(
+        [sys.executable, "-c", code.format(argv=argv)],
+        capture_output=True, text=True, timeout=60, env=os.environ,
+    )  # fmt: skip
+    assert done.stdout.splitlines()[-1] == f"False {status}", done.stdout + done.stderr
+
+
+def test_the_public_names_all_load_on_first_use():
+    """``flatzero.__all__`` is what loads on first use, every name of it."""
+    import flatzero
+
+    assert sorted(flatzero.__all__) == sorted(flatzero._WHERE)
+    assert all(getattr(flatzero, name) is not None for name in flatzero.__all__)
+    assert set(flatzero.__all__) <= set(dir(flatzero))

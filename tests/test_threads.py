@@ -166,8 +166,8 @@ def test_the_report_says_how_the_share_was_derived():
     )
     flat = flatten_parameters(nn.Linear(4, 4), config=FlattenConfig(progress=False))
     report = flat.report
-    assert f"threads={report.host_threads} (share: {report.core_share.describe()})" in (
-        report.summary()
+    assert f"threads: {report.host_threads} (share: {report.core_share.describe()})" in (
+        report.facts()
     )
     assert report.to_dict()["core_share"]["ranks_on_host"] == 1
 

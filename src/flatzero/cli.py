@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from . import harness
 
-__all__ = ["USER_ERRORS", "main", "one_line"]
+__all__ = ["COMMANDS", "USER_ERRORS", "Command", "HelpFormatter", "main", "one_line"]
 
 USER_ERRORS = (ValueError, TypeError, OSError)
 """What a command raises for a bad input (a path, a value, a file): one line on stderr and
@@ -51,53 +54,105 @@ def _harness_missing(_args: argparse.Namespace) -> int:
     raise harness.harness_missing("flatzero bench")
 
 
-def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
-    """The command line's parser; ``with_bench=False`` leaves the benchmark harness
-    unimported (``flatzero bench`` then only takes the rest of the line, unread), as does
-    a flatzero without the harness (``flatzero bench`` then says where it lives)."""
+@dataclass(frozen=True)
+class Command:
+    """A ``flatzero`` subcommand, named by where its parts live so that nothing is imported
+    before it runs (``"flatzero.demo:run"``: module and function).
+
+    Attributes:
+        name: the word on the command line.
+        help: one line for ``flatzero --help``.
+        arguments: the function that adds the command's options to its parser.
+        run: the function that runs it, given the parsed arguments; returns the exit status.
+    """
+
+    name: str
+    help: str
+    arguments: str
+    run: str
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("info", "versions, devices and tiers",
+            "flatzero.plan.cli:add_info_arguments", "flatzero.cli:_info"),
+    Command("demo", "the DeepSpeed door end to end, against DeepSpeed's",
+            "flatzero.demo_spec:add_arguments", "flatzero.demo:run"),
+    Command("export", "consolidated safetensors weights of a checkpoint",
+            "flatzero.checkpoint.export:add_export_arguments",
+            "flatzero.checkpoint.export:export_main"),
+    Command("import-deepspeed", "a DeepSpeed ZeRO-1/2 checkpoint as a flatzero checkpoint",
+            "flatzero.deepspeed.convert.cli:add_import_arguments",
+            "flatzero.deepspeed.convert.cli:import_main"),
+    Command("export-deepspeed", "a flatzero checkpoint as a DeepSpeed ZeRO-1/2 checkpoint",
+            "flatzero.deepspeed.convert.cli:add_export_arguments",
+            "flatzero.deepspeed.convert.cli:export_main"),
+    Command("plan", "predict memory, tier, bytes per link and init time of a job",
+            "flatzero.plan.cli:add_arguments", "flatzero.plan.cli:run"),
+)  # fmt: skip
+"""Every subcommand but ``bench`` (the benchmark harness adds its own)."""
+
+BENCH_HELP = "benchmarks against baselines and hardware limits"
+
+
+def _function(where: str) -> Callable[..., Any]:
+    """The function ``"module:name"`` names, its module imported now."""
+    module, _, name = where.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default after its help, unless the help already says it or the
+    option is a flag (on when given) or has no default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+def _command(subparsers: Any, name: str, help_text: str, add_arguments, run) -> None:
+    """Add the subcommand ``name`` with its options (``add_arguments(parser)``) and ``run``
+    (a function, or ``"module:function"`` imported when it runs; also the benchmark
+    harness's way in: ``flatzero_bench.commands.add_benchmarks``)."""
+    p = subparsers.add_parser(name, help=help_text, description=help_text,
+                              formatter_class=HelpFormatter)  # fmt: skip
+    add_arguments(p)
+    p.set_defaults(run=run)
+
+
+def _parser(load: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser, with the options of the commands in ``load`` (None:
+    every command). [Note: the CLI answers at once] Only the command that runs is imported:
+    ``flatzero --help``, an unknown command or a missing one import no torch, and the
+    benchmark harness stays unimported unless ``bench`` runs (a flatzero without the
+    harness: ``flatzero bench`` says where it lives)."""
     parser = argparse.ArgumentParser(
         prog="flatzero",
         description="ZeRO-1/2 for PyTorch with initialization as fast as the hardware allows.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     parser.add_argument(
         "--debug", action="store_true", help="show the traceback of an error in the input"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="versions, devices and tiers")
-    info.set_defaults(run=_info)
-
-    from . import demo
-    from .plan import cli as plan_cli
-
-    plan_cli.add_info_arguments(info)
-    from .checkpoint import export
-    from .deepspeed.convert import cli as convert_cli
-
-    def command(subparsers, name: str, help_text: str, add_arguments, run) -> None:
-        p = subparsers.add_parser(name, help=help_text)
-        add_arguments(p)
-        p.set_defaults(run=run)
-
-    command(sub, "demo", "the DeepSpeed door end to end, in under a minute",
-            demo.add_arguments, demo.run)  # fmt: skip
-    command(sub, "export", "consolidated safetensors weights of a checkpoint",
-            export.add_export_arguments, export.export_main)  # fmt: skip
-    command(sub, "import-deepspeed", "a DeepSpeed ZeRO-1/2 checkpoint as a flatzero checkpoint",
-            convert_cli.add_import_arguments, convert_cli.import_main)  # fmt: skip
-    command(sub, "export-deepspeed", "a flatzero checkpoint as a DeepSpeed ZeRO-1/2 checkpoint",
-            convert_cli.add_export_arguments, convert_cli.export_main)  # fmt: skip
-    command(sub, "plan", "predict memory, tier, bytes per link and init time of a job",
-            plan_cli.add_arguments, plan_cli.run)  # fmt: skip
-    bench = sub.add_parser("bench", help="benchmarks against baselines and hardware limits")
-    if not with_bench or not harness.find_harness():
-        # another command runs, or no harness here: it stays unimported (flatzero.harness)
-        bench.add_argument("rest", nargs=argparse.REMAINDER)
+    for c in COMMANDS:
+        if load is None or c.name in load:  # ``run`` is imported once parsing succeeded
+            _command(sub, c.name, c.help, _function(c.arguments), c.run)
+        else:
+            sub.add_parser(c.name, help=c.help)
+    if load is not None and "bench" not in load:
+        sub.add_parser("bench", help=BENCH_HELP)
+        return parser
+    bench = sub.add_parser("bench", help=BENCH_HELP, description=BENCH_HELP)
+    if not harness.find_harness():
+        bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark and its options")
         bench.set_defaults(run=_harness_missing)
         return parser
     from flatzero_bench.commands import add_benchmarks
 
-    add_benchmarks(bench, command)
+    add_benchmarks(bench, _command)
     return parser
 
 
@@ -105,14 +160,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((word for word in argv if not word.startswith("-")), None)
-    args = _parser(with_bench=command in (None, "bench")).parse_args(argv)
+    args = _parser(load=() if command is None else (command,)).parse_args(argv)
     args.argv = argv  # for the command line a benchmark records with its results
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    run = _function(args.run) if isinstance(args.run, str) else args.run
     try:
-        return int(args.run(args) or 0)
+        return int(run(args) or 0)
     except USER_ERRORS as error:
         if args.debug:
             raise

@@ -61,7 +61,8 @@ class FlattenConfig:
         build_master: also build this rank's fp32 master shard of every group.
         master_on_host: build the master shards in host memory whatever the tier, straight
             from the buckets (optimizer offload: the optimizer steps on the host).
-        progress: show a progress bar on rank 0 when init takes more than two seconds.
+        progress: show a progress bar on rank 0 when init takes more than two seconds (where
+            ``flatzero.progress`` shows bars: a terminal, ``FLATZERO_PROGRESS``).
         dtype: cast every trainable param to this floating dtype (``"bfloat16"``, a
             ``torch.dtype``, ...) as it is copied into its bucket: no separate cast pass, and
             in the ``sharded`` tier each rank casts only its own slices. ``None`` keeps each

@@ -1,46 +1,52 @@
 """``flatzero demo``: the DeepSpeed door end to end, on this machine.
 
-1. Spawns ranks (2 by default, gloo on the CPU, as ``torchrun`` would).
-2. Builds a small Qwen3-MoE-shaped model (the Qwen3-30B-A3B config cut down in layers,
-   width and experts; unfused experts, so many small tensors) on every rank.
-3. Times flattening alone, in process, on fresh copies: each flatten tier that runs here
+It prints, in this order (README's list):
+
+1. What is trained: a small Qwen3-MoE-shaped model (the Qwen3-30B-A3B config cut down in
+   layers, width and experts; unfused experts, so many small tensors) on 2 ranks spawned
+   as ``torchrun`` would (gloo on the CPU).
+2. The init report of ``flatzero.initialize`` with a DeepSpeed config.
+3. Flattening alone, in process, on fresh copies: each flatten tier that runs here
    (``flatten_parameters``) against DeepSpeed 0.19's whole-group ``torch.cat`` and its
-   older CPU path (``flatzero.measure``'s re-implementations of DeepSpeed's flatten), then
-   initializes the model through ``flatzero.initialize`` with a DeepSpeed config and
-   prints the init report.
-4. Trains some steps on a small synthetic corpus (ZeRO-2, gradient accumulation,
-   clipping, a warmup schedule), printing a falling loss.
-5. Saves a checkpoint, reloads it in a fresh world of one rank into a model built with
-   another seed, and checks that the weights match the trained ones exactly.
+   older CPU path (``flatzero.measure``'s re-implementations of DeepSpeed's flatten).
+4. Training (ZeRO-2, gradient accumulation, clipping, a warmup schedule) on bytes of
+   Python's own standard library sources, with the loss on a held-out module it never
+   trains on: the held-out loss falls from the uniform guess (ln 256 nats per byte) as the
+   model learns how Python source reads.
+5. A checkpoint saved, reloaded in a fresh world of one rank into a model built with
+   another seed, the weights checked to match the trained ones exactly.
 6. Door against door: ``flatzero.initialize`` against ``deepspeed.initialize`` (when
    DeepSpeed is installed), each launch a fresh ``torchrun`` job as at a job's start, on
    the tensor count of DeepSpeed issue #7677 (16-layer Qwen3-30B-A3B, unfused experts,
-   6,291 tensors, at hidden 64): init, then the first training step
+   6,291 tensors, at hidden 64): init, then the first training step, and their ratio
    (``flatzero bench doors`` does this at length).
-7. Writes a PNG: flatten time per tier and method, and loss per step.
+7. A PNG: the door-to-door headline, the training and held-out loss, and flattening alone
+   (labelled: on a CPU every method is a host memory copy).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
+import textwrap
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .cli_types import count
 from .config import FlattenConfig
+from .demo_spec import DemoSpec, add_arguments
 from .flatten import flatten_parameters
 from .harness import find_harness, harness_missing
 from .launch import run_ranks
-from .models import build_model, count_bytes, count_params, count_tensors, scaled
+from .models import build_model, count_bytes, count_params, count_tensors
 
 __all__ = ["DemoSpec", "add_arguments", "run", "run_demo"]
 
@@ -50,89 +56,37 @@ TORCH_CAT = "torch.cat (DeepSpeed 0.19)"
 LEGACY = "CPU cat (DeepSpeed <0.19)"
 
 
-@dataclass(frozen=True)
-class DemoSpec:
-    """The demo's settings (the same on every rank).
-
-    Attributes:
-        world_size: ranks of the training run.
-        steps: optimizer steps.
-        layers, hidden, experts, vocab: the model's cut-down Qwen3-30B-A3B shape.
-        micro_batch: sequences per micro-batch per rank.
-        grad_accum: micro-batches per optimizer step.
-        seq_len: tokens per sequence.
-        trials: timed flatten trials per method (the median is shown), after one untimed
-            round that takes the one-time costs (imports, first collectives) out.
-        door_model: the ``flatzero bench doors`` model the doors are compared on.
-        door_trials: launches per door (0: skip the door comparison).
-        bucket_numel: flatten and reduce bucket size (elements).
-        out: directory for the checkpoint, the plot and ``demo.json``.
-    """
-
-    world_size: int = 2
-    steps: int = 20
-    layers: int = 2
-    hidden: int = 256
-    experts: int = 16
-    vocab: int = 8192
-    micro_batch: int = 4
-    grad_accum: int = 2
-    seq_len: int = 32
-    trials: int = 5
-    bucket_numel: int = 2**22
-    door_model: str = "qwen3-moe-narrow-unfused"
-    door_trials: int = 1
-    out: str = "flatzero-demo"
-
-    def model_config(self) -> Any:
-        """The model's config: Qwen3-30B-A3B cut down."""
-        return scaled(
-            "qwen3-30b-a3b",
-            layers=self.layers,
-            hidden=self.hidden,
-            heads=4,
-            kv_heads=2,
-            head_dim=self.hidden // 4,
-            intermediate=self.hidden // 2,
-            experts=self.experts,
-            top_k=2,
-            vocab=self.vocab,
-            expert_layout="unfused",
-        )
-
-    def ds_config(self) -> dict[str, Any]:
-        """The DeepSpeed config the model is trained with."""
-        return {
-            "train_micro_batch_size_per_gpu": self.micro_batch,
-            "gradient_accumulation_steps": self.grad_accum,
-            "train_batch_size": self.micro_batch * self.grad_accum * self.world_size,
-            "zero_optimization": {"stage": 2, "reduce_bucket_size": self.bucket_numel},
-            "optimizer": {
-                "type": "AdamW",
-                "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.01},
-            },
-            "scheduler": {
-                "type": "WarmupLR",
-                "params": {"warmup_min_lr": 3e-4, "warmup_max_lr": 3e-3, "warmup_num_steps": 5},
-            },
-            "gradient_clipping": 1.0,
-            "steps_per_print": 10,
-            # Unused experts leave buckets incomplete until the end of backward.
-            "flatzero": {"progress": False, "reduce_staging_buffers": 4},
-        }
+TRAIN_MODULES = ("argparse", "textwrap", "difflib", "calendar", "fractions", "shlex", "ast")
+"""Standard library modules whose source is the training text."""
+HELD_OUT_MODULE = "statistics"
+"""The module whose source is the held-out text (never trained on)."""
 
 
-def _corpus(spec: DemoSpec) -> torch.Tensor:
-    """Token ids ``[sequences, seq_len]``: a small fixed corpus the model can learn."""
-    g = torch.Generator().manual_seed(1234)
-    sequences = spec.micro_batch * spec.world_size * 2
-    return torch.randint(0, spec.vocab, (sequences, spec.seq_len), generator=g)
+def _text(modules: tuple[str, ...], vocab: int) -> torch.Tensor:
+    """The bytes of ``modules``' source files, one after another, as token ids."""
+    import importlib
+    import inspect
+
+    data = b"".join(
+        Path(inspect.getsourcefile(importlib.import_module(m)) or "").read_bytes() for m in modules
+    )
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long() % vocab
 
 
-def _micro_batch(spec: DemoSpec, corpus: torch.Tensor, step: int, micro: int, rank: int):
-    per_rank = corpus.shape[0] // spec.world_size
-    start = rank * per_rank + ((step * spec.grad_accum + micro) * spec.micro_batch) % per_rank
-    return corpus[start : start + spec.micro_batch]
+def _windows(text: torch.Tensor, count: int, seq_len: int, seed: int) -> torch.Tensor:
+    """``count`` windows of ``seq_len`` tokens at seeded random places of ``text``."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, text.numel() - seq_len, (count,), generator=g)
+    return torch.stack([text[s : s + seq_len] for s in starts.tolist()])
+
+
+def _held_out_loss(engine: Any, held_out: torch.Tensor) -> float:
+    """The model's mean loss on ``held_out`` (the same on every rank), without training."""
+    engine.eval()
+    with torch.no_grad():
+        loss = engine(held_out, labels=held_out).loss.item()
+    engine.train()
+    return loss
 
 
 def _time_inits(spec: DemoSpec, rank: int, ws: int) -> dict[str, list[float]]:
@@ -177,13 +131,15 @@ def _train_rank(rank: int, ws: int, spec: DemoSpec) -> dict[str, Any]:
     engine, optimizer, _, _ = flatzero.initialize(model=model, config=spec.ds_config())
     times["flatzero.initialize"] = [time.perf_counter() - t0]
 
-    corpus = _corpus(spec)
-    losses = []
+    train_text = _text(TRAIN_MODULES, spec.vocab)
+    held_out = _windows(_text((HELD_OUT_MODULE,), spec.vocab), spec.held_out, spec.seq_len, 0)
+    losses, held = [], [_held_out_loss(engine, held_out)]
     t0 = time.perf_counter()
     for step in range(spec.steps):
         total = 0.0
         for micro in range(spec.grad_accum):
-            ids = _micro_batch(spec, corpus, step, micro, rank)
+            seed = 1 + (step * spec.grad_accum + micro) * ws + rank  # new bytes every time
+            ids = _windows(train_text, spec.micro_batch, spec.seq_len, seed)
             loss = engine(ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
@@ -191,8 +147,7 @@ def _train_rank(rank: int, ws: int, spec: DemoSpec) -> dict[str, Any]:
         mean = torch.tensor([total / spec.grad_accum])
         dist.all_reduce(mean)
         losses.append(mean.item() / ws)
-        if rank == 0 and (step % 5 == 0 or step == spec.steps - 1):
-            print(f"  step {step + 1:3d}  loss {losses[-1]:.3f}  lr {engine.get_lr()[0]:.2e}")
+        held.append(_held_out_loss(engine, held_out))
     train_s = time.perf_counter() - t0
 
     ckpt = Path(spec.out) / "checkpoint"
@@ -203,6 +158,7 @@ def _train_rank(rank: int, ws: int, spec: DemoSpec) -> dict[str, Any]:
     return {
         "times": times,
         "losses": losses,
+        "held_out": held,
         "train_s": train_s,
         "report": engine.init_report.summary(),
         "tier": "+".join(engine.init_report.tiers),
@@ -233,7 +189,15 @@ def _reload_rank(rank: int, ws: int, spec: DemoSpec) -> dict[str, Any]:
     }
 
 
-def _plot(path: Path, times: dict[str, float], losses: list[float], title: str) -> bool:
+def _plot(
+    path: Path,
+    times: dict[str, float],
+    ranks0: dict[str, Any],
+    doors: dict[str, Any] | None,
+    title: str,
+    door_model: str = "",
+) -> bool:
+    """The demo's picture: door to door (the headline), the losses, flattening alone."""
     try:
         import matplotlib
 
@@ -241,22 +205,72 @@ def _plot(path: Path, times: dict[str, float], losses: list[float], title: str) 
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
-    names = list(times)
+    fig, (head, loss, flat) = plt.subplots(1, 3, figsize=(17, 5.4))
+    _plot_doors(head, doors, door_model)
+    steps = range(1, len(ranks0["losses"]) + 1)
+    loss.plot(steps, ranks0["losses"], marker="o", markersize=3, label="training batches")
+    loss.plot(range(len(ranks0["held_out"])), ranks0["held_out"], marker="s", markersize=3,
+              label=f"held out: {HELD_OUT_MODULE}.py, never trained on")  # fmt: skip
+    loss.set_xlabel("optimizer step")
+    loss.set_ylabel("loss, nats per byte")
+    loss.set_title("training through flatzero.initialize (ZeRO-2)")
+    loss.legend()
+    names = [n for n in times if n != "flatzero.initialize"]
     colors = ["tab:green" if n.startswith("flatzero") else "tab:gray" for n in names]
-    left.barh(names, [times[n] * 1e3 for n in names], color=colors)
-    left.invert_yaxis()
-    left.set_xlabel("init time, ms (slowest rank, median)")
-    left.set_title("init per tier and method")
-    right.plot(range(1, len(losses) + 1), losses, marker="o", markersize=3)
-    right.set_xlabel("optimizer step")
-    right.set_ylabel("loss (mean over ranks)")
-    right.set_title("training through flatzero.initialize")
+    flat.barh(names, [times[n] * 1e3 for n in names], color=colors)
+    flat.invert_yaxis()
+    caveat = _flatten_caveat(times)
+    caveat = textwrap.fill(caveat[0].upper() + caveat[1:] + ".", 70)
+    flat.set_xlabel(f"ms (slowest rank, median)\n\n{caveat}", fontsize=8)
+    flat.set_title("flattening alone, in process")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+def _flatten_caveat(times: dict[str, float]) -> str:
+    """What the flatten panel cannot show on a CPU, printed and written in the panel (and,
+    when a flatzero tier is slower than ``torch.cat`` here, why)."""
+    best = min(t for m, t in times.items() if m.startswith("flatzero "))
+    slower = best > times[TORCH_CAT]
+    return (
+        "without a GPU every method is one host memory copy"
+        + (", and at this size one torch.cat beats a bucket loop" if slower else "")
+        + "; flatzero's gain (one bucket of extra device memory, 1/N of the upload per "
+        "rank) needs a GPU: flatzero bench init --device cuda"
+    )
+
+
+def _plot_doors(ax: Any, doors: dict[str, Any] | None, model: str) -> None:
+    """The headline panel: init and init + first step, flatzero's door against
+    DeepSpeed's, with flatzero / DeepSpeed written over each pair."""
+    ax.set_title(f"door to door on {model}\nfresh torchrun launches, slowest rank", fontsize=10)
+    if not doors:
+        ax.text(0.5, 0.5, "door comparison skipped (--door-trials 0)", ha="center")
+        ax.set_axis_off()
+        return
+    figures = doors["doors"]
+    kinds = (("init_s", "initialize"), ("ttfs_s", "initialize + first step"))
+    width = 0.38
+    for i, (door, color) in enumerate((("flatzero", "tab:green"), ("deepspeed", "tab:gray"))):
+        if door not in figures:
+            continue
+        values = [figures[door][k] for k, _ in kinds]
+        xs = [k + (i - 0.5) * width for k in range(len(kinds))]
+        ax.bar(xs, values, width, color=color, label=f"{door}.initialize")
+    top = max(f[k] for f in figures.values() for k, _ in kinds)
+    ratio = doors.get("ratio")
+    if ratio is not None:
+        for k, (key, _) in enumerate(kinds):
+            high = max(figures[d][key] for d in ("flatzero", "deepspeed"))
+            ax.text(k, high + top * 0.02, f"flatzero / DeepSpeed\n{ratio[key]:.2f}x",
+                    ha="center", va="bottom", fontweight="bold")  # fmt: skip
+    ax.set_ylim(0, top * 1.45)
+    ax.set_xticks(range(len(kinds)), [label for _, label in kinds])
+    ax.set_ylabel("seconds")
+    ax.legend(loc="upper center", ncol=2)
 
 
 def _describe_model(spec: DemoSpec) -> tuple[int, int, int]:
@@ -292,10 +306,28 @@ def _print_flatten_times(spec: DemoSpec, times: dict[str, float]) -> None:
         if m == "flatzero.initialize":
             continue  # the whole door: compared door to door below
         print(f"  {m:<26} {times[m] * 1e3:8.1f} ms  {times[m] / base:5.2f}x torch.cat")
+    caveat = f"({_flatten_caveat(times)})"
+    print(textwrap.fill(caveat, 88, initial_indent="  ", subsequent_indent="   "))
+
+
+def _print_training(spec: DemoSpec, rank0: dict[str, Any]) -> None:
+    """The losses, every 5 steps: the training batches' and the held-out text's."""
+    losses, held = rank0["losses"], rank0["held_out"]
     print(
-        "  (without a GPU every method is a host memory copy; flattening on the device with\n"
-        "  one bucket of extra memory and 1/N of the upload per rank needs a GPU:\n"
-        "  flatzero bench init --device cuda)"
+        f"\ntraining {spec.steps} steps through flatzero.initialize (ZeRO-2) on the source of "
+        f"{len(TRAIN_MODULES)} standard library modules, bytes as tokens; held out: "
+        f"{HELD_OUT_MODULE}.py (uniform guess: ln {min(spec.vocab, 256)} = "
+        f"{math.log(min(spec.vocab, 256)):.2f}):"
+    )
+    print(f"  step {0:3d}  {'':>14}  held-out loss {held[0]:.3f}")
+    for step in range(spec.steps):
+        if step % 5 == 4 or step == spec.steps - 1:
+            print(
+                f"  step {step + 1:3d}  loss {losses[step]:.3f}  held-out loss {held[step + 1]:.3f}"
+            )
+    print(
+        f"held-out loss {held[0]:.3f} -> {held[-1]:.3f} over {spec.steps} steps "
+        f"({rank0['train_s']:.1f} s)"
     )
 
 
@@ -321,27 +353,27 @@ def run_demo(spec: DemoSpec) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / "checkpoint", ignore_errors=True)  # a fresh one per run
     params, tensors, nbytes = _describe_model(spec)
-    print(f"training {spec.steps} steps through flatzero.initialize (ZeRO-2):")
+    print(
+        f"initializing through flatzero.initialize, timing flattening alone and training "
+        f"{spec.steps} steps on {spec.world_size} ranks...\n"
+    )
     ranks = run_ranks(_train_rank, spec.world_size, spec)
     times = _slowest_median(ranks)
-    losses = ranks[0]["losses"]
-    print(f"\n{ranks[0]['report']}\n")
+    print(f"{ranks[0]['report']}\n")
     _print_flatten_times(spec, times)
-    print(
-        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {spec.steps} steps "
-        f"({ranks[0]['train_s']:.1f} s)"
-    )
+    _print_training(spec, ranks[0])
     ok = _check_reload(spec, ranks[0]["global_steps"])
     doors = _compare_doors(spec) if spec.door_trials > 0 else None
     png = out / "demo.png"
     title = f"flatzero demo: {params / 1e6:.1f}M-param Qwen3-MoE shape, {spec.world_size} ranks"
-    plotted = _plot(png, times, losses, title)
+    plotted = _plot(png, times, ranks[0], doors, title, spec.door_model)
     print(f"plot: {png}" if plotted else "plot: skipped (matplotlib is not installed)")
     result = {
         "spec": asdict(spec),
         "model": {"params": params, "tensors": tensors, "bytes": nbytes},
         "init_seconds": times,
-        "losses": losses,
+        "losses": ranks[0]["losses"],
+        "held_out": ranks[0]["held_out"],
         "reload_ok": ok,
         "doors": doors,
         "plot": str(png) if plotted else None,
@@ -385,29 +417,6 @@ def _need_harness() -> None:
     """Make the benchmark harness importable (its trials and door comparison), or raise."""
     if not find_harness():
         raise harness_missing("flatzero demo")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``flatzero demo`` options."""
-    d = DemoSpec()
-    parser.add_argument(
-        "--world-size", type=count(1, 64), default=d.world_size, help="ranks to spawn"
-    )
-    parser.add_argument(
-        "--steps", type=count(0, 1_000_000), default=d.steps, help="optimizer steps"
-    )
-    parser.add_argument("--layers", type=count(1, 1000), default=d.layers)
-    parser.add_argument("--hidden", type=int, default=d.hidden)
-    parser.add_argument("--experts", type=count(1, 1024), default=d.experts)
-    parser.add_argument("--vocab", type=int, default=d.vocab)
-    parser.add_argument(
-        "--trials", type=count(1, 1000), default=d.trials, help="timed inits per method"
-    )
-    parser.add_argument("--bucket-numel", type=int, default=d.bucket_numel, help="elements")
-    parser.add_argument(
-        "--door-trials", type=int, default=d.door_trials, help="launches per door (0: skip)"
-    )
-    parser.add_argument("--out", default=d.out, help="directory for checkpoint, plot, JSON")
 
 
 def run(args: argparse.Namespace) -> int:

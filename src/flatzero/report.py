@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
+import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -18,7 +21,67 @@ from .words import plural
 if TYPE_CHECKING:
     from .cores import CoreShare
 
-__all__ = ["GroupReport", "InitReport", "ReportBuilder"]
+__all__ = [
+    "LINE_WIDTH",
+    "GroupReport",
+    "InitReport",
+    "ReportBuilder",
+    "fit",
+    "owns_report",
+    "report_is_owned",
+]
+
+LINE_WIDTH = 99
+"""The most characters a line of a report takes (longer facts wrap, indented)."""
+
+_OWNED: ContextVar[bool] = ContextVar("flatzero_init_report_owned", default=False)
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def owns_report(function: _F) -> _F:
+    """Decorate an init that logs one report holding the facts of the inits it calls.
+
+    [Note: one init report per job] ``flatten_parameters`` logs its report, and so does
+    ``ZeroOptimizer``, when a user calls them; ``flatzero.initialize`` calls both and logs
+    one report that holds their facts. While an ``owns_report`` function runs, the inits
+    it calls ask ``report_is_owned()`` and stay silent, so no fact is logged twice
+    (``python -m flatzero.run`` shows flatzero's INFO lines: it printed the flatten report
+    twice before)."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        token = _OWNED.set(True)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _OWNED.reset(token)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def report_is_owned() -> bool:
+    """Whether an enclosing init (``owns_report``) logs this init's facts in its report."""
+    return _OWNED.get()
+
+
+def fit(lines: list[str], width: int = LINE_WIDTH) -> str:
+    """``lines`` joined, each wrapped at ``width`` characters (continuations indented four
+    spaces more than the line)."""
+    out = []
+    for line in lines:
+        indent = " " * (len(line) - len(line.lstrip()) + 4)
+        out.extend(
+            textwrap.wrap(
+                line,
+                width,
+                subsequent_indent=indent,
+                break_on_hyphens=False,
+                break_long_words=False,
+            )
+            or [line]
+        )
+    return "\n".join(out)
+
 
 PHASES = ("plan", "flatten", "master", "sync")
 """Init phases, in order."""
@@ -104,32 +167,33 @@ class InitReport:
         """JSON-serializable form."""
         return asdict(self)
 
-    def summary(self) -> str:
-        """One log line."""
+    def facts(self) -> list[str]:
+        """The report's facts, one line each (unindented; ``summary`` wraps them)."""
         gib = 2**30
-        groups = "; ".join(
-            f"g{g.group_index}/{g.dtype}: {g.tier}, {g.params} params, "
-            f"{g.elements / 1e6:.1f}M el, {g.buckets} buckets"
+        lines = [f"tier: {'+'.join(self.tiers)} ({self.tier_reason})"]
+        lines += [
+            f"group {g.group_index} {g.dtype}: tier {g.tier}, {plural(g.params, 'param')}, "
+            f"{g.elements / 1e6:.2f}M elements, {plural(g.buckets, 'bucket')}"
             for g in self.groups
-        )
-        phases = " ".join(f"{k}={v:.3f}s" for k, v in self.phase_seconds.items())
-        moved = " ".join(f"{k}={v / gib:.2f}GiB" for k, v in self.bytes_moved.items() if v)
-        peak = (
-            f" peak_device={self.peak_device_bytes / gib:.2f}GiB"
-            if self.peak_device_bytes is not None
-            else ""
-        )
-        events = f" events: {' | '.join(self.events)}" if self.events else ""
-        threads = (
-            f" threads={self.host_threads} (share: {self.core_share.describe()})"
-            if self.core_share is not None
-            else ""
-        )
-        return (
-            f"flatzero init {self.wall_seconds:.3f}s on {plural(self.world_size, 'rank')} "
-            f"[{groups}] {phases} cpu={self.cpu_seconds:.2f}s moved: {moved}{peak} "
-            f"host_peak_rss={self.host_peak_rss_bytes / gib:.2f}GiB{threads}{events}"
-        )
+        ]
+        phases = ", ".join(f"{k} {v:.3f}s" for k, v in self.phase_seconds.items())
+        lines.append(f"phases: {phases}; CPU {self.cpu_seconds:.2f}s")
+        moved = ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in self.bytes_moved.items() if v)
+        lines.append(f"moved: {moved or 'nothing'}")
+        memory = f"memory: host peak RSS {self.host_peak_rss_bytes / gib:.2f} GiB"
+        if self.peak_device_bytes is not None:
+            memory += f", device peak {self.peak_device_bytes / gib:.2f} GiB above the start"
+        lines.append(memory)
+        if self.core_share is not None:
+            lines.append(f"threads: {self.host_threads} (share: {self.core_share.describe()})")
+        lines += [f"event: {event}" for event in self.events]
+        return lines
+
+    def summary(self) -> str:
+        """The report for a human: a headline, then one line per fact, each line under
+        ``LINE_WIDTH`` characters."""
+        head = f"flatzero init {self.wall_seconds:.3f}s on {plural(self.world_size, 'rank')}"
+        return fit([head, *(f"  {fact}" for fact in self.facts())])
 
 
 def _cpu_seconds() -> float:

@@ -383,19 +383,27 @@ def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, A
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``flatzero bench checkpoint``."""
-    parser.add_argument("--model", default="llama-0.4b", choices=sorted(MODELS))
-    parser.add_argument("--dtype", default="bf16", choices=sorted(BENCH_DTYPES))
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--what", default="load", choices=("load", "save", "writer"))
+    parser.add_argument(
+        "--model", default="llama-0.4b", choices=sorted(MODELS), help="the benchmark model"
+    )
+    parser.add_argument(
+        "--dtype", default="bf16", choices=sorted(BENCH_DTYPES), help="training dtype of the params"
+    )
+    parser.add_argument("--world-size", type=int, default=2, help="ranks")
+    parser.add_argument("--trials", type=int, default=5, help="timed trials per method")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed trials per method first")
+    parser.add_argument(
+        "--what", default="load", choices=("load", "save", "writer"), help="what to time"
+    )
     parser.add_argument(
         "--methods",
         default=None,
         help=f"load: {','.join(LOAD_METHODS)} (default); save: {','.join(SAVE_METHODS)}",
     )
     parser.add_argument("--steps", type=int, default=3, help="steps timed after each save")
-    parser.add_argument("--bucket-numel", type=int, default=2**24)
+    parser.add_argument(
+        "--bucket-numel", type=int, default=2**24, help="flatten bucket size (elements)"
+    )
     parser.add_argument("--seq", type=int, default=16, help="tokens of a training step")
     parser.add_argument(
         "--workdir", default=None, help="where to write the checkpoints (default: a temp dir)"

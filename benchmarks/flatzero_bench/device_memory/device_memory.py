@@ -190,15 +190,24 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``flatzero bench device-memory`` options."""
-    parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
-    parser.add_argument("--dtype", default="bf16", choices=sorted(BENCH_DTYPES))
+    parser.add_argument(
+        "--model", default="tiny", choices=sorted(MODELS), help="the benchmark model"
+    )
+    parser.add_argument(
+        "--dtype", default="bf16", choices=sorted(BENCH_DTYPES), help="training dtype of the params"
+    )
     parser.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1,2")
     parser.add_argument(
         "--device",
         default="cuda" if torch.cuda.is_available() else "emu",
         help="accelerator type: emu (the emulated one, CPU memory) or cuda",
     )
-    parser.add_argument("--bucket-numel", type=int, default=FlattenConfig().bucket_numel)
+    parser.add_argument(
+        "--bucket-numel",
+        type=int,
+        default=FlattenConfig().bucket_numel,
+        help="flatten bucket size (elements)",
+    )
     parser.add_argument(
         "--capacity-gib", type=float, default=64.0, help="emulated device memory per rank"
     )

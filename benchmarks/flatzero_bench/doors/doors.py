@@ -208,7 +208,9 @@ def compare_back_to_back(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``flatzero bench doors`` options."""
-    parser.add_argument("--model", default="llama-0.4b", choices=sorted(MODELS))
+    parser.add_argument(
+        "--model", default="llama-0.4b", choices=sorted(MODELS), help="the benchmark model"
+    )
     parser.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1,2")
     parser.add_argument(
         "--settle-s",
@@ -243,7 +245,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--limit-repeats", type=int, default=2, help="first-touch passes per limit (best kept)"
     )
-    parser.add_argument("--launch-timeout-s", type=float, default=1800)
+    parser.add_argument(
+        "--launch-timeout-s",
+        type=float,
+        default=1800,
+        help="seconds before a launch counts as hung",
+    )
     parser.add_argument("--json", help="also write the result JSON to this path")
     parser.add_argument("--plot", help="also draw the figures to this image (needs matplotlib)")
 

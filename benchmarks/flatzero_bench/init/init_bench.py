@@ -302,8 +302,12 @@ def _table(rows: list[dict[str, Any]], limits_by_ws: dict[int, dict[str, Any]]) 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``flatzero bench init`` options."""
-    parser.add_argument("--model", default="llama-0.4b", choices=sorted(MODELS))
-    parser.add_argument("--dtype", default="bf16", choices=sorted(BENCH_DTYPES))
+    parser.add_argument(
+        "--model", default="llama-0.4b", choices=sorted(MODELS), help="the benchmark model"
+    )
+    parser.add_argument(
+        "--dtype", default="bf16", choices=sorted(BENCH_DTYPES), help="training dtype of the params"
+    )
     parser.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1,2")
     parser.add_argument("--trials", type=int, default=3, help="timed trials per method")
     parser.add_argument(
@@ -317,10 +321,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(DEFAULT_METHODS),
         help=f"comma-separated of {', '.join(METHODS)}",
     )
-    parser.add_argument("--bucket-numel", type=int, default=FlattenConfig().bucket_numel)
+    parser.add_argument(
+        "--bucket-numel",
+        type=int,
+        default=FlattenConfig().bucket_numel,
+        help="flatten bucket size (elements)",
+    )
     parser.add_argument("--tier", default="auto", help="flatzero's tier (default: auto)")
     parser.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"]
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        choices=["cpu", "cuda"],
+        help="where the model lives (cuda when torch sees a GPU)",
     )
     parser.add_argument(
         "--params-on",

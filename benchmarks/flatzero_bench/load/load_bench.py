@@ -186,13 +186,21 @@ def _summary(ranks: list[dict], spec: LoadSpec) -> list[dict[str, Any]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``flatzero bench load``."""
-    parser.add_argument("--model", default="llama-0.4b", choices=sorted(MODELS))
-    parser.add_argument("--dtype", default="bf16", choices=sorted(BENCH_DTYPES))
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--bucket-numel", type=int, default=2**24)
+    parser.add_argument(
+        "--model", default="llama-0.4b", choices=sorted(MODELS), help="the benchmark model"
+    )
+    parser.add_argument(
+        "--dtype", default="bf16", choices=sorted(BENCH_DTYPES), help="training dtype of the params"
+    )
+    parser.add_argument("--world-size", type=int, default=2, help="ranks")
+    parser.add_argument("--trials", type=int, default=3, help="timed trials per method")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed trials per method first")
+    parser.add_argument(
+        "--methods", default=",".join(METHODS), help="comma-separated methods to time"
+    )
+    parser.add_argument(
+        "--bucket-numel", type=int, default=2**24, help="flatten bucket size (elements)"
+    )
     parser.add_argument(
         "--master", action="store_true", help="also build the fp32 master shard in every method"
     )

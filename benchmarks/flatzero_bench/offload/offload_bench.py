@@ -595,7 +595,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bucket-numel", type=int, default=2**26, help="reduce/all-gather bucket elements"
     )
     parser.add_argument("--step-model", default="llama-22m", help="step: a bench step model")
-    parser.add_argument("--step-dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument(
+        "--step-dtype", default="bf16", choices=["bf16", "fp32"], help="dtype of the step's params"
+    )
     parser.add_argument("--step-batch", type=int, default=1, help="step: sequences per rank")
     parser.add_argument("--step-seq", type=int, default=16, help="step: tokens per sequence")
     parser.add_argument("--step-warmup", type=int, default=2, help="step: untimed steps")

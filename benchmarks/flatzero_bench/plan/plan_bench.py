@@ -199,13 +199,22 @@ def _table(rows: list[dict[str, Any]]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``flatzero bench plan`` options."""
     parser.add_argument("--model", default="llama-0.4b", help="a preset or benchmark model")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
-    parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL)
-    parser.add_argument("--world-sizes", default="1,2")
-    parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--dtype", default="bf16", choices=sorted(_DTYPES), help="training dtype of the params"
+    )
+    parser.add_argument(
+        "--bucket-numel",
+        type=int,
+        default=DEFAULT_BUCKET_NUMEL,
+        help="flatten bucket size (elements)",
+    )
+    parser.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1,2")
+    parser.add_argument("--trials", type=int, default=3, help="timed trials per method")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed trials per method first")
     add_settle_argument(parser, "sleep before every trial (and calibration pass)")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--methods", default=",".join(METHODS), help="comma-separated methods to time"
+    )
     parser.add_argument(
         "--calibration",
         help="use these measured rates (flatzero info --measure --json) at every world size "

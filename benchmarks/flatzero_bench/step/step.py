@@ -178,7 +178,9 @@ def _methods_for(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``flatzero bench step`` options."""
-    parser.add_argument("--model", default="llama-22m", choices=sorted(STEP_MODELS))
+    parser.add_argument(
+        "--model", default="llama-22m", choices=sorted(STEP_MODELS), help="the benchmark model"
+    )
     parser.add_argument("--dtypes", default="fp32", help="comma-separated of fp32, bf16")
     parser.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1,2")
     parser.add_argument("--stages", default="2", help="ZeRO stages to compare, e.g. 1,2")
@@ -190,7 +192,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bucket-numel", type=int, default=2**22, help="reduce/all-gather bucket elements"
     )
     parser.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"]
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        choices=["cpu", "cuda"],
+        help="where the model lives (cuda when torch sees a GPU)",
     )
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed")
     parser.add_argument(

@@ -23,16 +23,21 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..dtypes import SAFETENSORS_DTYPES, SHORT_DTYPES
+from ..progress import add_progress_argument, progress_bar
 from ..storage.header import TensorEntry
 from ..storage.tensorfile import open_safetensors
 from ..storage.writer import SafetensorsWriter
 from .config import EXPORT_DTYPES, ExportConfig
 from .format import MASTER
 from .reader import CheckpointReader
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 __all__ = [
     "INDEX_NAME",
@@ -137,6 +142,7 @@ def export_checkpoint(
     config: ExportConfig | None = None,
     overwrite: bool = False,
     verify: bool = False,
+    progress: bool = True,
 ) -> ExportResult:
     """Write the consolidated weights of a checkpoint as HF-style safetensors.
 
@@ -148,6 +154,8 @@ def export_checkpoint(
         config: dtype, file size bound, tied names, frozen params and buffers.
         overwrite: replace existing ``model*.safetensors`` / index files in ``out_dir``.
         verify: check the checksums of the rank files first.
+        progress: a bar of the bytes written on stderr, where ``flatzero.progress`` shows
+            one (a terminal; ``FLATZERO_PROGRESS``).
 
     Returns:
         ``ExportResult`` naming the files.
@@ -172,10 +180,11 @@ def export_checkpoint(
         )
         _clear_outputs(out, overwrite)
         weight_map: dict[str, str] = {}
-        for file_name, group in zip(names, groups, strict=True):
-            _write_file(reader, out, file_name, group)
-            weight_map.update({item.name: file_name for item in group})
         total = sum(item.nbytes for item in items)
+        with progress_bar(total, "export", "B", wanted=progress, scale=True) as bar:
+            for file_name, group in zip(names, groups, strict=True):
+                _write_file(reader, out, file_name, group, bar)
+                weight_map.update({item.name: file_name for item in group})
         index = None
         if n > 1:
             index = INDEX_NAME
@@ -212,9 +221,11 @@ def _clear_outputs(out: Path, overwrite: bool) -> None:
         (out / name).unlink()
 
 
-def _write_file(reader: CheckpointReader, out: Path, file_name: str, group: list[_Item]) -> None:
+def _write_file(
+    reader: CheckpointReader, out: Path, file_name: str, group: list[_Item], progress: tqdm
+) -> None:
     """Write ``group``'s tensors, one at a time, into ``out/file_name`` (via a temporary
-    name)."""
+    name); ``progress`` advances by each one's bytes."""
     rest = None
     if reader.meta.model_rest is not None:
         rest = open_safetensors(reader.path / reader.meta.model_rest)
@@ -230,6 +241,7 @@ def _write_file(reader: CheckpointReader, out: Path, file_name: str, group: list
                 assert rest is not None
                 tensor = rest.get_tensor(item.key)
             writer.write(item.name, tensor.to(item.dtype).contiguous())
+            progress.update(item.nbytes)
     os.replace(tmp, out / file_name)
 
 
@@ -273,6 +285,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--verify", action="store_true", help="check rank file checksums first")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    add_progress_argument(parser)
 
 
 def export_main(args: argparse.Namespace) -> int:
@@ -290,6 +303,7 @@ def export_main(args: argparse.Namespace) -> int:
         config=config,
         overwrite=args.overwrite,
         verify=args.verify,
+        progress=not args.no_progress,
     )
     print(
         f"wrote {result.tensors} tensors, {result.total_bytes / 2**20:.1f} MiB, into "

@@ -26,6 +26,7 @@ from ..comm import world_size_of
 from ..control import control_group, every_rank_or_none, host_work_timeout
 from ..flatten import FlatParams
 from ..optim import ZeroOptimizer
+from ..progress import progress_bar
 from ..storage.image import FileImage
 from .async_save import Hasher, Staging, snapshot
 from .atomic import (
@@ -257,24 +258,31 @@ class Save:
         """Write this rank's file (and, on rank 0, the model's rest) into ``tmp``; their
         records."""
         flat, config = self.flat, self.config
-        record = write_rank_file(
-            self.tmp,
-            flat.rank,
-            flat.world_size,
-            self.files.tensors,
-            layout_digest=flat.layout.digest(),
-            tag=self.tag,
-            metadata=self.files.metadata,
-            checksums=config.checksums,
+        total = sum(
+            t.numel() * t.element_size() for _n, t in (*self.files.tensors, *self.files.rest)
         )
-        rest_record = None
-        if self.files.rest:
-            rest_record = write_tensors(  # device tensors stream through two host chunks
-                self.tmp / MODEL_REST,
-                self.files.rest,
-                {"format": "pt", "tag": self.tag},
+        bar = progress_bar(total, "flatzero save (rank 0)", "B", rank=flat.rank, scale=True)
+        with bar:
+            record = write_rank_file(
+                self.tmp,
+                flat.rank,
+                flat.world_size,
+                self.files.tensors,
+                layout_digest=flat.layout.digest(),
+                tag=self.tag,
+                metadata=self.files.metadata,
                 checksums=config.checksums,
+                progress=bar,
             )
+            rest_record = None
+            if self.files.rest:
+                rest_record = write_tensors(  # device tensors stream through two host chunks
+                    self.tmp / MODEL_REST,
+                    self.files.rest,
+                    {"format": "pt", "tag": self.tag},
+                    checksums=config.checksums,
+                    progress=bar,
+                )
         return record, rest_record
 
     def _write_everywhere(self) -> tuple[list[FileRecord], FileRecord | None]:
@@ -407,8 +415,7 @@ class Save:
         logger.info("saved checkpoint %s in the background", self.root / self.tag)
 
     def _timeout_s(self) -> float:
-        """Seconds the ranks' writes may take (the most any rank writes, at the slowest
-        disk rate allowed for)."""
+        """Seconds the ranks' writes may take (the most any rank writes, slowest disk)."""
         return host_work_timeout(self.collected.written_at_most()).total_seconds()
 
     def _remove_partial_files(self) -> None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,7 +23,11 @@ from ..storage.writer import SafetensorsWriter
 from .atomic import fault_point
 from .format import FileRecord, rank_file_name
 
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
 __all__ = [
+    "LazyTensor",
     "model_extras",
     "rank_file_metadata",
     "write_image_file",
@@ -39,20 +44,42 @@ def _tensor_record(entry: TensorEntry, sums: ChunkSums | None) -> dict[str, Any]
     return record
 
 
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor made only when its turn to be written comes (and dropped after), so that a
+    file is written with one of its tensors in memory at a time.
+
+    Attributes:
+        dtype: the tensor's dtype.
+        shape: its shape.
+        make: returns the tensor (of that dtype and shape).
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    make: Callable[[], torch.Tensor]
+
+
 def write_tensors(
     path: Path,
-    tensors: Sequence[tuple[str, torch.Tensor]],
+    tensors: Sequence[tuple[str, torch.Tensor | LazyTensor]],
     metadata: dict[str, str],
     *,
     checksums: bool,
     rank: int = -1,
+    progress: tqdm | None = None,
 ) -> FileRecord:
-    """Write ``tensors`` (in order) to a new safetensors file ``path`` and fsync it."""
+    """Write ``tensors`` (in order) to a new safetensors file ``path`` and fsync it;
+    ``progress`` advances by each tensor's bytes as it is written."""
     entries = [TensorEntry(n, t.dtype, tuple(t.shape)) for n, t in tensors]
     with SafetensorsWriter(path, entries, metadata, checksums=checksums) as writer:
-        for name, tensor in tensors:
+        for name, item in tensors:
+            tensor = item.make() if isinstance(item, LazyTensor) else item
             writer.write(name, tensor)
             fault_point("tensor_written", rank)
+            if progress is not None:
+                progress.update(tensor.numel() * tensor.element_size())
+            del tensor  # a LazyTensor's is gone before the next is made
     return FileRecord(
         rank=rank,
         file=path.name,
@@ -65,21 +92,23 @@ def write_rank_file(
     directory: Path,
     rank: int,
     world_size: int,
-    tensors: Sequence[tuple[str, torch.Tensor]],
+    tensors: Sequence[tuple[str, torch.Tensor | LazyTensor]],
     *,
     layout_digest: str,
     tag: str,
     metadata: dict[str, str] | None = None,
     checksums: bool = True,
+    progress: tqdm | None = None,
 ) -> FileRecord:
-    """Write rank ``rank``'s file into ``directory`` (its name from ``rank_file_name``).
+    """Write rank ``rank``'s file into ``directory`` (its name from ``rank_file_name``);
+    ``progress`` advances by the bytes written.
 
     The file's metadata records the rank, world size, tag and layout digest, so a file
     that strayed from another checkpoint is recognized on load.
     """
     meta = rank_file_metadata(rank, world_size, layout_digest, tag, metadata)
     path = directory / rank_file_name(rank, world_size)
-    record = write_tensors(path, tensors, meta, checksums=checksums, rank=rank)
+    record = write_tensors(path, tensors, meta, checksums=checksums, rank=rank, progress=progress)
     fault_point("rank_file_written", rank)
     return record
 

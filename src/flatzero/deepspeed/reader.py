@@ -96,6 +96,12 @@ class DeepSpeedCheckpoint:
             self._optim[rank] = sd
         return self._optim[rank]
 
+    def close_files(self) -> None:
+        """Drop every rank's optimizer state read so far: their memory-mapped files close
+        and their pages leave this process's memory (``optim_state`` opens a file again
+        when asked)."""
+        self._optim.clear()
+
     def _check_partitions(self, rank: int, sd: dict[str, Any]) -> None:
         parts = sd["single_partition_of_fp32_groups"]
         groups = self.layout.groups

@@ -29,7 +29,8 @@ from ..gcpause import paused_gc
 from ..layout import GroupLayout, Layout, plan_layout
 from ..params import ParamGroup, collect_param_groups
 from ..process_group import join_launched_job
-from ..report import GroupReport, ReportBuilder
+from ..progress import progress_bar
+from ..report import GroupReport, ReportBuilder, report_is_owned
 from ..storage.index import SafetensorsCheckpoint
 from .alloc import allocate_masters
 from .buffers import FlatGroup, FlatParams
@@ -360,13 +361,10 @@ def _check_world_size(given: int | None, world_size: int) -> None:
 
 def _progress_bar(plan: _Plan, config: FlattenConfig, rank: int) -> tqdm:
     """Init's progress bar, one step per bucket: on rank 0, shown after two seconds."""
-    return tqdm(
-        total=plan.sizes.buckets,
-        desc="flatzero init",
-        unit="bucket",
-        disable=not config.progress or rank != 0,
-        delay=2.0,
-    )
+    return progress_bar(
+        plan.sizes.buckets, "flatzero init", "bucket", rank=rank, wanted=config.progress,
+        delay_s=2.0,
+    )  # fmt: skip
 
 
 def _agree(
@@ -487,7 +485,7 @@ def flatten_parameters(
         _return_cached_blocks(flat_groups)
 
     init_report = report.build(decision.reason, group_reports)
-    if rank == 0:
+    if rank == 0 and not report_is_owned():
         logger.info("%s", init_report.summary())
     frozen = [p for g in plan.groups for p in g.frozen]
     return FlatParams(

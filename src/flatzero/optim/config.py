@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -9,7 +10,7 @@ import torch
 
 from .buckets import CHUNK_ALIGNMENT
 
-__all__ = ["LossScaleConfig", "OffloadConfig", "ZeroConfig"]
+__all__ = ["LossScaleConfig", "OffloadConfig", "ZeroConfig", "zero_config_for"]
 
 _REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -249,3 +250,26 @@ class ZeroConfig:
         """The dtype stage 1 sums the gradients of params of ``param_dtype`` in over an
         accumulation window (``grad_accum_dtype``, else ``param_dtype``)."""
         return param_dtype if self.grad_accum_dtype is None else self.grad_accum_dtype
+
+
+def zero_config_for(
+    config: ZeroConfig | None, stage: int | None, offload: bool | OffloadConfig | None
+) -> ZeroConfig:
+    """``ZeroOptimizer``'s config from its arguments: ``config`` (default ``ZeroConfig()``)
+    with ``stage`` when given and ``offload_optimizer`` from ``offload`` (``True``:
+    ``OffloadConfig()``; ``False``: off; ``None``: as ``config`` says)."""
+    config = config or ZeroConfig()
+    if not isinstance(config, ZeroConfig):
+        raise TypeError(f"config must be a ZeroConfig, got {type(config).__name__}")
+    if stage is not None and stage != config.stage:
+        config = dataclasses.replace(config, stage=stage)
+    if offload is None:
+        return config
+    if isinstance(offload, bool):
+        offload = OffloadConfig() if offload else None
+    elif not isinstance(offload, OffloadConfig):
+        raise TypeError(
+            f"offload_optimizer must be True, False, None or an OffloadConfig, got "
+            f"{type(offload).__name__}; pass offload_optimizer=True or OffloadConfig(...)"
+        )
+    return dataclasses.replace(config, offload_optimizer=offload)

@@ -10,7 +10,6 @@ shard into this rank's slice of every bucket -> all-gather every bucket.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from collections import OrderedDict
@@ -26,9 +25,11 @@ from ..config import FlattenConfig
 from ..control import collective_group, control_group, every_rank_or_none
 from ..flatten import FlatParams
 from ..gcpause import paused_gc
+from ..report import report_is_owned
+from ..words import plural
 from . import torch_clip
 from .agreement import meaning, setup_fields
-from .config import LossScaleConfig, OffloadConfig, ZeroConfig
+from .config import LossScaleConfig, OffloadConfig, ZeroConfig, zero_config_for
 from .gather import full_param, full_params
 from .inner import (
     build_inner_optimizer,
@@ -53,31 +54,6 @@ from .stepper import ShardStepper, make_stepper, masters_to_host
 __all__ = ["ZeroOptimizer"]
 
 logger = logging.getLogger(__name__)
-
-
-def _with_stage(config: ZeroConfig | None, stage: int | None) -> ZeroConfig:
-    """``config`` (default ``ZeroConfig()``) with ``stage`` when given."""
-    config = config or ZeroConfig()
-    if not isinstance(config, ZeroConfig):
-        raise TypeError(f"config must be a ZeroConfig, got {type(config).__name__}")
-    if stage is not None and stage != config.stage:
-        config = dataclasses.replace(config, stage=stage)
-    return config
-
-
-def _with_offload(config: ZeroConfig, offload: bool | OffloadConfig | None) -> ZeroConfig:
-    """``config`` with ``offload_optimizer`` set from the constructor's argument (``True``:
-    ``OffloadConfig()``; ``False``: off; ``None``: as ``config`` says)."""
-    if offload is None:
-        return config
-    if isinstance(offload, bool):
-        offload = OffloadConfig() if offload else None
-    elif not isinstance(offload, OffloadConfig):
-        raise TypeError(
-            f"offload_optimizer must be True, False, None or an OffloadConfig, got "
-            f"{type(offload).__name__}; pass offload_optimizer=True or OffloadConfig(...)"
-        )
-    return dataclasses.replace(config, offload_optimizer=offload)
 
 
 def _loss_scaler(config: ZeroConfig, flat: FlatParams) -> LossScaler | None:
@@ -155,7 +131,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         refused: BaseException | None = None  # raised on every rank by flat_params_for
         setup: dict[str, str] = {}
         try:
-            config = _with_offload(_with_stage(config, stage), offload_optimizer)
+            config = zero_config_for(config, stage, offload_optimizer)
             optimizer_cls = check_optimizer_class(optimizer, elementwise=elementwise_optimizer)
             keywords = {**getattr(optimizer, "keywords", {}), **defaults}
             setup = setup_fields(config, optimizer_cls, keywords)
@@ -206,14 +182,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Whether the last ``step()`` was skipped for an fp16 overflow."""
         self._init_optimizer_plumbing()
         torch_clip.register(self, (p for g in flat.groups for p in g.params))
-        if self._rank == 0:
+        if self._rank == 0 and not report_is_owned():  # the door's report holds it
             logger.info(
-                "ZeroOptimizer stage %d over %d ranks: %d group(s), %s, %d params%s",
+                "ZeroOptimizer stage %d over %s: %s, %s, %s%s",
                 config.stage,
-                self._world_size,
-                len(flat.groups),
+                plural(self._world_size, "rank"),
+                plural(len(flat.groups), "group"),
                 optimizer_class_of(self.inner).__name__,
-                flat.layout.num_params,
+                plural(flat.layout.num_params, "param"),
                 self._stepper.describe(),
             )
 

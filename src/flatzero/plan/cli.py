@@ -62,8 +62,10 @@ def _add_model_arguments(group: argparse._ArgumentGroup) -> None:
 
 def _add_cluster_arguments(group: argparse._ArgumentGroup) -> None:
     """The cluster's shape and the figures of its GPUs and hosts."""
-    group.add_argument("--nodes", type=count(1, MAX_WORLD_SIZE), default=1)
-    group.add_argument("--gpus-per-node", type=count(1, 1024), default=8)
+    group.add_argument("--nodes", type=count(1, MAX_WORLD_SIZE), default=1, help="nodes in the job")
+    group.add_argument(
+        "--gpus-per-node", type=count(1, 1024), default=8, help="GPUs (ranks) per node"
+    )
     group.add_argument("--gpu", default="h100", help=f"{', '.join(GPUS)}, or none (CPUs only)")
     for flag in _GPU_FIELDS:
         group.add_argument(
@@ -78,8 +80,10 @@ def _add_cluster_arguments(group: argparse._ArgumentGroup) -> None:
 
 def _add_training_arguments(group: argparse._ArgumentGroup) -> None:
     """The training job: dtypes, ZeRO stage, optimizer and its offload, buckets, saves."""
-    group.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    group.add_argument("--stage", type=int, default=2, choices=[1, 2])
+    group.add_argument(
+        "--dtype", default="bf16", choices=sorted(DTYPES), help="training dtype of the params"
+    )
+    group.add_argument("--stage", type=int, default=2, choices=[1, 2], help="ZeRO stage")
     group.add_argument(
         "--reduce-dtype",
         default="fp32",
@@ -87,8 +91,18 @@ def _add_training_arguments(group: argparse._ArgumentGroup) -> None:
         help="the dtype gradients are summed in (ZeroConfig.reduce_dtype, default fp32; a "
         "DeepSpeed config without communication_data_type sums bf16 training in bf16)",
     )
-    group.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
-    group.add_argument("--bucket-numel", type=count(1, 2**40), default=DEFAULT_BUCKET_NUMEL)
+    group.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=sorted(OPTIMIZER_STATES),
+        help="the optimizer (its states per element)",
+    )
+    group.add_argument(
+        "--bucket-numel",
+        type=count(1, 2**40),
+        default=DEFAULT_BUCKET_NUMEL,
+        help="flatten bucket size (elements)",
+    )
     group.add_argument(
         "--grad-accum", type=count(1, 1_000_000), default=1, help="micro-batches per step"
     )
@@ -122,7 +136,12 @@ def _add_init_arguments(group: argparse._ArgumentGroup) -> None:
         help="where params are when init starts (meta = meta device plus a "
         "safetensors checkpoint, the same as checkpoint)",
     )
-    group.add_argument("--grouping", default="one", choices=GROUPINGS)
+    group.add_argument(
+        "--grouping",
+        default="one",
+        choices=GROUPINGS,
+        help="how params are split into param groups",
+    )
     group.add_argument("--tier", default="auto", help="the tier to request (default: auto)")
     group.add_argument(
         "--reserved-gib",

@@ -7,6 +7,7 @@ import argparse
 
 from ...cli_types import MAX_WORLD_SIZE, count
 from ...config import DEFAULT_BUCKET_NUMEL
+from ...progress import add_progress_argument
 from ..engine.config import load_config_dict
 from .incoming import from_deepspeed
 from .outgoing import to_deepspeed
@@ -33,6 +34,7 @@ def add_import_arguments(parser: argparse.ArgumentParser) -> None:
         help="bucket size of the written layout, in elements",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing tag")
+    add_progress_argument(parser)
 
 
 def import_main(args: argparse.Namespace) -> int:
@@ -46,6 +48,7 @@ def import_main(args: argparse.Namespace) -> int:
         world_size=args.world_size,
         bucket_numel=args.bucket_numel,
         overwrite=args.overwrite,
+        progress=not args.no_progress,
     )
     print(f"wrote flatzero checkpoint {path}")
     return 0
@@ -80,6 +83,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         help="export an optimizer other than torch.optim's elementwise ones",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace what exists in OUT")
+    add_progress_argument(parser)
 
 
 def export_main(args: argparse.Namespace) -> int:
@@ -96,6 +100,7 @@ def export_main(args: argparse.Namespace) -> int:
         ds_config=ds_config,
         any_optimizer=args.any_optimizer,
         overwrite=args.overwrite,
+        progress=not args.no_progress,
     )
     print(
         f"wrote DeepSpeed ZeRO-{result.stage} checkpoint {result.path} for "

@@ -10,11 +10,12 @@ frozen params, DeepSpeed's counters and the client state.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,10 +30,11 @@ from ...checkpoint.format import (
     encode_value,
     state_key,
 )
-from ...checkpoint.reshard import execute, plan_reads
-from ...checkpoint.writer import write_rank_file, write_tensors
+from ...checkpoint.reshard import GroupReadPlan, execute, plan_reads
+from ...checkpoint.writer import LazyTensor, write_rank_file, write_tensors
 from ...config import DEFAULT_BUCKET_NUMEL
 from ...layout import DEFAULT_ALIGNMENT, Layout, plan_layout
+from ...progress import progress_bar
 from ..reader import DeepSpeedCheckpoint, read_deepspeed
 from ..state import flatzero_loss_scaler, flatzero_scheduler
 
@@ -41,6 +43,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 
 def _loss_scaler(ds: DeepSpeedCheckpoint) -> dict[str, Any] | None:
@@ -147,6 +152,18 @@ def _group_records(ds: DeepSpeedCheckpoint, layout: Layout) -> list[GroupRecord]
     return records
 
 
+def _state_shard(
+    ds: DeepSpeedCheckpoint, plan: GroupReadPlan, state: str, last_read: bool
+) -> torch.Tensor:
+    """One optimizer state (or the master) of one group of one output rank, read from
+    DeepSpeed's partitions; ``last_read``: the DeepSpeed files it read are closed after."""
+    out = torch.zeros(plan.shard_numel, dtype=torch.float32)
+    execute(plan, out, ds.fetcher(state))
+    if last_read:
+        ds.close_files()
+    return out
+
+
 def _write_rank_files(
     ds: DeepSpeedCheckpoint,
     layout: Layout,
@@ -154,17 +171,27 @@ def _write_rank_files(
     tmp: Path,
     tag: str,
     checksums: bool,
+    progress: tqdm,
 ) -> list[FileRecord]:
-    """Every rank file of ``layout``, each copied from DeepSpeed's partitions."""
+    """Every rank file of ``layout``, each copied from DeepSpeed's partitions.
+
+    [Note: the import's memory bound] A rank file is written one tensor (one state of one
+    group) at a time, each made just before it is written and dropped after
+    (``LazyTensor``), and the DeepSpeed files (memory-mapped) are closed after the last
+    tensor of each rank file. Peak host memory: the pages of the DeepSpeed rank files that
+    one output rank file reads from (one file at the same world size, a few at another)
+    plus one state of one group of that output rank, whatever the checkpoint's size."""
     index = ds.index()
     files = []
     for rank in range(layout.world_size):
-        tensors = []
-        for gi, plan in enumerate(plan_reads(index, layout, rank, where=str(ds.path))):
-            for state in records[gi].states:
-                out = torch.zeros(plan.shard_numel, dtype=torch.float32)
-                execute(plan, out, ds.fetcher(state))
-                tensors.append((state_key(gi, state), out))
+        plans = plan_reads(index, layout, rank, where=str(ds.path))
+        tensors: list[tuple[str, torch.Tensor | LazyTensor]] = []
+        for gi, plan in enumerate(plans):
+            for si, state in enumerate(records[gi].states):
+                last = gi == len(plans) - 1 and si == len(records[gi].states) - 1
+                make = functools.partial(_state_shard, ds, plan, state, last)
+                lazy = LazyTensor(torch.float32, (plan.shard_numel,), make)
+                tensors.append((state_key(gi, state), lazy))
         files.append(
             write_rank_file(
                 tmp,
@@ -174,6 +201,7 @@ def _write_rank_files(
                 layout_digest=layout.digest(),
                 tag=tag,
                 checksums=checksums,
+                progress=progress,
             )
         )
     return files
@@ -212,10 +240,14 @@ def _write_checkpoint(
     tmp: Path,
     tag: str,
     checksums: bool,
+    progress: bool,
 ) -> CheckpointMeta:
-    """Write the rank files and the model's rest into ``tmp``; the checkpoint's meta."""
+    """Write the rank files and the model's rest into ``tmp``; the checkpoint's meta.
+    ``progress``: a bar of the bytes written (``flatzero.progress``)."""
     records = _group_records(ds, layout)
-    files = _write_rank_files(ds, layout, records, tmp, tag, checksums)
+    total = 4 * sum(len(records[i].states) * g.numel for i, g in enumerate(layout.groups))
+    with progress_bar(total, "import-deepspeed", "B", wanted=progress, scale=True) as bar:
+        files = _write_rank_files(ds, layout, records, tmp, tag, checksums, bar)
     rest, aliases = _rest(ds)
     rest_record = None
     if rest:
@@ -254,6 +286,7 @@ def from_deepspeed(
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     checksums: bool = True,
     overwrite: bool = False,
+    progress: bool = True,
 ) -> Path:
     """Convert a DeepSpeed ZeRO-1/2 checkpoint into a flatzero checkpoint.
 
@@ -273,6 +306,11 @@ def from_deepspeed(
         bucket_numel: bucket size of the written layout (elements).
         checksums: record crc32 checksums.
         overwrite: replace an existing flatzero checkpoint of that tag.
+        progress: a bar of the bytes written on stderr, where ``flatzero.progress`` shows
+            one (a terminal; ``FLATZERO_PROGRESS``).
+
+    Peak host memory is bounded by one DeepSpeed rank file and one optimizer state of one
+    group of an output rank, not by the checkpoint (see ``_write_rank_files``).
 
     Returns:
         The new checkpoint's path.
@@ -287,7 +325,7 @@ def from_deepspeed(
     if final.exists() and not overwrite:
         raise ValueError(f"{final} already exists; choose another out_tag or pass overwrite=True")
     with staged_directory(final, overwrite=overwrite) as tmp:
-        _write_checkpoint(ds, layout, tmp, out_tag, checksums).write(tmp / "meta.json")
+        _write_checkpoint(ds, layout, tmp, out_tag, checksums, progress).write(tmp / "meta.json")
     write_latest(root, out_tag)
     logger.info(
         "imported DeepSpeed ZeRO-%d checkpoint %s (%d ranks, %d params) as %s in %.1f s",

@@ -34,6 +34,7 @@ from ...checkpoint.atomic import staged_directory, write_latest
 from ...checkpoint.format import LATEST, META, TMP_PREFIX, CheckpointMeta, check_tag, decode_value
 from ...checkpoint.optimizer_state import saved_step
 from ...checkpoint.reader import CheckpointReader
+from ...progress import progress_bar
 from ..layout import MODEL_STATES, optim_file_name
 from ..state import deepspeed_scheduler
 from ..target import deepspeed_target
@@ -149,6 +150,7 @@ def to_deepspeed(
     ds_config: Mapping[str, Any] | None = None,
     any_optimizer: bool = False,
     overwrite: bool = False,
+    progress: bool = True,
 ) -> DeepSpeedExportResult:
     """Write a flatzero checkpoint as DeepSpeed 0.19's ZeRO-1/2 checkpoint.
 
@@ -172,6 +174,8 @@ def to_deepspeed(
         any_optimizer: write the state of an optimizer that is not one of torch.optim's
             elementwise ones (the DeepSpeed run must use the same class).
         overwrite: replace ``out_dir/<tag>`` and copied entries that exist.
+        progress: a bar of the files written on stderr, where ``flatzero.progress`` shows
+            one (a terminal; ``FLATZERO_PROGRESS``).
 
     Returns:
         ``DeepSpeedExportResult``.
@@ -193,7 +197,8 @@ def to_deepspeed(
         extra = decode_value(meta.extra) if isinstance(meta.extra, dict) else {}
         counters = _counters(meta, extra)
         out.mkdir(parents=True, exist_ok=True)
-        with staged_directory(out / ds_tag, overwrite=overwrite) as tmp:
+        bar = progress_bar(world_size + 1, "export-deepspeed", "file", wanted=progress)
+        with bar, staged_directory(out / ds_tag, overwrite=overwrite) as tmp:
             write_model_states(
                 tmp / MODEL_STATES,
                 reader,
@@ -203,6 +208,7 @@ def to_deepspeed(
                 client_state=_client_state(extra),
             )
             files = [MODEL_STATES]
+            bar.update(1)
             for rank in range(world_size):
                 name = optim_file_name(rank, target.dtype)
                 write_optim_states(
@@ -214,6 +220,7 @@ def to_deepspeed(
                     steps=int(counters["global_steps"] or 0),
                 )
                 files.append(name)
+                bar.update(1)
     for entry in beside:
         _copy(entry, out)
     write_latest(out, ds_tag)

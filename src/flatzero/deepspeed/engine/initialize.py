@@ -42,6 +42,7 @@ from ...gcpause import paused_gc
 from ...optim import ZeroOptimizer
 from ...params import ParamGroup, collect_param_groups
 from ...process_group import ensure_process_group
+from ...report import owns_report
 from .client import link_client_optimizer
 from .config import EngineConfig, parse_config
 from .deepspeed_compat import deepspeed_engine_class
@@ -328,6 +329,7 @@ def _config_in_a_process_group(
     return config, refused
 
 
+@owns_report
 def initialize(
     args: Any = None,
     model: nn.Module | None = None,

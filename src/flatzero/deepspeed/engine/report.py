@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ...report import InitReport
+from ...report import InitReport, fit
 from ...words import plural
 
 __all__ = ["EngineInitReport"]
@@ -61,18 +61,21 @@ class EngineInitReport:
         return asdict(self)
 
     def summary(self) -> str:
-        """A few lines for a human."""
-        phases = " ".join(f"{k}={v:.3f}s" for k, v in self.phase_seconds.items())
+        """The report for a human: a headline, then one line per fact (the flatten
+        report's facts among them), each line under ``LINE_WIDTH`` characters."""
+        phases = ", ".join(f"{k} {v:.3f}s" for k, v in self.phase_seconds.items())
         lines = [
             f"flatzero.initialize {self.wall_seconds:.3f}s: ZeRO stage {self.stage}, "
-            f"{self.dtype}, {plural(self.world_size, 'rank')}, {self.params / 1e6:.2f}M params in "
-            f"{self.tensors} tensors from {self.source}",
-            f"  phases: {phases}",
-            f"  flatten: {self.flatten.summary()}",
-            f"  tier: {'+'.join(self.tiers)} ({self.flatten.tier_reason})",
-            f"  weights agreed by: {self.param_sync}; optimizer: {self.optimizer}; "
+            f"{self.dtype}, {plural(self.world_size, 'rank')}, {self.params / 1e6:.2f}M params "
+            f"in {plural(self.tensors, 'tensor')}",
+            f"weights from: {self.source}",
+            f"phases: {phases}",
+            f"flatten {self.flatten.wall_seconds:.3f}s:",
+            *(f"  {fact}" for fact in self.flatten.facts()),
+            f"weights agreed by: {self.param_sync}",
+            f"optimizer: {self.optimizer}",
             f"scheduler: {self.scheduler or 'none'}",
         ]
         if self.ignored_keys:
-            lines.append(f"  config keys without effect: {', '.join(self.ignored_keys)}")
-        return "\n".join(lines)
+            lines.append(f"config keys without effect: {', '.join(self.ignored_keys)}")
+        return fit([lines[0], *(f"  {line}" for line in lines[1:])])
