@@ -197,6 +197,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "engine.optimizer_choice",
                 "engine.rank_agreement",
                 "engine.checkpointing",
+                "engine.compiling",
                 "engine.engine",
                 "engine.deepspeed_compat",
                 "engine.initialize",

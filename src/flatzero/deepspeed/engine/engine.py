@@ -17,6 +17,7 @@ from torch import nn
 from ...checkpoint.atomic import wait_for_removals
 from ...optim import ZeroOptimizer
 from .checkpointing import EngineCheckpoints
+from .compiling import EngineCompile
 from .config import EngineConfig
 from .getters import DeepSpeedGetters
 from .report import EngineInitReport
@@ -55,8 +56,9 @@ logger = logging.getLogger(__name__)
 # module does not know DeepSpeed's engine exists.
 #
 # The getters DeepSpeed's engine has come from ``DeepSpeedGetters`` (``getters.py``), the
-# checkpoint methods from ``EngineCheckpoints`` (``checkpointing.py``).]
-class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
+# checkpoint methods from ``EngineCheckpoints`` (``checkpointing.py``), ``compile`` and
+# ``is_compiled`` from ``EngineCompile`` (``compiling.py``).]
+class Engine(DeepSpeedGetters, EngineCheckpoints, EngineCompile, nn.Module):
     """The training engine of the DeepSpeed door (ZeRO stages 0, 1, 2).
 
     Built by ``flatzero.initialize``; not meant to be constructed directly.
@@ -112,6 +114,7 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
         self._boundary: bool | None = None
         self._global_grad_norm: torch.Tensor | float | None = None
         self._destroyed = False
+        self._is_compiled = False
         self._last_loss_time = time.perf_counter()
         optimizer.overflow = False  # DeepSpeed's ZeRO optimizers carry it
 
