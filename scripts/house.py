@@ -198,6 +198,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "engine.rank_agreement",
                 "engine.checkpointing",
                 "engine.compiling",
+                "engine.user_backward",
                 "engine.engine",
                 "engine.deepspeed_compat",
                 "engine.initialize",
