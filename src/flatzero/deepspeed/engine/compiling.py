@@ -56,9 +56,10 @@ def compile_in_place(model: nn.Module, wrapper: nn.Module) -> None:
 # Nothing of flatzero runs inside the forward: its gradient hooks are on the params
 # (``register_post_accumulate_grad_hook`` and the engine's pre-hooks), which autograd runs
 # outside the compiled graph, so they cause no graph break. Compiled autograd
-# (``compiled_autograd_enabled=True``) is refused: the stage 2 reducer reads autograd's
-# graph task while it runs (``_current_graph_task_id``, ``_will_engine_execute_node``),
-# which compiled autograd does not run.]
+# (``compiled_autograd_enabled=True``) is refused: the stage 2 reducer queues an
+# end-of-backward callback (``queue_callback``, which torch refuses under compiled autograd
+# outside its fullgraph mode) and reads autograd's running graph task
+# (``_current_graph_task_id``, ``_will_engine_execute_node``).]
 class EngineCompile:
     """``compile`` and ``is_compiled`` of ``Engine`` (a base class of it)."""
 
@@ -100,9 +101,10 @@ class EngineCompile:
         if compiled_autograd_enabled:
             raise NotImplementedError(
                 "engine.compile(compiled_autograd_enabled=True) is not supported by flatzero: "
-                "its stage 2 gradient hooks read autograd's running graph, which compiled "
-                "autograd does not run; call engine.compile() without it (the forward and "
-                "its backward are still compiled)"
+                "its stage 2 gradient hooks queue an end-of-backward callback and read "
+                "autograd's running graph task, which compiled autograd does not support; "
+                "call engine.compile() without it (the forward and its backward are still "
+                "compiled)"
             )
         if self._is_compiled:
             return
