@@ -216,6 +216,8 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "engine.rank_agreement",
                 "engine.preemption",
                 "engine.checkpointing",
+                "engine.compiling",
+                "engine.user_backward",
                 "engine.engine",
                 "engine.deepspeed_compat",
                 "engine.initialize",

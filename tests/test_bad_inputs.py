@@ -131,8 +131,8 @@ _BAD_ARGUMENTS: list[tuple[str, Any, str]] = [
      "two DeepSpeed configs: args.deepspeed_config='ds.json' and config="),
     ("DDP", lambda m: {"model": _ddp(m), "config": _GOOD},
      r"DistributedDataParallel.*model\.module"),
-    ("torch.compile", lambda m: {"model": torch.compile(m), "config": _GOOD},
-     r"OptimizedModule.*model\._orig_mod"),
+    ("compiled DDP", lambda m: {"model": torch.compile(_ddp(m)), "config": _GOOD},
+     r"DistributedDataParallel.*model\.module"),
 ]  # fmt: skip
 
 

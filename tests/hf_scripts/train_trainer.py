@@ -15,6 +15,7 @@ import json
 import os
 
 import torch
+from torch._dynamo.utils import counters
 from transformers import (
     HfArgumentParser,
     LlamaConfig,
@@ -67,6 +68,9 @@ def main() -> None:
             json.dump(
                 {
                     "engine": type(trainer.model_wrapped).__name__,
+                    "compiled": bool(getattr(trainer.model_wrapped, "is_compiled", False)),
+                    "graph_breaks": sum(counters["graph_break"].values()),
+                    "graphs": counters["stats"]["unique_graphs"],
                     "log_history": trainer.state.log_history,
                     "eval": metrics,
                 },

@@ -10,7 +10,7 @@ imported (flatzero never imports it: that takes seconds and detects accelerators
 Nothing of DeepSpeed's engine runs: ``Engine.__init__`` calls ``nn.Module.__init__``
 directly, never ``DeepSpeedEngine.__init__``; ``Engine`` comes first in the method
 resolution order; and every other method, property or attribute of ``DeepSpeedEngine``
-(stage 3 gathering, pipeline or compile hooks, ``offload_states``, ...) is replaced by one
+(stage 3 gathering, pipeline or DeepCompile hooks, ``offload_states``, ...) is replaced by one
 that raises ``NotImplementedError`` naming it. ``DeepSpeedEngine.__del__`` (which would
 call ``destroy()`` when the engine is collected) is replaced by nothing.
 """
@@ -74,7 +74,6 @@ def deepspeed_engine_class() -> type[Engine] | None:
         "__doc__": "flatzero's ``Engine``, an instance of ``deepspeed.DeepSpeedEngine`` too "
         "(see ``flatzero.deepspeed.engine.deepspeed_compat``).",
         "__del__": lambda self: None,
-        "is_compiled": property(lambda self: False, doc="Always False (no DeepCompile)."),
     }
     for name, value in vars(DeepSpeedEngine).items():
         if name.startswith("__") or name in own or name in namespace:

@@ -17,10 +17,12 @@ from torch import nn
 from ...checkpoint.atomic import wait_for_removals
 from ...optim import ZeroOptimizer
 from .checkpointing import EngineCheckpoints
+from .compiling import EngineCompile
 from .config import EngineConfig
 from .getters import DeepSpeedGetters
 from .preemption import check_at_boundary, engine_watch
 from .report import EngineInitReport
+from .user_backward import UserBackward
 
 __all__ = ["Engine"]
 
@@ -56,8 +58,9 @@ logger = logging.getLogger(__name__)
 # module does not know DeepSpeed's engine exists.
 #
 # The getters DeepSpeed's engine has come from ``DeepSpeedGetters`` (``getters.py``), the
-# checkpoint methods from ``EngineCheckpoints`` (``checkpointing.py``).]
-class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
+# checkpoint methods from ``EngineCheckpoints`` (``checkpointing.py``), ``compile`` and
+# ``is_compiled`` from ``EngineCompile`` (``compiling.py``).]
+class Engine(DeepSpeedGetters, EngineCheckpoints, EngineCompile, nn.Module):
     """The training engine of the DeepSpeed door (ZeRO stages 0, 1, 2).
 
     Built by ``flatzero.initialize``; not meant to be constructed directly.
@@ -113,9 +116,15 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
         self._boundary: bool | None = None
         self._global_grad_norm: torch.Tensor | float | None = None
         self._destroyed = False
+        self._is_compiled = False
         self._last_loss_time = time.perf_counter()
         optimizer.overflow = False  # DeepSpeed's ZeRO optimizers carry it
         self._preemption = engine_watch(config.flatzero, process_group)
+        self._user_backward = UserBackward(
+            [p for g in optimizer.flat.groups for p in g.params],
+            self.gradient_accumulation_steps(),
+            needs_scale=optimizer._scaler is not None,
+        )
 
     def __getattr__(self, name: str) -> Any:
         """Attributes the engine does not have come from the module, as with DeepSpeed."""
@@ -166,6 +175,7 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
         positional arguments are cast to fp16 first, as DeepSpeed does)."""
         if self.parsed_config.precision.auto_cast:
             args = _cast_half(args)
+        self._user_backward.forward_started()
         return self.module(*args, **kwargs)
 
     def backward(
@@ -181,18 +191,23 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
         Returns:
             The loss divided by ``gradient_accumulation_steps`` (not loss-scaled).
         """
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
-            raise TypeError(
-                f"engine.backward(loss) needs a scalar loss tensor, got {type(loss).__name__}"
-                f"{shape}; reduce the loss to one element (e.g. loss.mean())"
-            )
+        _check_scalar(loss, "backward")
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
-        self.optimizer.scale_loss(loss).backward(retain_graph=retain_graph)
+        with self._user_backward.engine_backward():
+            self.optimizer.scale_loss(loss).backward(retain_graph=retain_graph)
         self._backwards_in_window += 1
         return loss
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale (``loss`` itself without loss scaling), for a
+        plain ``engine.scale(loss).backward()`` (DeepSpeed's method): that backward's
+        gradients are still divided by ``gradient_accumulation_steps``
+        (``user_backward.py``)."""
+        _check_scalar(loss, "scale")
+        self._user_backward.scaled()
+        return self.optimizer.scale_loss(loss)
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """End a micro-batch; at the accumulation boundary, step the optimizer and the LR
@@ -310,6 +325,7 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
             release_snapshot(self.optimizer)
             wait_for_removals()
             self._destroyed = True
+            self._user_backward.close()
             self.optimizer.close()
             if self._preemption is not None:
                 self._preemption.uninstall()
@@ -320,6 +336,16 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
             f"Engine(stage={cfg.zero.stage}, dtype={cfg.precision.dtype}, "
             f"world_size={self.world_size}, global_steps={self.global_steps}, "
             f"module={type(self.module).__name__})"
+        )
+
+
+def _check_scalar(loss: Any, method: str) -> None:
+    """A ``TypeError`` unless ``loss`` is a one-element tensor."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
+        raise TypeError(
+            f"engine.{method}(loss) needs a scalar loss tensor, got {type(loss).__name__}"
+            f"{shape}; reduce the loss to one element (e.g. loss.mean())"
         )
 
 

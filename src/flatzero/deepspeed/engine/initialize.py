@@ -44,6 +44,7 @@ from ...params import ParamGroup, collect_param_groups
 from ...process_group import ensure_process_group
 from ...report import owns_report
 from .client import link_client_optimizer
+from .compiling import compile_in_place, uncompiled
 from .config import EngineConfig, parse_config
 from .deepspeed_compat import deepspeed_engine_class
 from .engine import Engine
@@ -113,28 +114,24 @@ def _config_argument(
 
 
 def _wrapper_fix(model: nn.Module) -> str | None:
-    """What to pass instead of a model already wrapped for parallelism or compiled, or
-    None for a plain module."""
+    """What to pass instead of a model already wrapped for parallelism, or None for a plain
+    module."""
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
     if isinstance(model, (DistributedDataParallel, DataParallel)):
         return "pass the module it wraps (model.module): flatzero does the data parallelism"
-    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
-        return (
-            "pass the uncompiled module (model._orig_mod) and compile after initialize: "
-            "torch.compile's wrapper renames every parameter"
-        )
     if any(c.__module__.startswith("torch.distributed.fsdp") for c in type(model).__mro__):
         return "pass the unsharded module: flatzero shards the optimizer state itself (ZeRO)"
     return None
 
 
 def _refuse_wrapped(model: nn.Module) -> None:
-    """A ``TypeError`` for a model wrapped in DDP/DataParallel/FSDP or ``torch.compile``'s
-    wrapper (its all-reduce would run beside flatzero's, its names would change)."""
-    fix = _wrapper_fix(model)
+    """A ``TypeError`` for a model wrapped in DDP/DataParallel/FSDP (its all-reduce would run
+    beside flatzero's), also under ``torch.compile``'s wrapper."""
+    inner = uncompiled(model)
+    fix = _wrapper_fix(inner)
     if fix is not None:
-        raise TypeError(f"model is a {type(model).__name__}, already wrapped: {fix}")
+        raise TypeError(f"model is a {type(inner).__name__}, already wrapped: {fix}")
 
 
 def _parsed(config: Any, world_size: int, rank: int, earlier: BaseException | None) -> EngineConfig:
@@ -360,7 +357,8 @@ def initialize(
         args: an ``argparse.Namespace``; its ``deepspeed_config`` is used when ``config``
             is not given (as DeepSpeed does).
         model: the model, on the host, on the GPU, or on the meta device with
-            ``checkpoint``.
+            ``checkpoint``; or ``torch.compile(model)``: the engine then trains ``model``
+            compiled in place with the same settings (``engine.module`` is ``model``).
         optimizer: a client optimizer: a ``torch.optim.Optimizer`` instance (its class and
             param groups are used; it must not have stepped), or a function params ->
             optimizer. It wins over the config's ``optimizer`` section (a warning), as in
@@ -403,6 +401,7 @@ def initialize(
     config, refused = _config_in_a_process_group(
         args, model, mpu, mesh_param, config, config_params, dist_init_required
     )
+    wrapper, model = model, uncompiled(model) if isinstance(model, nn.Module) else model
     with phases("config"):
         cfg = _parsed(config, world_size_of(None), rank_of(None), refused)
         choice, groups = _optimizer_and_groups(
@@ -441,6 +440,9 @@ def initialize(
     )  # fmt: skip
     if weights.checkpoint_dir is not None:
         engine.load_checkpoint(weights.checkpoint_dir, checkpoint_tag, load_module_only=True)
+    if wrapper is not model:  # torch.compile(model): compiled in place (see compiling.py)
+        compile_in_place(model, wrapper)
+        engine._is_compiled = True
     if rank_of(None) == 0:
         logger.info("%s", report.summary())
     return engine, zero_opt, dataloader, scheduler
