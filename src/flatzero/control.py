@@ -19,8 +19,11 @@ and the number of groups, and meet the previous group's stale keys.)
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from types import TracebackType
@@ -37,6 +40,7 @@ __all__ = [
     "ErrorFactory",
     "Failures",
     "RankError",
+    "RanksNotResponding",
     "any_rank_failed",
     "control_group",
     "every_rank_or_none",
@@ -48,7 +52,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_MIN_HOST_WORK = timedelta(minutes=30)
 _SLOWEST_DISK_BYTES_PER_S = 20e6
 """The slowest write rate a checkpoint's timeout allows for (20 MB/s: a busy network
 file system), so that only a hung rank, never a slow disk, times out."""
@@ -151,8 +154,155 @@ def _check_group_counts_agree(parent: dist.ProcessGroup, ranks: list[int]) -> No
 
 def host_work_timeout(nbytes: int) -> timedelta:
     """How long ranks may wait for one rank's host-side work over ``nbytes`` (a checkpoint
-    write): at least 30 minutes, more for writes that take longer at 20 MB/s."""
-    return max(_MIN_HOST_WORK, timedelta(seconds=math.ceil(nbytes / _SLOWEST_DISK_BYTES_PER_S)))
+    write): the job's timeout (``process_group.job_timeout``: ``FLATZERO_TIMEOUT`` seconds,
+    else ``DEEPSPEED_TIMEOUT`` minutes, else 30 minutes), more for writes that take longer
+    at 20 MB/s."""
+    slowest = timedelta(seconds=math.ceil(nbytes / _SLOWEST_DISK_BYTES_PER_S))
+    return max(job_timeout(), slowest)
+
+
+class RanksNotResponding(RuntimeError):
+    """Ranks did not reach a wait for host work within its timeout (stopped, hung, dead or
+    far slower than the slowest disk allowed for)."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        """Their global ranks."""
+
+
+def _not_responding(ranks: list[int], timeout: timedelta, errors: list[str]) -> RanksNotResponding:
+    said = f" ({errors[0]})" if errors else ""
+    return RanksNotResponding(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} did not reach "
+        f"flatzero's wait for the other ranks' host work (a checkpoint's write or a load's "
+        f"read) within {timeout.total_seconds():g} s: stopped, hung or dead{said}. The wait "
+        "is the job's timeout (FLATZERO_TIMEOUT seconds, else DEEPSPEED_TIMEOUT minutes) or "
+        "longer for large writes",
+        ranks,
+    )
+
+
+_VERDICT_WAIT = timedelta(seconds=10)
+"""How long a rank whose connection to rank 0 broke waits for rank 0's verdict in the
+store (rank 0 writes it as soon as its own wait ended)."""
+
+_waits: dict[tuple[int, ...], int] = {}
+"""How many host-work waits this process made per control group (the same count on every
+rank of it: the wait is collective), to name each wait's verdict in the store."""
+
+
+class _WaitKeys(NamedTuple):
+    """The c10d store keys of one host-work wait ([Note: a late rank's verdict])."""
+
+    number: str
+    """Which wait of its control group this is (the same on every rank)."""
+    prefix: str
+    """The control group's keys' prefix."""
+
+    @classmethod
+    def next(cls, peers: list[int]) -> _WaitKeys:
+        key = tuple(peers)
+        _waits[key] = _waits.get(key, 0) + 1
+        return cls(str(_waits[key]), f"flatzero/host-work/{','.join(map(str, peers))}/")
+
+    @property
+    def verdict(self) -> str:
+        """The ranks rank 0 found missing at this wait (written only when some were)."""
+        return f"{self.prefix}verdict/{self.number}"
+
+    def arrived(self, rank: int) -> str:
+        """The number of the last wait group rank ``rank`` reached (one key per rank,
+        overwritten by each wait)."""
+        return f"{self.prefix}arrived/{rank}"
+
+
+def _store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
+
+
+def _wait_for_peers(
+    control: dist.ProcessGroup, peers: list[int], timeout: timedelta, keys: _WaitKeys
+) -> None:
+    """(The control group's rank 0.) Wait for a token from every peer until ``timeout``
+    has passed; then tell the others which peers did not come (flags per group rank), and
+    raise naming them.
+
+    [Note: a late rank's verdict] A gloo wait that times out closes every connection of
+    the group (gloo's ``signalException``): the waits for peers that did come then fail
+    too, and those peers learn of it only as "closed by peer". So each rank also records
+    its arrival in the c10d store (one key per rank, overwritten by each wait), rank 0
+    names as late only those that did not record it, and writes that verdict to the store
+    before answering, where the others look when their connection to rank 0 breaks."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    tokens = [torch.zeros(1, dtype=torch.uint8) for _ in peers[1:]]
+    works = [dist.irecv(t, src=p, group=control) for t, p in zip(tokens, peers[1:], strict=True)]
+    failed: list[int] = []
+    errors: list[str] = []
+    for index, work in enumerate(works, start=1):
+        left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        try:
+            work.wait(left)
+        except RuntimeError as error:  # timed out, or the peer's connection closed
+            failed.append(index)
+            errors.append(str(error).splitlines()[0][:200])
+    late = [r for r in failed if not _arrived(keys, r)]
+    if failed:
+        _store().set(keys.verdict, json.dumps(late or failed))
+    flags = torch.zeros(len(peers), dtype=torch.uint8)
+    flags[late] = 1
+    with contextlib.suppress(RuntimeError) if failed else contextlib.nullcontext():
+        for work in [
+            dist.isend(flags, dst=p, group=control)
+            for r, p in enumerate(peers)
+            if r != 0 and r not in failed
+        ]:
+            work.wait(timeout)
+    if failed:
+        raise _not_responding([peers[r] for r in late or failed], timeout, errors)
+
+
+def _arrived(keys: _WaitKeys, rank: int) -> bool:
+    """Whether group rank ``rank`` recorded reaching this wait in the store."""
+    store = _store()
+    key = keys.arrived(rank)
+    return store.check([key]) and store.get(key).decode() == keys.number
+
+
+def _rank0_verdict(keys: _WaitKeys) -> list[int] | None:
+    """The group ranks rank 0 found missing (``_wait_for_peers``), or None when it wrote
+    no verdict within ``_VERDICT_WAIT``."""
+    store = _store()
+    try:
+        store.wait([keys.verdict], _VERDICT_WAIT)
+        return list(json.loads(store.get(keys.verdict)))
+    except (RuntimeError, ValueError):  # DistStoreError is a RuntimeError
+        return None
+
+
+def _wait_for_rank0(
+    control: dist.ProcessGroup, peers: list[int], timeout: timedelta, keys: _WaitKeys
+) -> None:
+    """(Any other rank of the control group.) Send rank 0 a token and wait for its answer,
+    allowing it twice ``timeout`` to arrive (it may come from a wait of its own, e.g. for
+    an asynchronous save's reports) and as long to wait for the others; raise naming
+    the ranks rank 0 says did not come (in its answer, or in the store when the
+    connection broke: [Note: a late rank's verdict]), else rank 0 itself."""
+    token = torch.zeros(1, dtype=torch.uint8)
+    flags = torch.zeros(len(peers), dtype=torch.uint8)
+    _store().set(keys.arrived(dist.get_rank(control)), keys.number)
+    try:
+        dist.isend(token, dst=peers[0], group=control).wait(2 * timeout)
+        dist.irecv(flags, src=peers[0], group=control).wait(2 * timeout)
+    except RuntimeError as error:
+        late = _rank0_verdict(keys)
+        if late is None:
+            said = [str(error).splitlines()[0][:200]]
+            raise _not_responding([peers[0]], 2 * timeout, said) from None
+        raise _not_responding([peers[r] for r in late], timeout, []) from None
+    late = [peers[r] for r in flags.nonzero().flatten().tolist()]
+    if late:
+        raise _not_responding(late, timeout, [])
 
 
 def wait_for_host_work(group: dist.ProcessGroup | None, nbytes: int) -> None:
@@ -160,8 +310,12 @@ def wait_for_host_work(group: dist.ProcessGroup | None, nbytes: int) -> None:
     slowest of them ``host_work_timeout(nbytes)``. Collective.
 
     A star of point-to-point messages through the control group's rank 0, each waited
-    with that timeout on every rank (``dist.monitored_barrier`` applies its timeout on
-    rank 0 only, and takes plain gloo groups only).
+    with that timeout (``dist.monitored_barrier`` applies its timeout on rank 0 only, and
+    takes plain gloo groups only). Rank 0 tells the others which ranks did not come.
+
+    Raises:
+        RanksNotResponding: on every rank that got here, naming (global ranks) those that
+            did not within the timeout (a stopped or hung process; a dead one at once).
     """
     control = control_group(group)
     size = world_size_of(control)
@@ -171,20 +325,11 @@ def wait_for_host_work(group: dist.ProcessGroup | None, nbytes: int) -> None:
         control = dist.group.WORLD
     timeout = host_work_timeout(nbytes)
     peers = [dist.get_global_rank(control, r) for r in range(size)]
+    keys = _WaitKeys.next(peers)
     if dist.get_rank(control) == 0:
-        tokens = [torch.zeros(1, dtype=torch.uint8) for _ in range(1, size)]
-        for work in [
-            dist.irecv(t, src=p, group=control) for t, p in zip(tokens, peers[1:], strict=True)
-        ]:
-            work.wait(timeout)
-        for work in [
-            dist.isend(t, dst=p, group=control) for t, p in zip(tokens, peers[1:], strict=True)
-        ]:
-            work.wait(timeout)
+        _wait_for_peers(control, peers, timeout, keys)
     else:
-        token = torch.zeros(1, dtype=torch.uint8)
-        dist.isend(token, dst=peers[0], group=control).wait(timeout)
-        dist.irecv(token, src=peers[0], group=control).wait(timeout)
+        _wait_for_rank0(control, peers, timeout, keys)
 
 
 _ERROR_CHARS = 1000

@@ -381,7 +381,10 @@ class Save:
         if flat.rank == 0:
             timeout = host_work_timeout(self.collected.written_at_most()).total_seconds()
             try:
-                records = reports.collect(self.tmp, timeout, failed=self.staged.discard)
+                given_up = self.background.given_up if self.background is not None else None
+                records = reports.collect(
+                    self.tmp, timeout, failed=self.staged.discard, given_up=given_up
+                )
             except BaseException:
                 self.staged.discard()  # again: a rank may have created a file meanwhile
                 if error is None:
@@ -434,7 +437,10 @@ class Save:
             assert staging is not None
             fault_point("snapshot_taken", flat.rank)
             self.background = checkpointer.start(
-                self._write_in_background, self.staged.final, flat.process_group
+                self._write_in_background,
+                self.staged.final,
+                flat.process_group,
+                self.collected.written_at_most(),
             )
         except BaseException:
             if self.staging is not None:  # no device copy may still write the reused buffer
