@@ -140,7 +140,10 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
         ("files", ("image", "index", "tensorfile", "writer", "__init__")),
     ),
     "checkpoint": (
-        ("records", ("config", "format", "rng", "reshard", "checkpointer", "optimizer_state")),
+        (
+            "records",
+            ("config", "format", "rng", "run_id", "reshard", "checkpointer", "optimizer_state"),
+        ),
         ("files", ("atomic", "validate", "writer", "reader", "recovery", "reports", "async_save")),
         ("collected", ("collect",)),
         ("protocol", ("save", "load", "export", "fallback", "__init__")),

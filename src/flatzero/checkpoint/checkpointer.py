@@ -86,8 +86,7 @@ class BackgroundSave:
         raise_if_any_failed(
             self.error,
             self.group,
-            f"the asynchronous save of {self.path} failed on another rank (see its error); "
-            "it was not published",
+            f"the asynchronous save of {self.path} failed on another rank (see its error)",
         )
 
 

@@ -28,6 +28,7 @@ from .format import (
     META,
     CheckpointDamaged,
     CheckpointMeta,
+    CheckpointReplaced,
     check_tag,
     damage,
     read_latest,
@@ -92,7 +93,34 @@ class CheckpointReader:
             self.index: ParamIndex = index_layout(self.meta.layout)
         self._handles: dict[int, Any] = {}
         self._files: dict[int, TensorFile] = {}
-        self.check_files()
+        try:
+            self.check_files()
+        except CheckpointDamaged as error:
+            self.raise_if_replaced(error)
+            raise
+
+    def replaced(self) -> bool:
+        """Whether ``meta.json`` is no longer the one this reader read (another save
+        replaced the tag, or removed it, since)."""
+        try:
+            now = CheckpointMeta.read(self.path / META)
+        except ValueError:  # gone or unreadable now: removed or replaced meanwhile
+            return True
+        mine = self.meta
+        return (now.nonce, now.saved_at, now.files) != (mine.nonce, mine.saved_at, mine.files)
+
+    def raise_if_replaced(self, error: CheckpointDamaged) -> None:
+        """Raise ``CheckpointReplaced`` (from ``error``) when ``meta.json`` is no longer the
+        one this reader read (another save replaced the tag, or removed it, meanwhile):
+        ``error`` then says nothing about the checkpoint's health. Nothing otherwise."""
+        if isinstance(error, CheckpointReplaced):
+            raise error
+        if not self.replaced():
+            return
+        raise CheckpointReplaced(
+            f"{self.path} was replaced by another save while it was being loaded ({error}); "
+            "load it again"
+        ) from error
 
     @property
     def layout(self) -> Layout:
@@ -147,6 +175,12 @@ class CheckpointReader:
             "world_size": str(self.meta.world_size),
             "layout_digest": self.meta.layout.digest(),
         }
+        if self.meta.nonce is not None and metadata.get("nonce") != self.meta.nonce:
+            raise CheckpointReplaced(
+                f"{path} is of another save of {self.tag} (nonce {metadata.get('nonce')!r}, "
+                f"{META} says {self.meta.nonce!r}): the tag was replaced while it was being "
+                "loaded; load it again"
+            )
         for key, value in expected.items():
             if metadata.get(key) != value:
                 raise CheckpointDamaged(

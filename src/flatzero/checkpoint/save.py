@@ -10,6 +10,7 @@ for an asynchronous save its snapshot and background thread (the optimizer's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import secrets
@@ -29,9 +30,9 @@ from .async_save import Hasher, Staging, snapshot
 from .atomic import (
     StagedDirectory,
     fault_point,
+    point_latest,
     remove_in_background,
     remove_stale_tmp,
-    write_latest,
 )
 from .checkpointer import BackgroundSave, checkpointer_of, wait_for_save
 from .collect import Collected, RankFiles, collect, rank_files
@@ -46,6 +47,7 @@ from .format import (
 )
 from .recovery import copy_of_lost, restore_lost
 from .reports import SaveReports
+from .run_id import run_id, warn_if_another_run
 from .writer import (
     rank_file_metadata,
     write_image_file,
@@ -73,21 +75,21 @@ def _every_rank_or_none(
     )
 
 
-def _agree_tag(tag: str, group: dist.ProcessGroup | None) -> tuple[str, str]:
-    """Every rank's tag must be the same; returns it and rank 0's nonce (gathered on the
-    control group of ``group``)."""
-    nonce = secrets.token_hex(6)
+def _agree_tag(tag: str, group: dist.ProcessGroup | None) -> tuple[str, str, str]:
+    """Every rank's tag must be the same; returns it, rank 0's nonce and rank 0's run id
+    (gathered on the control group of ``group``)."""
+    mine = (tag, secrets.token_hex(6), run_id())
     if world_size_of(group) == 1:
-        return tag, nonce
+        return mine
     values: list[Any] = [None] * world_size_of(group)
-    dist.all_gather_object(values, (tag, nonce), group=control_group(group))
-    tags = {t for t, _ in values}
+    dist.all_gather_object(values, mine, group=control_group(group))
+    tags = {t for t, _, _ in values}
     if len(tags) != 1:
         raise ValueError(
             f"ranks passed different checkpoint tags ({sorted(tags)[:4]}); pass the same tag "
             "on every rank (or none: the default is derived from the optimizer step)"
         )
-    return tag, values[0][1]
+    return values[0]
 
 
 def _naming_rank(error: Exception, rank: int, writing: Path) -> Exception:
@@ -116,7 +118,7 @@ def _prune(root: Path, keep_last: int, keep: set[str]) -> None:
         logger.info("removed old checkpoint %s", root / tag)
 
 
-def _create_tmp(staged: StagedDirectory, flat: FlatParams, config: SaveConfig) -> None:
+def _create_tmp(staged: StagedDirectory, flat: FlatParams, config: SaveConfig, run: str) -> None:
     """Rank 0 creates the temporary directory (removing stale ones first); every rank
     learns whether that worked."""
     root, final = staged.final.parent, staged.final
@@ -138,6 +140,8 @@ def _create_tmp(staged: StagedDirectory, flat: FlatParams, config: SaveConfig) -
                     f"checkpoint {final} already exists; choose another tag or save with "
                     "SaveConfig(overwrite=True)"
                 )
+            if final.exists():
+                warn_if_another_run(final, run)
             if config.stale_tmp_age_s is not None:
                 remove_stale_tmp(
                     root,
@@ -191,6 +195,8 @@ class Save:
         background: an asynchronous save's thread (None: synchronous, or not started).
         writing: the file its background thread writes (``tmp`` before the first), named
             by an error without a file name of its own (``os.write``'s ENOSPC).
+        nonce: the save's nonce (rank 0's), in ``meta.json`` and every file's header.
+        run_id: the job's run id (rank 0's, ``run_id``), in ``meta.json``.
     """
 
     def __init__(
@@ -201,8 +207,10 @@ class Save:
         collected: Collected,
         files: RankFiles,
         config: SaveConfig,
+        ids: tuple[str, str],
     ) -> None:
         self.optimizer = optimizer
+        self.nonce, self.run_id = ids
         self.root = root
         self.tag = staged.final.name
         self.staged = staged
@@ -241,11 +249,11 @@ class Save:
         group = optimizer.flat.process_group
         with _every_rank_or_none(group, "collecting the state to save", (ValueError, TypeError)):
             collected = collect(optimizer, tag, scheduler, model, extra)
-        agreed, nonce = _agree_tag(collected.tag, group)
+        agreed, nonce, run = _agree_tag(collected.tag, group)
         staged = StagedDirectory.beside(root / agreed, nonce)
-        _create_tmp(staged, optimizer.flat, config)
+        _create_tmp(staged, optimizer.flat, config, run)
         files = rank_files(collected, optimizer.flat, config)
-        return cls(optimizer, root, staged, collected, files, config)
+        return cls(optimizer, root, staged, collected, files, config, (nonce, run))
 
     # ------------------------------------------------------------------ synchronous
     def _write_files(self) -> tuple[FileRecord, FileRecord | None]:
@@ -261,13 +269,14 @@ class Save:
             tag=self.tag,
             metadata=self.files.metadata,
             checksums=config.checksums,
+            nonce=self.nonce,
         )
         rest_record = None
         if self.files.rest:
             rest_record = write_tensors(  # device tensors stream through two host chunks
                 self.tmp / MODEL_REST,
                 self.files.rest,
-                {"format": "pt", "tag": self.tag},
+                {"format": "pt", "tag": self.tag, "nonce": self.nonce},
                 checksums=config.checksums,
             )
         return record, rest_record
@@ -308,7 +317,7 @@ class Save:
             self.staged.publish(overwrite=config.overwrite)
             fault_point("before_latest", 0)
             if config.update_latest:
-                write_latest(root, meta.tag)
+                point_latest(root, meta.tag)
             if config.keep_last is not None:
                 keep = {meta.tag}
                 with contextlib.suppress(ValueError):
@@ -330,10 +339,15 @@ class Save:
             if self.flat.rank == 0:
                 self._publish_here(meta)
 
+    def _meta(self, records: list[FileRecord], rest_record: FileRecord | None) -> CheckpointMeta:
+        """The checkpoint's ``meta.json``, with the save's nonce and run id."""
+        meta = self.collected.meta(self.tag, records, rest_record, self.flat, self.config)
+        return dataclasses.replace(meta, nonce=self.nonce, run_id=self.run_id)
+
     def write(self) -> list[FileRecord]:
         """Write every rank's files and publish (collective); every rank's file record."""
         records, rest_record = self._write_everywhere()
-        self._publish(self.collected.meta(self.tag, records, rest_record, self.flat, self.config))
+        self._publish(self._meta(records, rest_record))
         return records
 
     # ----------------------------------------------------------------- asynchronous
@@ -390,7 +404,7 @@ class Save:
                 if error is None:
                     raise
             else:  # every rank wrote its file, rank 0 too
-                meta = self.collected.meta(self.tag, records, rest_record, flat, self.config)
+                meta = self._meta(records, rest_record)
                 self._publish_here(meta)
                 logger.info("saved checkpoint %s in the background", self.root / self.tag)
         if error is not None:
@@ -407,11 +421,13 @@ class Save:
         """The files of this rank's snapshot: its rank file, on rank 0 the model's rest."""
         flat, files = self.flat, self.files
         meta = rank_file_metadata(
-            flat.rank, flat.world_size, flat.layout.digest(), self.tag, files.metadata
+            flat.rank, flat.world_size, flat.layout.digest(), self.tag, files.metadata, self.nonce
         )
         wanted = [(rank_file_name(flat.rank, flat.world_size), files.tensors, meta)]
         if files.rest:
-            wanted.append((MODEL_REST, files.rest, {"format": "pt", "tag": self.tag}))
+            wanted.append(
+                (MODEL_REST, files.rest, {"format": "pt", "tag": self.tag, "nonce": self.nonce})
+            )
         return wanted
 
     def start(self) -> None:
