@@ -1,10 +1,11 @@
 """Loading a tag while another process replaces it (issue 40 item 7), for real.
 
 A writer process saves tag ``t`` over and over (``overwrite=True``), each save's fp32
-masters all equal to its number and ``extra={"k": number}``; this process loads ``t`` in a
-loop meanwhile, for a few seconds. Every load must either succeed with masters all equal
-to the loaded ``extra`` (never one save's ``meta.json`` with another's files, also with
-``verify=False``) or say the tag is being replaced; never that it is corrupt or deleted.
+masters and a buffer (in ``model_rest.safetensors``) all equal to its number, and
+``extra={"k": number}``; this process loads ``t`` in a loop meanwhile, for a few seconds.
+Every load must either succeed with masters and buffer equal to the loaded ``extra`` (never
+one save's ``meta.json`` with another's files, also with ``verify=False``) or say the tag
+is being replaced; never that it is corrupt or deleted.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ _SECONDS = 4.0
 """How long the reader loads while the writer replaces."""
 
 
-def _optimizer() -> ZeroOptimizer:
+def _optimizer() -> tuple[torch.nn.Module, ZeroOptimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
-    return ZeroOptimizer(
+    model.register_buffer("k", torch.zeros(16))  # in model_rest.safetensors
+    return model, ZeroOptimizer(
         model.named_parameters(),
         torch.optim.SGD,
         lr=0.1,
@@ -40,7 +42,7 @@ def _optimizer() -> ZeroOptimizer:
 def _replace_forever(root: str, keep_last: int | None, started: object) -> None:
     """(Writer process.) Save ``t`` again and again, each save's masters equal to its number."""
     torch.set_num_threads(1)
-    opt = _optimizer()
+    model, opt = _optimizer()
     config = SaveConfig(overwrite=True, keep_last=keep_last)
     k = 0
     while True:
@@ -48,7 +50,8 @@ def _replace_forever(root: str, keep_last: int | None, started: object) -> None:
         with torch.no_grad():
             for master in opt._masters:
                 master.fill_(float(k))
-        save_checkpoint(root, opt, "t", extra={"k": k}, config=config)
+            model.k.fill_(float(k))
+        save_checkpoint(root, opt, "t", model=model, extra={"k": k}, config=config)
         started.set()  # type: ignore[attr-defined]
 
 
@@ -65,12 +68,13 @@ def test_loading_a_tag_being_replaced_is_never_corrupt_nor_mixed(
     writer.start()
     try:
         assert started.wait(60)
-        opt = _optimizer()
+        model, opt = _optimizer()
         loads, replaced, wrong, seen = 0, 0, [], set()
         end = time.monotonic() + _SECONDS
         while time.monotonic() < end:
             try:
-                result = load_checkpoint(root, opt, "t", config=LoadConfig(verify=verify))
+                config = LoadConfig(verify=verify)
+                result = load_checkpoint(root, opt, "t", model=model, config=config)
             except CheckpointReplaced as error:
                 assert "being replaced" in str(error), error
                 replaced += 1
@@ -79,7 +83,8 @@ def test_loading_a_tag_being_replaced_is_never_corrupt_nor_mixed(
             k = result.extra["k"]
             seen.add(k)
             values = torch.cat([m.flatten() for m in opt._masters]).unique().tolist()
-            if set(values) - {0.0} != {float(k)}:  # 0: the buckets' padding
+            values.extend([-v for v in model.k.unique().tolist()])
+            if {abs(v) for v in values} - {0.0} != {float(k)}:  # 0: the buckets' padding
                 wrong.append((k, values[:4]))
     finally:
         writer.kill()

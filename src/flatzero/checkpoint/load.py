@@ -29,7 +29,6 @@ from ..flatten import FlatParams
 from ..layout import Layout
 from ..optim import ZeroOptimizer
 from ..optim.state import GroupState, ShardedOptimizerState
-from ..storage.tensorfile import open_safetensors
 from .checkpointer import wait_for_save
 from .config import LoadConfig
 from .fallback import again_if_replaced, newest_valid, refused
@@ -446,22 +445,18 @@ def load_checkpoint(
     return result
 
 
-def _rest_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return dict(model.state_dict(keep_vars=True))
-
-
 def _check_model_rest(reader: CheckpointReader, model: torch.nn.Module) -> None:
     meta: CheckpointMeta = reader.meta
     if meta.model_rest is None:
         return
     path = reader.path / meta.model_rest
-    handle = open_safetensors(path)
-    targets = _rest_targets(model)
-    for key in list(handle.keys()):
+    file = reader.rest_file()
+    targets = dict(model.state_dict(keep_vars=True))
+    for key, info in file.tensors.items():
         target = targets.get(key)
         if target is None:
             continue
-        shape = tuple(handle.get_slice(key).get_shape())
+        shape = info.shape
         if shape != tuple(target.shape):
             raise ValueError(
                 f"{key} has shape {shape} in {path} but {tuple(target.shape)} in the model"
@@ -472,16 +467,18 @@ def _check_model_rest(reader: CheckpointReader, model: torch.nn.Module) -> None:
 
 def _load_model_rest(reader: CheckpointReader, model: torch.nn.Module) -> None:
     path = reader.path / reader.meta.model_rest  # type: ignore[operator]
-    handle = open_safetensors(path)
-    targets = _rest_targets(model)
+    file = reader.rest_file()  # the file checked before anything changed
+    targets = dict(model.state_dict(keep_vars=True))
     unknown = []
     with torch.no_grad():
-        for key in list(handle.keys()):
+        for key, info in file.tensors.items():
             target = targets.get(key)
             if target is None:
                 unknown.append(key)
                 continue
-            target.copy_(handle.get_tensor(key))
+            out = torch.empty(info.numel, dtype=info.dtype)
+            file.read_into(key, 0, out, None)
+            target.copy_(out.view(info.shape))
     if unknown:
         logger.warning("%s: %d saved tensors the model lacks: %s", path, len(unknown), unknown[:5])
 

@@ -205,6 +205,29 @@ class CheckpointReader:
             self._handles[rank] = handle
         return handle
 
+    def rest_file(self) -> TensorFile:
+        """``model_rest.safetensors`` opened for reads, checked once to be of this save (its
+        ``nonce``), so that verifying, checking and loading it read the same file (a
+        ``safe_open`` handle would not: it maps the file again by its name).
+
+        Raises:
+            CheckpointReplaced: it is of another save of the tag.
+        """
+        file = self._files.get(-1)
+        if file is None:
+            path = self.path / str(self.meta.model_rest)
+            with damage():
+                file = TensorFile(path)
+            nonce = file.metadata.get("nonce")
+            if self.meta.nonce is not None and nonce != self.meta.nonce:
+                file.close()
+                raise CheckpointReplaced(
+                    f"{path} is of another save of {self.tag} (nonce {nonce!r}, {META} says "
+                    f"{self.meta.nonce!r}): the tag was replaced while it was being loaded"
+                )
+            self._files[-1] = file
+        return file
+
     def tensor_file(self, rank: int) -> TensorFile:
         """Rank ``rank``'s file opened for verified reads, checked once."""
         file = self._files.get(rank)
@@ -336,7 +359,8 @@ class CheckpointReader:
         record = self.meta.rest_record
         if record is None:
             return
-        with damage(), TensorFile(self.path / record.file) as file:
+        file = self.rest_file()
+        with damage():
             for key, info in record.tensors.items():
                 sums = ChunkSums.of_record(info, file.info(key).nbytes)
                 if sums is not None:
