@@ -23,7 +23,7 @@ from flatzero.checkpoint import LoadConfig, SaveConfig, load_checkpoint, save_ch
 from flatzero.checkpoint.format import CheckpointReplaced
 from flatzero.optim import ZeroOptimizer
 
-_SECONDS = 4.0
+_SECONDS = 2.5
 """How long the reader loads while the writer replaces."""
 
 
