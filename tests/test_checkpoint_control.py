@@ -95,7 +95,7 @@ def _optimizer(model: nn.Module) -> Any:
 
 def _collectives_of_save_and_load(rank: int, ws: int, root: str) -> dict[str, Any]:
     from flatzero.checkpoint import load_checkpoint, save_checkpoint
-    from flatzero.control import control_group
+    from flatzero.own_groups import control_group
 
     _separate_control_groups()
     model = _model()

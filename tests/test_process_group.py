@@ -58,3 +58,32 @@ def test_a_bad_deepspeed_timeout_is_named(value, monkeypatch):
     monkeypatch.setenv("DEEPSPEED_TIMEOUT", value)
     with pytest.raises(ValueError, match=f"DEEPSPEED_TIMEOUT='{value}'.*minutes"):
         job_timeout()
+
+
+@pytest.mark.parametrize(
+    ("seconds", "minutes", "expected"),
+    [("2.5", None, 2.5), ("7", "3", 7.0), (None, "3", 180.0), ("", None, 1800.0)],
+)
+def test_flatzero_timeout_takes_precedence_over_deepspeed_timeout(
+    seconds, minutes, expected, monkeypatch
+):
+    from flatzero.control import host_work_timeout
+    from flatzero.process_group import job_timeout
+
+    for name, value in (("FLATZERO_TIMEOUT", seconds), ("DEEPSPEED_TIMEOUT", minutes)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert job_timeout().total_seconds() == expected
+    assert host_work_timeout(0).total_seconds() == expected  # flatzero's own waits
+    assert host_work_timeout(10**12).total_seconds() == 50_000  # 1 TB at 20 MB/s
+
+
+@pytest.mark.parametrize("value", ["0", "ten", "-5", "nan", "inf"])
+def test_a_bad_flatzero_timeout_is_named(value, monkeypatch):
+    from flatzero.process_group import job_timeout
+
+    monkeypatch.setenv("FLATZERO_TIMEOUT", value)
+    with pytest.raises(ValueError, match=f"FLATZERO_TIMEOUT='{value}'.*seconds"):
+        job_timeout()

@@ -1,35 +1,16 @@
-"""The control group: host-side agreement that never waits behind GPU collectives.
-
-flatzero's ranks agree on small things (a tier, an out-of-memory error, a checkpoint's
-progress) with tiny all-reduces. On an NCCL group those would queue behind the GPU's work
-and, while one rank spends minutes writing a checkpoint, trip the NCCL watchdog. So they
-run on a gloo group over the same ranks: the process group itself when its backend runs
-on the host, else one created for it.
-
-A control group is created once per set of ranks and reused by every flatten call,
-optimizer and checkpoint over them. Over all ranks of the job every rank creates it;
-over a data-parallel subgroup inside tensor parallelism only the subgroup's ranks do
-(``use_local_synchronization``), after checking that torch will name it the same on each
-of them (``prepare_control_groups`` creates them all at once when it would not). It lives
-as long as its process group: it is destroyed with them by
-``torch.distributed.destroy_process_group()``. (Destroying it earlier and creating it
-again would reuse its rendezvous prefix in the store, which torch derives from the ranks
-and the number of groups, and meet the previous group's stale keys.)
-
-The optimizer's reductions and gathers run on a group of flatzero's own too
-(``collective_group``): the same ranks and backend as the user's group, created once the
-same way. Stage 2 issues its reductions during backward at points that differ between
-ranks (as each rank's gradients arrive); a user's collective inside backward on the same
-group (SyncBatchNorm, a mixture-of-experts all-to-all) would then meet a different
-collective of ours on each rank: a gloo error, an NCCL hang. DeepSpeed clones the group
-for the same reason.
+"""Host-side agreement between ranks, on the control group: every rank raises when one
+failed (``every_rank_or_none``), and ranks wait for each other's host work with a timeout
+that names the ranks that did not come (``wait_for_host_work``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from types import TracebackType
 from typing import NamedTuple
@@ -37,204 +18,180 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .comm import all_reduce_max, all_reduce_max_each, world_size_of
-from .devices import collectives_run_on_cpu
+from .comm import all_reduce_max, world_size_of
+from .own_groups import control_group
 from .process_group import job_timeout
 
 __all__ = [
     "ErrorFactory",
     "Failures",
     "RankError",
+    "RanksNotResponding",
     "any_rank_failed",
-    "collective_group",
-    "control_group",
     "every_rank_or_none",
     "host_work_timeout",
-    "prepare_control_groups",
     "raise_if_any_failed",
     "wait_for_host_work",
 ]
 
 logger = logging.getLogger(__name__)
 
-_MIN_HOST_WORK = timedelta(minutes=30)
 _SLOWEST_DISK_BYTES_PER_S = 20e6
 """The slowest write rate a checkpoint's timeout allows for (20 MB/s: a busy network
 file system), so that only a hung rank, never a slow disk, times out."""
 
-_controls: dict[tuple[int, ...], dist.ProcessGroup] = {}
-"""Control groups by the global ranks they span (any process group over those ranks
-shares one)."""
-
-_collectives: dict[tuple[tuple[int, ...], str], dist.ProcessGroup] = {}
-"""flatzero's own collective groups by the global ranks they span and their backend."""
-
-_shared: set[tuple[tuple[int, ...], str]] = set()
-"""Ranks and backends whose reductions share the user's group (``collective_group``)."""
-
-
-def _separate_control_needed(group: dist.ProcessGroup | None) -> bool:
-    """Whether ``group`` needs a gloo group of its own for host-side agreement."""
-    return not collectives_run_on_cpu(group)
-
-
-def _alive(group: dist.ProcessGroup) -> bool:
-    try:
-        dist.get_world_size(group)
-    except (ValueError, RuntimeError):
-        return False
-    return True
-
-
-def _new_control(ranks: list[int], *, everyone_calls: bool) -> dist.ProcessGroup:
-    control = dist.new_group(
-        ranks=ranks,
-        backend="gloo",
-        timeout=job_timeout(),
-        use_local_synchronization=not everyone_calls,
-        group_desc="flatzero control",
-    )
-    _controls[tuple(ranks)] = control
-    logger.debug("created a gloo control group over ranks %s", ranks)
-    return control
-
-
-def prepare_control_groups(rank_lists: Sequence[Sequence[int]]) -> None:
-    """Create the control groups of several process groups at once, and flatzero's own
-    collective groups over them (``collective_group``, with the default group's backend),
-    on every rank of the job, in the same order everywhere (what
-    ``torch.distributed.new_group`` asks).
-
-    Call it right after creating data-parallel subgroups (e.g. with the same rank lists
-    as ``dist.new_subgroups_by_enumeration``) when ranks of the job have created
-    different sets of other process groups; ``control_group`` and ``collective_group``
-    then find them instead of creating them over the subgroup's ranks alone. Collective
-    over the whole job.
-    """
-    backend = str(dist.get_backend())
-    for ranks in rank_lists:
-        key = tuple(sorted(int(r) for r in ranks))
-        existing = _controls.get(key)
-        if existing is not None and _alive(existing):
-            continue
-        control = _new_control(list(key), everyone_calls=True)
-        if dist.get_rank() not in key:
-            del _controls[key]  # torch's placeholder for a group this rank is not in
-        del control
-        if len(key) > 1:
-            ours = dist.new_group(
-                ranks=list(key),
-                backend=backend,
-                timeout=job_timeout(),
-                group_desc="flatzero collectives",
-            )
-            if dist.get_rank() in key:
-                _collectives[(key, backend)] = ours
-
-
-def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """The group for host-side agreement among ``group``'s ranks (``None``: the default
-    group, or no group at all).
-
-    Collective the first time it is called for a ``group`` with an NCCL-only backend.
-    Over all ranks of the job, every rank creates it (torch names it by the job's group
-    count, the same everywhere). Over a subgroup, only its ranks take part
-    (``use_local_synchronization``); torch then names it by its ranks and by how many
-    groups each rank has registered, so the subgroup's ranks first check that those
-    counts agree, and raise ``RuntimeError`` naming the fix (``prepare_control_groups``)
-    when they do not, rather than wait in different rendezvous until a timeout.
-    """
-    if world_size_of(group) == 1 or not _separate_control_needed(group):
-        return group
-    parent = group if group is not None else dist.group.WORLD
-    ranks = sorted(dist.get_process_group_ranks(parent))
-    key = tuple(ranks)
-    control = _controls.get(key)
-    if control is not None and _alive(control):
-        return control
-    if len(ranks) == dist.get_world_size():
-        return _new_control(ranks, everyone_calls=True)
-    _check_group_counts_agree(parent, ranks)
-    return _new_control(ranks, everyone_calls=False)
-
-
-def collective_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """flatzero's own group for the optimizer's reductions and gathers over ``group``'s
-    ranks, with ``group``'s backend and the job's timeout (``job_timeout``); ``group`` itself
-    at world size 1. Created once per set of ranks and backend, as ``control_group`` creates
-    its groups (every rank of the job calls ``new_group`` when ``group`` spans the job, the
-    group's ranks only otherwise, after the same naming check), and reused. Where that check
-    fails (a subgroup's ranks registered different numbers of groups), ``group`` itself,
-    with one warning naming ``prepare_control_groups``: reductions share the user's group,
-    as before there was a group of flatzero's own.
-
-    Collective over ``group`` the first time (over the whole job when it spans the job).
-    """
-    if world_size_of(group) == 1:
-        return group
-    parent = group if group is not None else dist.group.WORLD
-    ranks = sorted(dist.get_process_group_ranks(parent))
-    backend = str(dist.get_backend(parent))
-    key = (tuple(ranks), backend)
-    ours = _collectives.get(key)
-    if ours is not None and _alive(ours):
-        return ours
-    if key in _shared:
-        return group
-    everyone_calls = len(ranks) == dist.get_world_size()
-    if not everyone_calls and not _group_counts_agree(parent):
-        _shared.add(key)
-        logger.warning(
-            "flatzero's reductions over ranks %s share their process group: those ranks "
-            "registered different numbers of process groups, so a group of flatzero's own "
-            "would get a different rendezvous name on each. A collective of yours inside "
-            "backward on that group can then hang; call flatzero.control."
-            "prepare_control_groups(<the rank lists of every data-parallel group>) on every "
-            "rank right after creating those groups",
-            ranks,
-        )
-        return group
-    ours = dist.new_group(
-        ranks=ranks,
-        backend=backend,
-        timeout=job_timeout(),
-        use_local_synchronization=not everyone_calls,
-        group_desc="flatzero collectives",
-    )
-    _collectives[key] = ours
-    logger.debug("created flatzero's %s group over ranks %s", backend, ranks)
-    return ours
-
-
-def _registered_groups() -> int:
-    """How many process groups this rank has registered (torch's naming input)."""
-    return len(dist.distributed_c10d._world.pg_names)
-
-
-def _group_counts_agree(parent: dist.ProcessGroup) -> bool:
-    """Whether ``parent``'s ranks have registered as many process groups each (torch names a
-    group made by some ranks only by its ranks and that count). Collective on ``parent``."""
-    count = _registered_groups()
-    high, neg_low = all_reduce_max_each([count, -count], parent)
-    return high == -neg_low
-
-
-def _check_group_counts_agree(parent: dist.ProcessGroup, ranks: list[int]) -> None:
-    if not _group_counts_agree(parent):
-        raise RuntimeError(
-            f"cannot create a flatzero group over ranks {ranks}: those ranks have "
-            "registered different numbers of process groups, so "
-            "torch would give the group a different rendezvous name on each of them and "
-            "they would wait for each other until a timeout. Call "
-            "flatzero.control.prepare_control_groups(<the rank lists of every "
-            "data-parallel group>) on every rank right after creating those groups"
-        )
-
 
 def host_work_timeout(nbytes: int) -> timedelta:
     """How long ranks may wait for one rank's host-side work over ``nbytes`` (a checkpoint
-    write): at least 30 minutes, more for writes that take longer at 20 MB/s."""
-    return max(_MIN_HOST_WORK, timedelta(seconds=math.ceil(nbytes / _SLOWEST_DISK_BYTES_PER_S)))
+    write): the job's timeout (``process_group.job_timeout``: ``FLATZERO_TIMEOUT`` seconds,
+    else ``DEEPSPEED_TIMEOUT`` minutes, else 30 minutes), more for writes that take longer
+    at 20 MB/s."""
+    slowest = timedelta(seconds=math.ceil(nbytes / _SLOWEST_DISK_BYTES_PER_S))
+    return max(job_timeout(), slowest)
+
+
+class RanksNotResponding(RuntimeError):
+    """Ranks did not reach a wait for host work within its timeout (stopped, hung, dead or
+    far slower than the slowest disk allowed for)."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        """Their global ranks."""
+
+
+def _not_responding(ranks: list[int], timeout: timedelta, errors: list[str]) -> RanksNotResponding:
+    said = f" ({errors[0]})" if errors else ""
+    return RanksNotResponding(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} did not reach "
+        f"flatzero's wait for the other ranks' host work (a checkpoint's write or a load's "
+        f"read) within {timeout.total_seconds():g} s: stopped, hung or dead{said}. The wait "
+        "is the job's timeout (FLATZERO_TIMEOUT seconds, else DEEPSPEED_TIMEOUT minutes) or "
+        "longer for large writes",
+        ranks,
+    )
+
+
+_VERDICT_WAIT = timedelta(seconds=10)
+"""How long a rank whose connection to rank 0 broke waits for rank 0's verdict in the
+store (rank 0 writes it as soon as its own wait ended)."""
+
+_waits: dict[tuple[int, ...], int] = {}
+"""How many host-work waits this process made per control group (the same count on every
+rank of it: the wait is collective), to name each wait's verdict in the store."""
+
+
+class _WaitKeys(NamedTuple):
+    """The c10d store keys of one host-work wait ([Note: a late rank's verdict])."""
+
+    number: str
+    """Which wait of its control group this is (the same on every rank)."""
+    prefix: str
+    """The control group's keys' prefix."""
+
+    @classmethod
+    def next(cls, peers: list[int]) -> _WaitKeys:
+        key = tuple(peers)
+        _waits[key] = _waits.get(key, 0) + 1
+        return cls(str(_waits[key]), f"flatzero/host-work/{','.join(map(str, peers))}/")
+
+    @property
+    def verdict(self) -> str:
+        """The ranks rank 0 found missing at this wait (written only when some were)."""
+        return f"{self.prefix}verdict/{self.number}"
+
+    def arrived(self, rank: int) -> str:
+        """The number of the last wait group rank ``rank`` reached (one key per rank,
+        overwritten by each wait)."""
+        return f"{self.prefix}arrived/{rank}"
+
+
+def _store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
+
+
+def _wait_for_peers(
+    control: dist.ProcessGroup, peers: list[int], timeout: timedelta, keys: _WaitKeys
+) -> None:
+    """(The control group's rank 0.) Wait for a token from every peer until ``timeout``
+    has passed; then tell the others which peers did not come (flags per group rank), and
+    raise naming them.
+
+    [Note: a late rank's verdict] A gloo wait that times out closes every connection of
+    the group (gloo's ``signalException``): the waits for peers that did come then fail
+    too, and those peers learn of it only as "closed by peer". So each rank also records
+    its arrival in the c10d store (one key per rank, overwritten by each wait), rank 0
+    names as late only those that did not record it, and writes that verdict to the store
+    before answering, where the others look when their connection to rank 0 breaks."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    tokens = [torch.zeros(1, dtype=torch.uint8) for _ in peers[1:]]
+    works = [dist.irecv(t, src=p, group=control) for t, p in zip(tokens, peers[1:], strict=True)]
+    failed: list[int] = []
+    errors: list[str] = []
+    for index, work in enumerate(works, start=1):
+        left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        try:
+            work.wait(left)
+        except RuntimeError as error:  # timed out, or the peer's connection closed
+            failed.append(index)
+            errors.append(str(error).splitlines()[0][:200])
+    late = [r for r in failed if not _arrived(keys, r)]
+    if failed:
+        _store().set(keys.verdict, json.dumps(late or failed))
+    flags = torch.zeros(len(peers), dtype=torch.uint8)
+    flags[late] = 1
+    with contextlib.suppress(RuntimeError) if failed else contextlib.nullcontext():
+        for work in [
+            dist.isend(flags, dst=p, group=control)
+            for r, p in enumerate(peers)
+            if r != 0 and r not in failed
+        ]:
+            work.wait(timeout)
+    if failed:
+        raise _not_responding([peers[r] for r in late or failed], timeout, errors)
+
+
+def _arrived(keys: _WaitKeys, rank: int) -> bool:
+    """Whether group rank ``rank`` recorded reaching this wait in the store."""
+    store = _store()
+    key = keys.arrived(rank)
+    return store.check([key]) and store.get(key).decode() == keys.number
+
+
+def _rank0_verdict(keys: _WaitKeys) -> list[int] | None:
+    """The group ranks rank 0 found missing (``_wait_for_peers``), or None when it wrote
+    no verdict within ``_VERDICT_WAIT``."""
+    store = _store()
+    try:
+        store.wait([keys.verdict], _VERDICT_WAIT)
+        return list(json.loads(store.get(keys.verdict)))
+    except (RuntimeError, ValueError):  # DistStoreError is a RuntimeError
+        return None
+
+
+def _wait_for_rank0(
+    control: dist.ProcessGroup, peers: list[int], timeout: timedelta, keys: _WaitKeys
+) -> None:
+    """(Any other rank of the control group.) Send rank 0 a token and wait for its answer,
+    allowing it twice ``timeout`` to arrive (it may come from a wait of its own, e.g. for
+    an asynchronous save's reports) and as long to wait for the others; raise naming
+    the ranks rank 0 says did not come (in its answer, or in the store when the
+    connection broke: [Note: a late rank's verdict]), else rank 0 itself."""
+    token = torch.zeros(1, dtype=torch.uint8)
+    flags = torch.zeros(len(peers), dtype=torch.uint8)
+    _store().set(keys.arrived(dist.get_rank(control)), keys.number)
+    try:
+        dist.isend(token, dst=peers[0], group=control).wait(2 * timeout)
+        dist.irecv(flags, src=peers[0], group=control).wait(2 * timeout)
+    except RuntimeError as error:
+        late = _rank0_verdict(keys)
+        if late is None:
+            said = [str(error).splitlines()[0][:200]]
+            raise _not_responding([peers[0]], 2 * timeout, said) from None
+        raise _not_responding([peers[r] for r in late], timeout, []) from None
+    late = [peers[r] for r in flags.nonzero().flatten().tolist()]
+    if late:
+        raise _not_responding(late, timeout, [])
 
 
 def wait_for_host_work(group: dist.ProcessGroup | None, nbytes: int) -> None:
@@ -242,8 +199,12 @@ def wait_for_host_work(group: dist.ProcessGroup | None, nbytes: int) -> None:
     slowest of them ``host_work_timeout(nbytes)``. Collective.
 
     A star of point-to-point messages through the control group's rank 0, each waited
-    with that timeout on every rank (``dist.monitored_barrier`` applies its timeout on
-    rank 0 only, and takes plain gloo groups only).
+    with that timeout (``dist.monitored_barrier`` applies its timeout on rank 0 only, and
+    takes plain gloo groups only). Rank 0 tells the others which ranks did not come.
+
+    Raises:
+        RanksNotResponding: on every rank that got here, naming (global ranks) those that
+            did not within the timeout (a stopped or hung process; a dead one at once).
     """
     control = control_group(group)
     size = world_size_of(control)
@@ -253,20 +214,11 @@ def wait_for_host_work(group: dist.ProcessGroup | None, nbytes: int) -> None:
         control = dist.group.WORLD
     timeout = host_work_timeout(nbytes)
     peers = [dist.get_global_rank(control, r) for r in range(size)]
+    keys = _WaitKeys.next(peers)
     if dist.get_rank(control) == 0:
-        tokens = [torch.zeros(1, dtype=torch.uint8) for _ in range(1, size)]
-        for work in [
-            dist.irecv(t, src=p, group=control) for t, p in zip(tokens, peers[1:], strict=True)
-        ]:
-            work.wait(timeout)
-        for work in [
-            dist.isend(t, dst=p, group=control) for t, p in zip(tokens, peers[1:], strict=True)
-        ]:
-            work.wait(timeout)
+        _wait_for_peers(control, peers, timeout, keys)
     else:
-        token = torch.zeros(1, dtype=torch.uint8)
-        dist.isend(token, dst=peers[0], group=control).wait(timeout)
-        dist.irecv(token, src=peers[0], group=control).wait(timeout)
+        _wait_for_rank0(control, peers, timeout, keys)
 
 
 _ERROR_CHARS = 1000

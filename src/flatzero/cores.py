@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .comm import world_size_of
 from .config import FlattenConfig
-from .control import control_group
+from .own_groups import control_group
 from .words import plural
 
 __all__ = [

@@ -17,36 +17,71 @@ from . import accel
 from .devices import default_backend, local_device_index
 from .ports import free_port
 
-__all__ = ["DEFAULT_TIMEOUT", "ensure_process_group", "job_timeout", "join_launched_job"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "FLATZERO_TIMEOUT_VARIABLE",
+    "TIMEOUT_VARIABLE",
+    "ensure_process_group",
+    "job_timeout",
+    "join_launched_job",
+]
 
 logger = logging.getLogger(__name__)
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
-"""The collective timeout of the groups flatzero makes when ``DEEPSPEED_TIMEOUT`` is unset."""
+"""The job's timeout when neither ``FLATZERO_TIMEOUT`` nor ``DEEPSPEED_TIMEOUT`` is set."""
 
 TIMEOUT_VARIABLE = "DEEPSPEED_TIMEOUT"
 """The environment variable giving that timeout in minutes, as DeepSpeed reads it."""
 
+FLATZERO_TIMEOUT_VARIABLE = "FLATZERO_TIMEOUT"
+"""flatzero's own setting of the job's timeout, in seconds (both doors, the HF route);
+it takes precedence over ``DEEPSPEED_TIMEOUT``."""
 
-def job_timeout() -> timedelta:
-    """The timeout of every collective on a group flatzero makes (the default group of
-    either door, its gloo control groups): ``DEEPSPEED_TIMEOUT`` minutes, as DeepSpeed
-    reads it, else ``DEFAULT_TIMEOUT``.
+
+def _positive(name: str, value: str, unit: str, example: str, *, whole: bool) -> float:
+    """``value`` of the variable ``name`` as a positive number of ``unit``.
 
     Raises:
-        ValueError: the variable is set to something other than a positive whole number.
+        ValueError: naming the variable, the value, the unit and an ``example``.
     """
-    value = os.environ.get(TIMEOUT_VARIABLE)
-    if value is None or value.strip() == "":
-        return DEFAULT_TIMEOUT
-    if not value.strip().isdigit() or int(value) < 1:
+    text = value.strip()
+    try:
+        number = int(text) if whole else float(text)
+    except ValueError:
+        number = 0
+    if not number > 0 or number == float("inf"):
+        kind = "whole number" if whole else "number"
         raise ValueError(
-            f"{TIMEOUT_VARIABLE}={value!r}: it must be a positive whole number of minutes "
-            "(the collective timeout, as DeepSpeed reads it); e.g. DEEPSPEED_TIMEOUT=30"
+            f"{name}={value!r}: it must be a positive {kind} of {unit} (the timeout of "
+            f"flatzero's collectives and waits); e.g. {name}={example}"
         )
-    return timedelta(minutes=int(value))
+    return float(number)
+
+
+def job_timeout() -> timedelta:
+    """The job's timeout: of every collective on a group flatzero makes (the default group
+    of either door, its gloo control groups) and of flatzero's own waits for other ranks
+    (the least a checkpoint's write wait allows, ``control.host_work_timeout``).
+
+    ``FLATZERO_TIMEOUT`` seconds when set, else ``DEEPSPEED_TIMEOUT`` minutes (as DeepSpeed
+    reads it), else ``DEFAULT_TIMEOUT``.
+
+    Raises:
+        ValueError: a variable is set to something other than a positive number
+            (``DEEPSPEED_TIMEOUT``: whole number), naming it.
+    """
+    seconds = os.environ.get(FLATZERO_TIMEOUT_VARIABLE, "")
+    if seconds.strip():
+        value = _positive(FLATZERO_TIMEOUT_VARIABLE, seconds, "seconds", "600", whole=False)
+        return timedelta(seconds=value)
+    minutes = os.environ.get(TIMEOUT_VARIABLE, "")
+    if minutes.strip():
+        value = _positive(TIMEOUT_VARIABLE, minutes, "minutes", "30", whole=True)
+        return timedelta(minutes=value)
+    return DEFAULT_TIMEOUT
 
 
 _LAUNCHER_SIZES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")

@@ -26,9 +26,10 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import flatzero
-from flatzero.control import control_group, raise_if_any_failed, wait_for_host_work
+from flatzero.control import raise_if_any_failed, wait_for_host_work
 from flatzero.cores import usable_cores
 from flatzero.models import LlamaConfig, LlamaForCausalLM, materialize
+from flatzero.own_groups import control_group
 
 STEPS = 5
 MICRO = 2

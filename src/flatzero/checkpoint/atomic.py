@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .format import LATEST, TMP_PREFIX
+from .format import LATEST, TMP_PREFIX, read_latest
 
 __all__ = [
     "REMOVING",
@@ -45,6 +45,7 @@ __all__ = [
     "exchange",
     "fault_point",
     "fsync_dir",
+    "point_latest",
     "publish",
     "remove_in_background",
     "remove_stale_tmp",
@@ -278,6 +279,29 @@ def write_latest(directory: Path, tag: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, directory / LATEST)
     fsync_dir(directory)
+
+
+def point_latest(root: Path, tag: str) -> None:
+    """``write_latest`` once ``root/tag`` is published; its error says what is true: the
+    checkpoint is complete and published, ``latest`` still names the old tag.
+
+    Raises:
+        OSError: of the system's errno, naming both tags and the way to fix it.
+    """
+    try:
+        write_latest(root, tag)
+    except OSError as error:
+        try:
+            old = f"still names {read_latest(root)!r}"
+        except ValueError:
+            old = "is unchanged"
+        raise OSError(
+            error.errno,
+            f"checkpoint {root / tag} is complete and published, but {root / LATEST} could "
+            f"not be rewritten ({error.strerror or error}) and {old}: load the new one with "
+            f"tag={tag!r}, or fix {root / LATEST} (it must be a file holding the tag) before "
+            "the next save",
+        ) from error
 
 
 def remove_stale_tmp(

@@ -18,13 +18,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..control import raise_if_any_failed
+from ..comm import world_size_of
+from ..control import RanksNotResponding, raise_if_any_failed, wait_for_host_work
 from ..hostmem import StagingBuffer, mapped_host, page_locked
 from ..optim import ZeroOptimizer
 from .exit import track, untrack
@@ -49,6 +50,9 @@ class BackgroundSave:
             ``reports.SaveReports.settle``; None: nothing to ask).
         forget: run on every rank once the ranks agreed how the save ended (rank 0 drops
             its outcome from the store).
+        nbytes: the most bytes a rank writes (sizes the ranks' wait for each other).
+        given_up: set when rank 0 found ranks not responding, so that its thread stops
+            waiting for their reports (and the process can exit).
         error: what the thread raised (None: nothing, or not yet).
     """
 
@@ -58,26 +62,45 @@ class BackgroundSave:
     timeout_s: float
     outcome: Callable[[float], str | None] | None = None
     forget: Callable[[], None] | None = None
+    nbytes: int = 0
     error: BaseException | None = None
+    given_up: threading.Event = field(default_factory=threading.Event)
 
     def wait(self) -> None:
-        """Join the thread, then raise its error on every rank (collective over ``group``).
+        """Join the thread once the ranks met, then raise its error on every rank
+        (collective over ``group``).
+
+        The ranks meet on their main threads (``control.wait_for_host_work``, allowing for
+        ``nbytes``): the others after joining their threads (which reported their part
+        before ending), rank 0 before joining its own (which waits for those reports). So a
+        rank that died is named at once, and one that stopped responding once the job's
+        timeout has passed, never left to rank 0's wait for its report or to the process
+        group's own timeout in the all-reduce that follows.
 
         Raises:
-            The background error on the rank it happened on; ``RuntimeError`` on the others.
+            The background error on the rank it happened on; ``RuntimeError`` on the others;
+            ``RanksNotResponding`` naming the ranks that did not come in time.
         """
+        first = world_size_of(self.group) == 1 or dist.get_rank(self.group) == 0
+        if first:
+            try:
+                wait_for_host_work(self.group, self.nbytes)
+            except RanksNotResponding:
+                self.given_up.set()  # the thread stops waiting for their reports
+                raise
         t0 = time.perf_counter()
         self.thread.join()
         untrack(self)  # after the join: a wait broken off (Ctrl-C) leaves it to the exit
         waited = time.perf_counter() - t0
         if waited > 0.1:
             logger.info("waited %.2f s for the asynchronous save of %s", waited, self.path)
+        if not first:
+            wait_for_host_work(self.group, self.nbytes)
         try:
             raise_if_any_failed(
                 self.error,
                 self.group,
-                f"the asynchronous save of {self.path} failed on another rank (see its "
-                "error); it was not published",
+                f"the asynchronous save of {self.path} failed on another rank (see its error)",
             )
         finally:
             if self.forget is not None:
@@ -144,6 +167,7 @@ class Checkpointer:
         timeout_s: float,
         outcome: Callable[[float], str | None] | None = None,
         forget: Callable[[], None] | None = None,
+        nbytes: int = 0,
     ) -> BackgroundSave:
         """Run ``job`` (the write and publish of the checkpoint at ``path``) in a background
         thread at the caller's priority (it mostly sleeps in the kernel while the disk reads
@@ -158,7 +182,9 @@ class Checkpointer:
                 logger.error("asynchronous save of %s failed: %s", path, error)
 
         thread = threading.Thread(target=run, name=f"flatzero-save-{path.name}", daemon=True)
-        pending = self.pending = BackgroundSave(thread, path, group, timeout_s, outcome, forget)
+        pending = self.pending = BackgroundSave(
+            thread, path, group, timeout_s, outcome, forget, nbytes
+        )
         track(pending)
         thread.start()
         return pending

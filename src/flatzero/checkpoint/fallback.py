@@ -8,24 +8,52 @@ whose checksums holds. The checksums are checked by all ranks together, each ran
 files ``r, r + N, r + 2N, ...`` of the candidate, then agreed on: the cost is one read of
 one checkpoint spread over the ranks, paid only on this path. The error then names that
 tag, or ``LoadConfig(fallback="newest_valid")`` loads it with a warning.
+
+A load that raced a save replacing its tag (``CheckpointReplaced``: not damaged) is made
+once more instead (``again_if_replaced``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch.distributed as dist
 
 from ..comm import all_reduce_max, rank_of, world_size_of
-from ..control import control_group, wait_for_host_work
-from .format import CheckpointDamaged, available_tags
+from ..control import wait_for_host_work
+from ..own_groups import control_group
+from .format import CheckpointDamaged, CheckpointReplaced, available_tags
 from .reader import CheckpointReader
 from .recovery import complete_meta, saved_time
 
-__all__ = ["newest_valid", "refused", "way_out"]
+__all__ = ["again_if_replaced", "newest_valid", "refused", "way_out"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+def again_if_replaced(read: Callable[[], _T], where: str) -> _T:
+    """``read()`` (a collective load of ``where``), made once more when it raced a save
+    replacing the checkpoint (``CheckpointReplaced`` on every rank, see ``load``).
+
+    Raises:
+        CheckpointReplaced: it was replaced during the second read too ("being replaced").
+    """
+    try:
+        return read()
+    except CheckpointReplaced as error:
+        logger.info("%s; loading it again", error)
+    try:
+        return read()
+    except CheckpointReplaced as again:
+        raise CheckpointReplaced(
+            f"checkpoint {where} is being replaced by another save (twice while loading it): "
+            f"{again}"
+        ) from again
 
 
 def _candidates(root: Path, skip: str | None) -> list[str]:

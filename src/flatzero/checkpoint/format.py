@@ -44,6 +44,7 @@ __all__ = [
     "TMP_PREFIX",
     "CheckpointDamaged",
     "CheckpointMeta",
+    "CheckpointReplaced",
     "FileRecord",
     "GroupRecord",
     "available_tags",
@@ -79,6 +80,12 @@ MASTER = "master"
 class CheckpointDamaged(ValueError):
     """A checkpoint is missing, incomplete or corrupt (not: it does not fit the model), so
     another, complete checkpoint of the directory may load instead."""
+
+
+class CheckpointReplaced(CheckpointDamaged):
+    """A checkpoint was replaced by another save while it was being loaded (its
+    ``meta.json`` changed, or a rank file belongs to another save of the same tag): not
+    damaged; loading it again reads the new one."""
 
 
 @contextlib.contextmanager
@@ -228,6 +235,10 @@ class GroupRecord:
     hyperparams: dict[str, Any]
 
 
+def _optional_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
 def _rest_record(data: dict[str, Any]) -> FileRecord | None:
     """The model rest's record of ``meta.json`` data (None when not recorded)."""
     record, name = data.get("model_rest_record"), data.get("model_rest")
@@ -262,6 +273,10 @@ class CheckpointMeta:
             from backward); reused only by a load into the same layout.
         saved_at: when the save was published (seconds since the epoch), or None (written
             before flatzero recorded it: ``meta.json``'s modification time stands in).
+        nonce: the save's random nonce, also in every rank file's header, so that a load
+            never combines this ``meta.json`` with another save's files; None (written
+            before flatzero recorded it, or by an importer: not checked).
+        run_id: the id of the job that saved it (``run_id.run_id``), or None.
     """
 
     tag: str
@@ -282,6 +297,8 @@ class CheckpointMeta:
     bucket_order: list[int] | None = None
     saved_at: float | None = None
     rest_record: FileRecord | None = None
+    nonce: str | None = None
+    run_id: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -317,6 +334,8 @@ class CheckpointMeta:
             "aliases": self.aliases,
             "bucket_order": self.bucket_order,
             "saved_at": self.saved_at,
+            "nonce": self.nonce,
+            "run_id": self.run_id,
             "files": [
                 {"rank": f.rank, "file": f.file, "bytes": f.bytes, "tensors": f.tensors}
                 for f in self.files
@@ -364,6 +383,8 @@ class CheckpointMeta:
                 bucket_order=data.get("bucket_order"),
                 saved_at=data.get("saved_at"),
                 rest_record=_rest_record(data),
+                nonce=_optional_str(data.get("nonce")),
+                run_id=_optional_str(data.get("run_id")),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(

@@ -24,19 +24,21 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_gather_buckets_from_own_slices
-from ..control import Failures, control_group, every_rank_or_none
+from ..control import Failures, every_rank_or_none
 from ..flatten import FlatParams
 from ..layout import Layout
 from ..optim import ZeroOptimizer
 from ..optim.state import GroupState, ShardedOptimizerState
+from ..own_groups import control_group
 from .checkpointer import wait_for_save
 from .config import LoadConfig
-from .fallback import newest_valid, refused
+from .fallback import again_if_replaced, newest_valid, refused
 from .format import (
     MASTER,
     META,
     CheckpointDamaged,
     CheckpointMeta,
+    CheckpointReplaced,
     GroupRecord,
     decode_value,
     read_latest,
@@ -116,6 +118,8 @@ def _load_failure(failures: Failures) -> BaseException:
     out; ranks without an error of their own name the first failing rank's."""
     mine, first = failures.mine, failures.first
     elsewhere = f"{_ELSEWHERE}: rank {first.rank}: {first.message}"
+    if CheckpointReplaced.__name__ in failures.kinds:  # every rank loads again, or says so
+        return mine if isinstance(mine, CheckpointReplaced) else CheckpointReplaced(elsewhere)
     if all(kind == CheckpointDamaged.__name__ for kind in failures.kinds):
         return mine if mine is not None else CheckpointDamaged(elsewhere)
     if isinstance(mine, CheckpointDamaged):
@@ -242,22 +246,39 @@ def _read_everything(
     checkpoint."""
     with _every_rank_reads(optimizer.flat.process_group) as reading:
         reader = CheckpointReader(directory, tag)
-        flat = optimizer.flat
-        plans = reader.plan(flat.layout, flat.rank, rename=rename, strict=config.strict)
-        check_rank_files(reader, {c.source[0] for p in plans for c in p.copies})
-        if config.load_optimizer_states:
-            check_for_optimizer(reader.meta, reader.path, optimizer)
-        state, elements = _read(reader, plans, optimizer, rename, config)
-        rng = _read_rng(reader, flat.rank, flat.world_size, config)
-        read = _Read(reader, state, _scheduler_state(reader, scheduler, config), elements, rng)
-        if model is not None:
-            if config.verify:
-                reader.verify_rest()  # frozen params and buffers, checked before any change
-            _check_model_rest(reader, model)
+        try:
+            read = _read_checked(reader, optimizer, scheduler, model, rename, config)
+        except CheckpointDamaged as error:
+            reader.raise_if_replaced(error)  # the tag replaced meanwhile: not damaged
+            raise
         if check_extra is not None:
             _check_extra(reader, check_extra)
         reading.wait_bytes = read.elements * 4
     agree_on_checkpoint(read.reader, optimizer.flat.process_group)
+    return read
+
+
+def _read_checked(
+    reader: CheckpointReader,
+    optimizer: ZeroOptimizer,
+    scheduler: Any,
+    model: torch.nn.Module | None,
+    rename: Callable[[str], str] | Mapping[str, str] | None,
+    config: LoadConfig,
+) -> _Read:
+    """(``_read_everything``'s reading, on this rank.)"""
+    flat = optimizer.flat
+    plans = reader.plan(flat.layout, flat.rank, rename=rename, strict=config.strict)
+    check_rank_files(reader, {c.source[0] for p in plans for c in p.copies})
+    if config.load_optimizer_states:
+        check_for_optimizer(reader.meta, reader.path, optimizer)
+    state, elements = _read(reader, plans, optimizer, rename, config)
+    rng = _read_rng(reader, flat.rank, flat.world_size, config)
+    read = _Read(reader, state, _scheduler_state(reader, scheduler, config), elements, rng)
+    if model is not None:
+        if config.verify:
+            reader.verify_rest()  # frozen params and buffers, checked before any change
+        _check_model_rest(reader, model)
     return read
 
 
@@ -309,9 +330,14 @@ def _read_or_fall_back(
     ``config.fallback == "newest_valid"`` (with a warning)."""
     group = optimizer.flat.process_group
     try:
-        return _read_everything(
-            directory, tag, optimizer, scheduler, model, rename, config, check_extra
+        return again_if_replaced(
+            lambda: _read_everything(
+                directory, tag, optimizer, scheduler, model, rename, config, check_extra
+            ),
+            f"{tag or 'latest'} of {directory}",
         )
+    except CheckpointReplaced:
+        raise
     except CheckpointDamaged as error:
         refused_tag = tag if tag is not None else _latest_or_none(directory)
         good = newest_valid(directory, group, skip=refused_tag)
@@ -420,24 +446,18 @@ def load_checkpoint(
     return result
 
 
-def _rest_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return dict(model.state_dict(keep_vars=True))
-
-
 def _check_model_rest(reader: CheckpointReader, model: torch.nn.Module) -> None:
     meta: CheckpointMeta = reader.meta
     if meta.model_rest is None:
         return
-    from ..storage.tensorfile import open_safetensors
-
     path = reader.path / meta.model_rest
-    handle = open_safetensors(path)
-    targets = _rest_targets(model)
-    for key in list(handle.keys()):
+    file = reader.rest_file()
+    targets = dict(model.state_dict(keep_vars=True))
+    for key, info in file.tensors.items():
         target = targets.get(key)
         if target is None:
             continue
-        shape = tuple(handle.get_slice(key).get_shape())
+        shape = info.shape
         if shape != tuple(target.shape):
             raise ValueError(
                 f"{key} has shape {shape} in {path} but {tuple(target.shape)} in the model"
@@ -447,19 +467,19 @@ def _check_model_rest(reader: CheckpointReader, model: torch.nn.Module) -> None:
 
 
 def _load_model_rest(reader: CheckpointReader, model: torch.nn.Module) -> None:
-    from ..storage.tensorfile import open_safetensors
-
     path = reader.path / reader.meta.model_rest  # type: ignore[operator]
-    handle = open_safetensors(path)
-    targets = _rest_targets(model)
+    file = reader.rest_file()  # the file checked before anything changed
+    targets = dict(model.state_dict(keep_vars=True))
     unknown = []
     with torch.no_grad():
-        for key in list(handle.keys()):
+        for key, info in file.tensors.items():
             target = targets.get(key)
             if target is None:
                 unknown.append(key)
                 continue
-            target.copy_(handle.get_tensor(key))
+            out = torch.empty(info.numel, dtype=info.dtype)
+            file.read_into(key, 0, out, None)
+            target.copy_(out.view(info.shape))
     if unknown:
         logger.warning("%s: %d saved tensors the model lacks: %s", path, len(unknown), unknown[:5])
 
@@ -494,7 +514,11 @@ def load_flat_params(
                     [group.bucket_shard(b).float().cpu() for b in range(len(group.buckets))]
                 )
                 shard.copy_(current)
-            reader.read(plan, MASTER, shard, verify=verify)
+            try:
+                reader.read(plan, MASTER, shard, verify=verify)
+            except CheckpointDamaged as error:
+                reader.raise_if_replaced(error)  # the tag replaced meanwhile: not damaged
+                raise
             shards.append(shard)
         reading.wait_bytes = sum(s.numel() for s in shards) * 4
     agree_on_checkpoint(reader, flat.process_group)

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import world_size_of
-from ..control import control_group
 from ..optim import ZeroOptimizer
+from ..own_groups import control_group
 from .checkpointer import wait_for_save
 from .format import read_latest
 from .save import save_checkpoint

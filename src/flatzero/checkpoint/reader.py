@@ -28,6 +28,7 @@ from .format import (
     META,
     CheckpointDamaged,
     CheckpointMeta,
+    CheckpointReplaced,
     check_tag,
     damage,
     read_latest,
@@ -92,7 +93,34 @@ class CheckpointReader:
             self.index: ParamIndex = index_layout(self.meta.layout)
         self._handles: dict[int, Any] = {}
         self._files: dict[int, TensorFile] = {}
-        self.check_files()
+        try:
+            self.check_files()
+        except CheckpointDamaged as error:
+            self.raise_if_replaced(error)
+            raise
+
+    def replaced(self) -> bool:
+        """Whether ``meta.json`` is no longer the one this reader read (another save
+        replaced the tag, or removed it, since)."""
+        try:
+            now = CheckpointMeta.read(self.path / META)
+        except ValueError:  # gone or unreadable now: removed or replaced meanwhile
+            return True
+        mine = self.meta
+        return (now.nonce, now.saved_at, now.files) != (mine.nonce, mine.saved_at, mine.files)
+
+    def raise_if_replaced(self, error: CheckpointDamaged) -> None:
+        """Raise ``CheckpointReplaced`` (from ``error``) when ``meta.json`` is no longer the
+        one this reader read (another save replaced the tag, or removed it, meanwhile):
+        ``error`` then says nothing about the checkpoint's health. Nothing otherwise."""
+        if isinstance(error, CheckpointReplaced):
+            raise error
+        if not self.replaced():
+            return
+        raise CheckpointReplaced(
+            f"{self.path} was replaced by another save while it was being loaded ({error}); "
+            "load it again"
+        ) from error
 
     @property
     def layout(self) -> Layout:
@@ -147,6 +175,12 @@ class CheckpointReader:
             "world_size": str(self.meta.world_size),
             "layout_digest": self.meta.layout.digest(),
         }
+        if self.meta.nonce is not None and metadata.get("nonce") != self.meta.nonce:
+            raise CheckpointReplaced(
+                f"{path} is of another save of {self.tag} (nonce {metadata.get('nonce')!r}, "
+                f"{META} says {self.meta.nonce!r}): the tag was replaced while it was being "
+                "loaded; load it again"
+            )
         for key, value in expected.items():
             if metadata.get(key) != value:
                 raise CheckpointDamaged(
@@ -170,6 +204,29 @@ class CheckpointReader:
                 self._check_header(rank, handle.metadata() or {}, set(handle.keys()))
             self._handles[rank] = handle
         return handle
+
+    def rest_file(self) -> TensorFile:
+        """``model_rest.safetensors`` opened for reads, checked once to be of this save (its
+        ``nonce``), so that verifying, checking and loading it read the same file (a
+        ``safe_open`` handle would not: it maps the file again by its name).
+
+        Raises:
+            CheckpointReplaced: it is of another save of the tag.
+        """
+        file = self._files.get(-1)
+        if file is None:
+            path = self.path / str(self.meta.model_rest)
+            with damage():
+                file = TensorFile(path)
+            nonce = file.metadata.get("nonce")
+            if self.meta.nonce is not None and nonce != self.meta.nonce:
+                file.close()
+                raise CheckpointReplaced(
+                    f"{path} is of another save of {self.tag} (nonce {nonce!r}, {META} says "
+                    f"{self.meta.nonce!r}): the tag was replaced while it was being loaded"
+                )
+            self._files[-1] = file
+        return file
 
     def tensor_file(self, rank: int) -> TensorFile:
         """Rank ``rank``'s file opened for verified reads, checked once."""
@@ -302,7 +359,8 @@ class CheckpointReader:
         record = self.meta.rest_record
         if record is None:
             return
-        with damage(), TensorFile(self.path / record.file) as file:
+        file = self.rest_file()
+        with damage():
             for key, info in record.tensors.items():
                 sums = ChunkSums.of_record(info, file.info(key).nbytes)
                 if sums is not None:

@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -168,29 +169,37 @@ class SaveReports:
             self._store.delete_key(self._key("outcome"))
             self._store.delete_key(self._key("outcome-read"))
 
-    def collect(self, tmp: Path, timeout_s: float, failed: Callable[[], None]) -> list[FileRecord]:
+    def collect(
+        self,
+        tmp: Path,
+        timeout_s: float,
+        failed: Callable[[], None],
+        given_up: threading.Event | None = None,
+    ) -> list[FileRecord]:
         """(Rank 0.) Every rank's file record, in rank order, once every rank reported.
         Rank 0 polls two counters in the store (``_POLL_S``), not one key per rank. As
         soon as an error is in while ranks still write, the save is ``abandon``-ed and
         ``failed()`` runs (rank 0 removes the temporary directory then, not after the
-        slowest rank).
+        slowest rank). It stops waiting when ``given_up`` is set (the main thread found
+        ranks not responding: ``checkpointer.BackgroundSave.wait``).
 
         Raises:
             RuntimeError: a rank reported an error (naming the first such rank and its
                 error; the reports of all ranks are waited for first), or not every rank
                 reported within ``timeout_s`` seconds (naming them).
         """
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
         abandoned = False
         while self._reported() < self._world_size:
             if not abandoned and self._any_failed():
                 abandoned = True
                 self.abandon()
                 failed()
-            if time.monotonic() > deadline:
+            waited = time.monotonic() - start
+            if waited > timeout_s or (given_up is not None and given_up.is_set()):
                 raise RuntimeError(
                     f"ranks {self._missing()} did not report on writing into {tmp} within "
-                    f"{timeout_s:.0f} s"
+                    f"{waited:.0f} s"
                 )
             time.sleep(_POLL_S)
         reports = self._take_all()

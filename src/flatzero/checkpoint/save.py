@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import functools
 import logging
-import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -23,19 +21,20 @@ import torch
 import torch.distributed as dist
 
 from ..comm import world_size_of
-from ..control import control_group, every_rank_or_none, host_work_timeout
+from ..control import every_rank_or_none, host_work_timeout
 from ..flatten import FlatParams
 from ..optim import ZeroOptimizer
+from ..own_groups import control_group
 from ..progress import progress_bar
 from ..storage.image import FileImage
 from .async_save import Hasher, Staging, snapshot
 from .atomic import (
     StagedDirectory,
     fault_point,
+    point_latest,
     remove_in_background,
-    remove_stale_tmp,
-    write_latest,
 )
+from .begin import agree_tag, create_tmp
 from .checkpointer import BackgroundSave, checkpointer_of, wait_for_save
 from .collect import Collected, RankFiles, collect, rank_files
 from .config import SaveConfig
@@ -47,7 +46,6 @@ from .format import (
     rank_file_name,
     read_latest,
 )
-from .recovery import copy_of_lost, restore_lost
 from .reports import SaveReports
 from .writer import (
     rank_file_metadata,
@@ -76,23 +74,6 @@ def _every_rank_or_none(
     )
 
 
-def _agree_tag(tag: str, group: dist.ProcessGroup | None) -> tuple[str, str]:
-    """Every rank's tag must be the same; returns it and rank 0's nonce (gathered on the
-    control group of ``group``)."""
-    nonce = secrets.token_hex(6)
-    if world_size_of(group) == 1:
-        return tag, nonce
-    values: list[Any] = [None] * world_size_of(group)
-    dist.all_gather_object(values, (tag, nonce), group=control_group(group))
-    tags = {t for t, _ in values}
-    if len(tags) != 1:
-        raise ValueError(
-            f"ranks passed different checkpoint tags ({sorted(tags)[:4]}); pass the same tag "
-            "on every rank (or none: the default is derived from the optimizer step)"
-        )
-    return tag, values[0][1]
-
-
 def _naming_rank(error: Exception, rank: int, writing: Path) -> Exception:
     """``error`` of a background write of the file ``writing``, as every rank learns it: an
     ``OSError`` becomes one of the same kind and number whose message names ``rank`` and
@@ -117,38 +98,6 @@ def _prune(root: Path, keep_last: int, keep: set[str]) -> None:
             continue
         remove_in_background(root / tag)  # disappears as a whole, then is deleted
         logger.info("removed old checkpoint %s", root / tag)
-
-
-def _create_tmp(staged: StagedDirectory, flat: FlatParams, config: SaveConfig) -> None:
-    """Rank 0 creates the temporary directory (removing stale ones first); every rank
-    learns whether that worked."""
-    root, final = staged.final.parent, staged.final
-    # wait_bytes=0: the others wait while rank 0 may be removing stale directories
-    with _every_rank_or_none(
-        flat.process_group, f"creating {staged.tmp}", (OSError, ValueError), wait_bytes=0
-    ):
-        if flat.rank == 0:
-            if root.exists() and not root.is_dir():
-                raise NotADirectoryError(
-                    errno.ENOTDIR,
-                    f"{root} is a file, not a checkpoint directory: pass the directory to save "
-                    "into (it is created if needed)",
-                )
-            root.mkdir(parents=True, exist_ok=True)
-            restore_lost(root)
-            if final.exists() and not config.overwrite:
-                raise ValueError(
-                    f"checkpoint {final} already exists; choose another tag or save with "
-                    "SaveConfig(overwrite=True)"
-                )
-            if config.stale_tmp_age_s is not None:
-                remove_stale_tmp(
-                    root,
-                    keep=staged.tmp.name,
-                    min_age_s=config.stale_tmp_age_s,
-                    protected=copy_of_lost,
-                )
-            staged.create()
 
 
 # [Note: the save protocol]
@@ -194,6 +143,8 @@ class Save:
         background: an asynchronous save's thread (None: synchronous, or not started).
         writing: the file its background thread writes (``tmp`` before the first), named
             by an error without a file name of its own (``os.write``'s ENOSPC).
+        nonce: the save's nonce (rank 0's), in ``meta.json`` and every file's header.
+        run_id: the job's run id (rank 0's, ``run_id``), in ``meta.json``.
     """
 
     def __init__(
@@ -204,8 +155,10 @@ class Save:
         collected: Collected,
         files: RankFiles,
         config: SaveConfig,
+        ids: tuple[str, str],
     ) -> None:
         self.optimizer = optimizer
+        self.nonce, self.run_id = ids
         self.root = root
         self.tag = staged.final.name
         self.staged = staged
@@ -244,14 +197,14 @@ class Save:
         group = optimizer.flat.process_group
         with _every_rank_or_none(group, "collecting the state to save", (ValueError, TypeError)):
             collected = collect(optimizer, tag, scheduler, model, extra)
-        agreed, nonce = _agree_tag(collected.tag, group)
+        agreed, nonce, run = agree_tag(collected.tag, group)
         staged = StagedDirectory.beside(root / agreed, nonce)
-        _create_tmp(staged, optimizer.flat, config)
+        create_tmp(staged, optimizer.flat, config, run)
         files = rank_files(collected, optimizer.flat, config)
         if model is not None:  # its frozen params: snapshot like the shards (issue 41, 9)
             names = frozenset(n for n, _ in model.named_parameters(remove_duplicate=False))
             files = dataclasses.replace(files, frozen=names)
-        return cls(optimizer, root, staged, collected, files, config)
+        return cls(optimizer, root, staged, collected, files, config, (nonce, run))
 
     # ------------------------------------------------------------------ synchronous
     def _write_files(self) -> tuple[FileRecord, FileRecord | None]:
@@ -273,13 +226,14 @@ class Save:
                 metadata=self.files.metadata,
                 checksums=config.checksums,
                 progress=bar,
+                nonce=self.nonce,
             )
             rest_record = None
             if self.files.rest:
                 rest_record = write_tensors(  # device tensors stream through two host chunks
                     self.tmp / MODEL_REST,
                     self.files.rest,
-                    {"format": "pt", "tag": self.tag},
+                    {"format": "pt", "tag": self.tag, "nonce": self.nonce},
                     checksums=config.checksums,
                     progress=bar,
                 )
@@ -321,7 +275,7 @@ class Save:
             self.staged.publish(overwrite=config.overwrite)
             fault_point("before_latest", 0)
             if config.update_latest:
-                write_latest(root, meta.tag)
+                point_latest(root, meta.tag)
             if config.keep_last is not None:
                 keep = {meta.tag}
                 with contextlib.suppress(ValueError):
@@ -343,10 +297,15 @@ class Save:
             if self.flat.rank == 0:
                 self._publish_here(meta)
 
+    def _meta(self, records: list[FileRecord], rest_record: FileRecord | None) -> CheckpointMeta:
+        """The checkpoint's ``meta.json``, with the save's nonce and run id."""
+        meta = self.collected.meta(self.tag, records, rest_record, self.flat, self.config)
+        return dataclasses.replace(meta, nonce=self.nonce, run_id=self.run_id)
+
     def write(self) -> list[FileRecord]:
         """Write every rank's files and publish (collective); every rank's file record."""
         records, rest_record = self._write_everywhere()
-        self._publish(self.collected.meta(self.tag, records, rest_record, self.flat, self.config))
+        self._publish(self._meta(records, rest_record))
         return records
 
     # ----------------------------------------------------------------- asynchronous
@@ -405,13 +364,15 @@ class Save:
     def _collect_and_publish(self, reports: SaveReports, rest_record: FileRecord | None) -> None:
         """(Rank 0's background thread.) Wait for every rank's report, then publish; on any
         rank's error remove ``tmp`` and raise."""
+        given_up = self.background.given_up if self.background is not None else None
         try:
-            records = reports.collect(self.tmp, self._timeout_s(), failed=self.staged.discard)
+            records = reports.collect(
+                self.tmp, self._timeout_s(), failed=self.staged.discard, given_up=given_up
+            )
         except BaseException:
             self.staged.discard()  # again: a rank may have created a file meanwhile
             raise
-        meta = self.collected.meta(self.tag, records, rest_record, self.flat, self.config)
-        self._publish_here(meta)
+        self._publish_here(self._meta(records, rest_record))
         logger.info("saved checkpoint %s in the background", self.root / self.tag)
 
     def _timeout_s(self) -> float:
@@ -429,11 +390,13 @@ class Save:
         """The files of this rank's snapshot: its rank file, on rank 0 the model's rest."""
         flat, files = self.flat, self.files
         meta = rank_file_metadata(
-            flat.rank, flat.world_size, flat.layout.digest(), self.tag, files.metadata
+            flat.rank, flat.world_size, flat.layout.digest(), self.tag, files.metadata, self.nonce
         )
         wanted = [(rank_file_name(flat.rank, flat.world_size), files.tensors, meta)]
         if files.rest:
-            wanted.append((MODEL_REST, files.rest, {"format": "pt", "tag": self.tag}))
+            wanted.append(
+                (MODEL_REST, files.rest, {"format": "pt", "tag": self.tag, "nonce": self.nonce})
+            )
         return wanted
 
     def start(self) -> None:
@@ -467,6 +430,7 @@ class Save:
                 timeout_s=self._timeout_s(),
                 outcome=functools.partial(reports.settle, flat.rank),
                 forget=reports.forget_outcome if flat.rank == 0 else None,
+                nbytes=self.collected.written_at_most(),
             )
         except BaseException:
             if self.staging is not None:  # no device copy may still write the reused buffer

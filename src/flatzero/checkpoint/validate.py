@@ -25,13 +25,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import all_reduce_max_each, check_same_everywhere, rank_of, world_size_of
-from ..control import control_group
+from ..comm import (
+    all_reduce_max,
+    all_reduce_max_each,
+    check_same_everywhere,
+    rank_of,
+    world_size_of,
+)
 from ..dtypes import DTYPES
 from ..layout import Layout
 from ..optim import ZeroOptimizer
 from ..optim.inner import needs_whole_params, optimizer_class_of
-from .format import META, CheckpointDamaged, CheckpointMeta, decode_value, state_key
+from ..own_groups import control_group
+from .format import (
+    META,
+    CheckpointDamaged,
+    CheckpointMeta,
+    CheckpointReplaced,
+    decode_value,
+    state_key,
+)
 from .rng import RNG_PREFIX
 
 __all__ = [
@@ -466,7 +479,8 @@ def agree_on_load_settings(settings: Mapping[str, Any], group: dist.ProcessGroup
 
 def agree_on_checkpoint(reader: Any, group: dist.ProcessGroup | None) -> None:
     """``ValueError`` on every rank unless every rank opened the same checkpoint: the same
-    tag with the same ``meta.json`` (an identical copy on another node's disk is the same).
+    tag with the same ``meta.json`` (an identical copy on another node's disk is the same);
+    ``CheckpointReplaced`` when they differ because a save replaced it meanwhile.
     Collective on the control group: one small all-reduce; the paths are gathered only to
     say which rank opened which."""
     control = control_group(group)
@@ -477,6 +491,11 @@ def agree_on_checkpoint(reader: Any, group: dist.ProcessGroup | None) -> None:
     high, neg_low = all_reduce_max_each([digest, -digest], control)
     if high == -neg_low:
         return
+    if all_reduce_max(int(reader.replaced()), control):  # a save replaced it meanwhile
+        raise CheckpointReplaced(
+            f"{reader.path} was replaced by another save while the ranks loaded it (they "
+            "read different meta.json); load it again"
+        )
     seen: list[str] = [""] * world_size_of(control)
     text = f"rank {rank_of(None)}: {reader.path} ({mine})"
     dist.all_gather_object(seen, text, group=control)

@@ -72,14 +72,19 @@ def write_tensors(
     """Write ``tensors`` (in order) to a new safetensors file ``path`` and fsync it;
     ``progress`` advances by each tensor's bytes as it is written."""
     entries = [TensorEntry(n, t.dtype, tuple(t.shape)) for n, t in tensors]
-    with SafetensorsWriter(path, entries, metadata, checksums=checksums) as writer:
-        for name, item in tensors:
-            tensor = item.make() if isinstance(item, LazyTensor) else item
-            writer.write(name, tensor)
-            fault_point("tensor_written", rank)
-            if progress is not None:
-                progress.update(tensor.numel() * tensor.element_size())
-            del tensor  # a LazyTensor's is gone before the next is made
+    try:
+        with SafetensorsWriter(path, entries, metadata, checksums=checksums) as writer:
+            for name, item in tensors:
+                tensor = item.make() if isinstance(item, LazyTensor) else item
+                writer.write(name, tensor)
+                fault_point("tensor_written", rank)
+                if progress is not None:
+                    progress.update(tensor.numel() * tensor.element_size())
+                del tensor  # a LazyTensor's is gone before the next is made
+    except OSError as error:  # os.write's ENOSPC names no file: name the one written
+        if error.filename is not None or error.errno is None:
+            raise
+        raise OSError(error.errno, error.strerror, str(path)) from error
     return FileRecord(
         rank=rank,
         file=path.name,
@@ -99,14 +104,16 @@ def write_rank_file(
     metadata: dict[str, str] | None = None,
     checksums: bool = True,
     progress: tqdm | None = None,
+    nonce: str | None = None,
 ) -> FileRecord:
     """Write rank ``rank``'s file into ``directory`` (its name from ``rank_file_name``);
     ``progress`` advances by the bytes written.
 
-    The file's metadata records the rank, world size, tag and layout digest, so a file
-    that strayed from another checkpoint is recognized on load.
+    The file's metadata records the rank, world size, tag, layout digest and the save's
+    ``nonce``, so a file that strayed from another checkpoint, or from another save of
+    the same tag, is recognized on load.
     """
-    meta = rank_file_metadata(rank, world_size, layout_digest, tag, metadata)
+    meta = rank_file_metadata(rank, world_size, layout_digest, tag, metadata, nonce)
     path = directory / rank_file_name(rank, world_size)
     record = write_tensors(path, tensors, meta, checksums=checksums, rank=rank, progress=progress)
     fault_point("rank_file_written", rank)
@@ -114,16 +121,23 @@ def write_rank_file(
 
 
 def rank_file_metadata(
-    rank: int, world_size: int, layout_digest: str, tag: str, metadata: dict[str, str] | None
+    rank: int,
+    world_size: int,
+    layout_digest: str,
+    tag: str,
+    metadata: dict[str, str] | None,
+    nonce: str | None = None,
 ) -> dict[str, str]:
-    """The header metadata of rank ``rank``'s file: its rank, world size, tag and layout
-    digest (and ``metadata``: RNG states)."""
+    """The header metadata of rank ``rank``'s file: its rank, world size, tag, layout
+    digest and the save's ``nonce`` (when given; ``meta.json`` records the same), and
+    ``metadata`` (RNG states)."""
     return {
         "format": "flatzero.rank/1",
         "rank": str(rank),
         "world_size": str(world_size),
         "tag": tag,
         "layout_digest": layout_digest,
+        **({"nonce": nonce} if nonce is not None else {}),
         **(metadata or {}),
     }
 

@@ -22,11 +22,11 @@ from tqdm.auto import tqdm
 from .. import accel
 from ..comm import check_same_everywhere, rank_of, world_size_of
 from ..config import FlattenConfig
-from ..control import control_group
 from ..cores import CoreShare, core_share, init_threads
 from ..devices import resolve_device
 from ..gcpause import paused_gc
 from ..layout import GroupLayout, Layout, plan_layout
+from ..own_groups import control_group
 from ..params import ParamGroup, collect_param_groups
 from ..process_group import join_launched_job
 from ..progress import progress_bar

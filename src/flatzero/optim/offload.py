@@ -22,10 +22,10 @@ from torch import nn
 
 from .. import accel
 from ..comm import all_gather_buckets_from_own_slices
-from ..control import collective_group
 from ..cores import init_threads
 from ..flatten.buffers import FlatParams
 from ..hostmem import StagingBuffer, empty_host, page_locked
+from ..own_groups import collective_group
 from .config import OffloadConfig
 from .inner import build_inner_optimizer, scale_grads, step_with_grad_scale, with_fused_default
 

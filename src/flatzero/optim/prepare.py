@@ -21,11 +21,12 @@ from torch import nn
 
 from ..comm import check_same_everywhere, world_size_of
 from ..config import FlattenConfig
-from ..control import control_group, every_rank_or_none
+from ..control import every_rank_or_none
 from ..devices import backend_of, collectives_run_on
 from ..flatten import FlatParams, flatten_parameters
 from ..flatten.alloc import allocate_agreed
 from ..layout import GroupLayout
+from ..own_groups import control_group
 from ..params import ParamGroup, collect_param_groups
 from .buckets import empty_buffer
 from .config import ZeroConfig

@@ -29,8 +29,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..comm import rank_of, world_size_of
-from ..control import collective_group
 from ..flatten.buffers import FlatParams
+from ..own_groups import collective_group
 from .buckets import (
     BucketState,
     InFlight,
@@ -160,7 +160,7 @@ class GradReducer:
         self.grads = grads
         self.config = config
         self.pg = collective_group(flat.process_group)
-        """flatzero's own group over the process group's ranks (``control.collective_group``):
+        """flatzero's own group over the process group's ranks (``own_groups.collective_group``):
         a user's collective inside backward never meets one of these reductions."""
         self.world_size = world_size_of(self.pg)
         self.rank = rank_of(self.pg)

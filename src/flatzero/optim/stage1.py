@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from ..comm import on_host_gloo, reduce_scatter_into
-from ..control import control_group
 from ..flatten.alloc import allocate_agreed
 from ..flatten.buffers import FlatParams
+from ..own_groups import control_group
 from .buckets import BucketState, InFlight, empty_buffer
 from .config import ZeroConfig
 from .reducers import GradReducer

@@ -15,9 +15,9 @@ from typing import Protocol
 import torch
 
 from ..comm import all_gather_buckets_from_own_slices
-from ..control import collective_group, control_group
 from ..cores import core_share
 from ..flatten.buffers import FlatParams
+from ..own_groups import collective_group, control_group
 from .config import OffloadConfig
 from .inner import scale_grads, step_with_grad_scale
 from .offload import HOST, HostOffload, OffloadHostBytes

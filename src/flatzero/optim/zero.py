@@ -22,9 +22,10 @@ from torch import nn
 
 from ..comm import check_same_everywhere, rank_of, world_size_of
 from ..config import FlattenConfig
-from ..control import collective_group, control_group, every_rank_or_none
+from ..control import every_rank_or_none
 from ..flatten import FlatParams
 from ..gcpause import paused_gc
+from ..own_groups import collective_group, control_group
 from ..report import report_is_owned
 from ..words import plural
 from . import torch_clip

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ...comm import check_same_everywhere
-from ...control import control_group, every_rank_or_none
+from ...control import every_rank_or_none
+from ...own_groups import control_group
 from .client import link_client_optimizer
 from .rank_agreement import (
     agree_on_checkpoint_to_load,

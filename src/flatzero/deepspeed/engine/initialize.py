@@ -35,11 +35,11 @@ from torch import nn
 
 from ...comm import check_same_everywhere, rank_of, world_size_of
 from ...config import FlattenConfig
-from ...control import control_group
 from ...devices import activate, resolve_device
 from ...flatten.registry import gathering_tier
 from ...gcpause import paused_gc
 from ...optim import ZeroOptimizer
+from ...own_groups import control_group
 from ...params import ParamGroup, collect_param_groups
 from ...process_group import ensure_process_group
 from ...report import owns_report

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from ...comm import all_reduce_max_each, check_same_everywhere, rank_of, world_size_of
-from ...control import ErrorFactory, Failures, control_group, every_rank_or_none
+from ...control import ErrorFactory, Failures, every_rank_or_none
+from ...own_groups import control_group
 from .errors import UnsupportedFeatureError
 
 if TYPE_CHECKING:
