@@ -44,9 +44,9 @@ _COLLECTIVES = (
 
 def _separate_control_groups() -> None:
     """In this process, give every group a gloo control group of its own, as on NCCL."""
-    import flatzero.control
+    import flatzero.own_groups
 
-    flatzero.control._separate_control_needed = lambda group: True
+    flatzero.own_groups._separate_control_needed = lambda group: True
 
 
 class _Recorder:

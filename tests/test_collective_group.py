@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import flatzero.own_groups as own_groups
 from flatzero import FlattenConfig, ZeroOptimizer
-from flatzero import control as control_module
 from flatzero.launch import run_ranks
 
 WIDTH = 16
@@ -80,7 +80,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    ours = control_module.collective_group(None)
+    ours = own_groups.collective_group(None)
     return {
         "losses": losses,
         "params": {n: p.detach().flatten().tolist() for n, p in model.named_parameters()},
@@ -102,8 +102,8 @@ def test_a_user_collective_inside_backward_does_not_meet_flatzeros_reductions():
 
 def _subgroup_worker(rank: int, world_size: int) -> list[int]:
     mine, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])
-    ours = control_module.collective_group(mine)
-    assert ours is not mine and control_module.collective_group(mine) is ours
+    ours = own_groups.collective_group(mine)
+    assert ours is not mine and own_groups.collective_group(mine) is ours
     t = torch.ones(1) * rank
     dist.all_reduce(t, group=ours)
     return [int(t.item()), *dist.get_process_group_ranks(ours)]

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import flatzero.own_groups as own_groups
 from flatzero import FlattenConfig, OffloadConfig, ZeroOptimizer, flatten_parameters
-from flatzero import control as control_module
 from flatzero import cores as threads
 from flatzero.cores import (
     LAUNCHER_LOCAL_SIZES,
@@ -221,7 +221,7 @@ def test_ranks_pinned_to_their_own_cores_keep_them():
 
 
 def _subgroup_worker(rank: int, world_size: int) -> dict:
-    control_module._separate_control_needed = lambda group: True  # as on NCCL
+    own_groups._separate_control_needed = lambda group: True  # as on NCCL
     mine, _ = dist.new_subgroups_by_enumeration([[0, 1], [2]])
     created: list = []
     new_group = dist.new_group

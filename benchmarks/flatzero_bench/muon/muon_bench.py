@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import time
 from typing import Any
@@ -177,6 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    load_before = os.getloadavg()
     methods, skipped = without_unavailable_deepspeed(tuple(args.methods.split(",")))
     print_skipped(skipped)
     rows: list[dict[str, Any]] = []
@@ -214,6 +216,7 @@ def run(args: argparse.Namespace) -> None:
     result = {
         **result_head("muon", args),
         "machine": {"cpu": cpu_name(), **versions()},
+        "load_average_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
         "model": dataclasses.asdict(_config(args)),
         "skipped": skipped,
         "rows": rows,
