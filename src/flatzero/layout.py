@@ -23,7 +23,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .owners import newton_schulz_cost, place_whole
@@ -169,6 +169,8 @@ class GroupLayout:
         buckets: the buckets, in layout order.
         world_size: number of ranks.
         alignment: params start on multiples of this many elements.
+        whole: every param lies whole inside one rank's slice (``owners``), for an
+            optimizer that steps whole tensors.
     """
 
     group_index: int
@@ -177,6 +179,7 @@ class GroupLayout:
     buckets: tuple[BucketLayout, ...]
     world_size: int
     alignment: int
+    whole: bool = False
 
     @property
     def numel(self) -> int:
@@ -321,6 +324,7 @@ class Layout:
                 {
                     "group_index": g.group_index,
                     "dtype": g.dtype,
+                    **({"whole": True} if g.whole else {}),
                     "params": [
                         {
                             "name": s.spec.name,
@@ -375,7 +379,15 @@ class Layout:
                 for b in g["buckets"]
             )
             groups.append(
-                GroupLayout(g["group_index"], g["dtype"], slots, buckets, ws, data["alignment"])
+                GroupLayout(
+                    g["group_index"],
+                    g["dtype"],
+                    slots,
+                    buckets,
+                    ws,
+                    data["alignment"],
+                    whole=bool(g.get("whole", False)),
+                )
             )
         return cls(tuple(groups), ws, int(data["bucket_numel"]), int(data["alignment"]))
 
@@ -452,7 +464,7 @@ def _plan_whole_group(
         numel = slice_numel * world_size
         buckets.append(BucketLayout(index, numel, members, used, shard_offset, world_size))
         shard_offset += slice_numel
-    return GroupLayout(group_index, dtype, slots, tuple(buckets), world_size, alignment)
+    return GroupLayout(group_index, dtype, slots, tuple(buckets), world_size, alignment, whole=True)
 
 
 def plan_layout(
@@ -461,7 +473,7 @@ def plan_layout(
     world_size: int,
     bucket_numel: int,
     alignment: int = DEFAULT_ALIGNMENT,
-    whole_params: bool = False,
+    whole_params: bool | Collection[int] = False,
 ) -> Layout:
     """Plan the flat, sharded layout of ``groups`` of trainable, deduplicated params.
 
@@ -471,7 +483,8 @@ def plan_layout(
         bucket_numel: target bucket size in elements (>= 1); a bigger param gets its own bucket.
         alignment: params start on multiples of this many elements (>= 1).
         whole_params: every param lies whole inside one rank's slice, for optimizers that
-            step whole tensors (``owners``); buckets may pad more to balance the ranks.
+            step whole tensors (``owners``; buckets may pad more to balance the ranks):
+            ``True`` for every group, or the indices of the groups.
 
     Returns:
         One ``GroupLayout`` per (param group, dtype); groups without params produce none.
@@ -496,7 +509,10 @@ def plan_layout(
             seen[spec.name] = group_index
             by_dtype.setdefault(spec.dtype, []).append((reg_index, spec))
         for dtype, members in by_dtype.items():
-            plan_group = _plan_whole_group if whole_params else _plan_group
+            whole = whole_params is True or (
+                not isinstance(whole_params, bool) and group_index in whole_params
+            )
+            plan_group = _plan_whole_group if whole else _plan_group
             layouts.append(
                 plan_group(
                     group_index,
