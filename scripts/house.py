@@ -193,6 +193,8 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "engine.weights",
                 "engine.weights16",
                 "engine.getters",
+                "engine.full_values",
+                "engine.safe_full",
                 "engine.lr_scheduler",
                 "engine.optimizer_choice",
                 "engine.rank_agreement",

@@ -18,6 +18,7 @@ from ...checkpoint.atomic import wait_for_removals
 from ...optim import ZeroOptimizer
 from .checkpointing import EngineCheckpoints
 from .config import EngineConfig
+from .full_values import unregister
 from .getters import DeepSpeedGetters
 from .report import EngineInitReport
 
@@ -301,6 +302,7 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, nn.Module):
             self.wait_for_save()
             wait_for_removals()
             self._destroyed = True
+            unregister(self.optimizer)
             self.optimizer.close()
 
     def __repr__(self) -> str:
