@@ -193,6 +193,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "engine.weights",
                 "engine.weights16",
                 "engine.getters",
+                "engine.door_optimizer",
                 "engine.full_values",
                 "engine.safe_full",
                 "engine.lr_scheduler",

@@ -1,6 +1,7 @@
-"""``deepspeed.utils.safe_get_full_*`` / ``safe_set_full_*`` on flatzero's engine, side by side
-with DeepSpeed 0.19.8's ZeRO-1/2 (CPU, gloo, 2 ranks, a param split between the ranks;
-skipped without DeepSpeed)."""
+"""``deepspeed.utils.safe_get_full_*`` / ``safe_set_full_*`` on flatzero's engine, and the
+internals of DeepSpeed's optimizer that scripts read (``engine.optimizer.optimizer``,
+``loss_scaler.cur_scale``, ``cur_scale``), side by side with DeepSpeed 0.19.8's ZeRO-1/2 (CPU,
+gloo, 2 ranks, a param split between the ranks; skipped without DeepSpeed)."""
 
 from __future__ import annotations
 
@@ -116,6 +117,14 @@ def _case(rank: int, stage: int, dtype: str) -> dict[str, Any]:
             out["split"] = any(len({r for r, _ in layout.param_pieces(s)}) == 2
                                for s in range(len(layout.slots)))  # fmt: skip
         out[name] = _train(engine, rank)
+        inner = engine.optimizer.optimizer  # the wrapped torch optimizer
+        out[name]["internals"] = (
+            type(inner).__name__,
+            inner.param_groups[0]["lr"],
+            sorted(inner.state[inner.param_groups[0]["params"][0]]),
+            engine.optimizer.loss_scaler.cur_scale,
+            engine.optimizer.cur_scale,
+        )
         frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
         out[name]["unknown param"] = deepspeed.utils.safe_get_full_fp32_param(frozen)
         if name == "deepspeed":
@@ -155,5 +164,6 @@ def _compare(outs: list[dict[str, Any]], dtype: str) -> None:
             _close(param, ds["written"][name][0], 0.0)  # written exactly, read back whole
             _close(avg, ds["written"][name][1], 0.0)
         _close(fz["grad written"], ds["grad written"], 0.0)
+        assert fz["internals"] == ds["internals"]
         assert fz["skipped"] == ds["skipped"] == 1  # the inf gradient skipped the step
         assert fz["after inf"] == fz["after step"]  # (in fp32 too, as DeepSpeed's ZeRO-1/2)

@@ -46,6 +46,7 @@ from ...process_group import ensure_process_group
 from .client import link_client_optimizer
 from .config import EngineConfig, parse_config
 from .deepspeed_compat import deepspeed_engine_class
+from .door_optimizer import DoorOptimizer
 from .engine import Engine
 from .errors import UnsupportedFeatureError
 from .full_values import register
@@ -422,7 +423,7 @@ def initialize(
     with phases("sync"):
         sync = _agree_on_weights(model, weights, cfg)
     with phases("optimizer"):
-        zero_opt = ZeroOptimizer(
+        zero_opt = DoorOptimizer(
             weights.flat,
             choice.cls,
             config=cfg.zero_optimizer,
