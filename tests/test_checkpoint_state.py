@@ -216,3 +216,23 @@ def test_json_values_round_trip():
     out = decode_value(encode_value(value))
     assert out["a"] == (1, [2.0, -math.inf]) and out[3] is None and out["d"] is torch.bfloat16
     assert math.isnan(out["n"])
+
+
+def test_a_checkpoint_without_a_loss_scaler_loads_under_a_fixed_scale(tmp_path):
+    """fp32 checkpoints and state dicts written before the door checked fp32 steps for
+    inf/nan (a fixed scale of 1, as DeepSpeed's ZeRO-1/2) have no loss scaler state; they
+    still load, through either path."""
+    from flatzero.optim import LossScaleConfig, ZeroConfig
+
+    net, opt = make(lr=1e-2)
+    train(net, opt, 2)
+    save_checkpoint(tmp_path, opt)
+    state = opt.state_dict()
+    assert state["loss_scaler"] is None
+    fixed = ZeroConfig(loss_scale=LossScaleConfig(init_scale=1.0, dynamic=False))
+    for load in (lambda o: load_checkpoint(tmp_path, o), lambda o: o.load_state_dict(state)):
+        net2, opt2 = make(lr=1e-2, seed=3, config=fixed)
+        load(opt2)
+        assert opt2.loss_scale == 1.0
+        for a, b in zip(net.parameters(), net2.parameters(), strict=True):
+            assert torch.equal(a, b)

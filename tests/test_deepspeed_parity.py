@@ -265,3 +265,63 @@ def test_a_client_optimizer_beside_a_config_optimizer_is_used_as_in_deepspeed():
     assert out["flatzero"][0] == out["deepspeed"][0] == "SGD"
     assert out["flatzero"][1] == out["deepspeed"][1]  # WarmupLR's first lr on both
     assert out["warned"]
+
+
+# ------------------------------------------------------------------ FusedAdam as the client's
+def _fused_adam_rank(rank: int, world_size: int) -> dict[str, Any]:
+    """DeepSpeed's ``FusedAdam`` passed as the client optimizer, in both of its modes: the
+    same weights after three steps on both engines (flatzero runs torch's Adam/AdamW)."""
+    from flatzero.testing.deepspeed import prepare_deepspeed, release_engine
+
+    prepare_deepspeed()
+    import deepspeed
+    from deepspeed.ops.adam import FusedAdam
+
+    import flatzero
+
+    config = {"train_batch_size": 2, "zero_optimization": {"stage": 2}, "gradient_clipping": 0.0}
+    out: dict[str, Any] = {}
+    for adam_w_mode in (True, False):
+        for name, initialize in (
+            ("deepspeed", deepspeed.initialize),
+            ("flatzero", flatzero.initialize),
+        ):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(
+                torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)
+            )
+            client = FusedAdam(model.parameters(), lr=0.05, betas=(0.8, 0.99), eps=1e-6,
+                               weight_decay=0.1, adam_w_mode=adam_w_mode)  # fmt: skip
+            engine, *_ = initialize(model=model, optimizer=client, config=dict(config))
+            for step in range(3):
+                x = torch.randn(2, 8, generator=torch.Generator().manual_seed(step))
+                engine.backward(engine(x).pow(2).mean())
+                engine.step()
+            weights = [p.detach().tolist() for p in engine.module.parameters()]
+            out[f"{name} {adam_w_mode}"] = (type(engine).__name__, weights)
+            if name == "deepspeed":
+                release_engine(engine)
+            else:
+                engine.destroy()
+    return out
+
+
+def test_deepspeeds_fused_adam_as_client_optimizer_runs_on_flatzero():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed")
+    from test_deepspeed_export import adam_kernels
+
+    why = adam_kernels()
+    if why is not None:
+        pytest.skip(f"DeepSpeed's FusedAdam op cannot be built here: {why}")
+    out = run_ranks(_fused_adam_rank, 1, timeout_s=300, env={"DS_ACCELERATOR": "cpu"})[0]
+    for mode in (True, False):
+        (ds_engine, ds_weights), (fz_engine, fz_weights) = (
+            out[f"deepspeed {mode}"],
+            out[f"flatzero {mode}"],
+        )
+        assert fz_engine == "DeepSpeedCompatibleEngine"  # not routed to DeepSpeed
+        assert ds_engine == "DeepSpeedEngine"
+        for a, b in zip(fz_weights, ds_weights, strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6)
+    assert out["flatzero True"][1][0] != out["flatzero False"][1][0]  # the two modes differ

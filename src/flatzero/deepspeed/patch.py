@@ -259,6 +259,9 @@ def patch_deepspeed() -> DeepSpeedPatch:
             "call flatzero.initialize(model=..., config=...) directly",
             name=error.name,
         ) from error
+    from .engine.safe_full import install
+
+    install()  # deepspeed.utils.safe_get_full_* answer for flatzero's params
     current = deepspeed.initialize
     if getattr(current, _ROUTER_MARK, False):
         return DeepSpeedPatch(deepspeed, None, current)

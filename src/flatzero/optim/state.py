@@ -197,7 +197,11 @@ def check_loadable(state: ShardedOptimizerState, mine: ShardedOptimizerState) ->
                     f"optimizer state {name!r} of group {i} has {item.numel()} elements; "
                     f"this rank's shard has {own.master.numel()}"
                 )
-    if mine.loss_scaler is not None:
+    # A fixed scale (no iteration counts) loads a state without a scaler as it is: fp32 and
+    # bf16 checkpoints written before their steps were checked for inf/nan have none.
+    if mine.loss_scaler is not None and (
+        state.loss_scaler is not None or "iteration" in mine.loss_scaler
+    ):
         LossScaler.check_state_dict(state.loss_scaler)
 
 

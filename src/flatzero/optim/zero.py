@@ -513,8 +513,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.inner.load_state_dict(state.inner_state_dict())
             for master, grad in zip(self._masters, self._stepper.step_grads, strict=True):
                 master.grad = grad
-            if self._scaler is not None:
-                self._scaler.load_state_dict(dict(state.loss_scaler or {}))
+            if self._scaler is not None and state.loss_scaler is not None:
+                self._scaler.load_state_dict(dict(state.loss_scaler))
             order = state.bucket_order
             self._reducer.set_order(list(order) if order is not None else None)
             self._end_window()

@@ -19,6 +19,7 @@ from ...optim import ZeroOptimizer
 from .checkpointing import EngineCheckpoints
 from .compiling import EngineCompile
 from .config import EngineConfig
+from .full_values import unregister
 from .getters import DeepSpeedGetters
 from .preemption import check_at_boundary, engine_watch
 from .report import EngineInitReport
@@ -326,6 +327,7 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, EngineCompile, nn.Module):
             wait_for_removals()
             self._destroyed = True
             self._user_backward.close()
+            unregister(self.optimizer)
             self.optimizer.close()
             if self._preemption is not None:
                 self._preemption.uninstall()

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -47,13 +48,16 @@ from .client import link_client_optimizer
 from .compiling import compile_in_place, uncompiled
 from .config import EngineConfig, parse_config
 from .deepspeed_compat import deepspeed_engine_class
+from .door_optimizer import DoorOptimizer
 from .engine import Engine
 from .errors import UnsupportedFeatureError
+from .full_values import register
 from .lr_scheduler import build_scheduler, check_client_scheduler, probe_scheduler
 from .optimizer_choice import OptimizerChoice, choose_optimizer
 from .param_sync import place_rest, sync_params
 from .rank_agreement import agree_on_config, user_errors_agreed
 from .report import EngineInitReport
+from .safe_full import install
 from .weights import Weights, check_checkpoint_argument, get_weights
 
 __all__ = ["initialize"]
@@ -420,7 +424,7 @@ def initialize(
     with phases("sync"):
         sync = _agree_on_weights(model, weights, cfg)
     with phases("optimizer"):
-        zero_opt = ZeroOptimizer(
+        zero_opt = DoorOptimizer(
             weights.flat,
             choice.cls,
             config=cfg.zero_optimizer,
@@ -438,6 +442,10 @@ def initialize(
         model, zero_opt, scheduler, cfg, report, process_group=None,
         training_dataloader=dataloader, client_optimizer=choice.client,
     )  # fmt: skip
+    if not cfg.replicated:  # deepspeed.utils.safe_get_full_* answer for its params
+        register(zero_opt)
+    if "deepspeed" in sys.modules:
+        install()
     if weights.checkpoint_dir is not None:
         engine.load_checkpoint(weights.checkpoint_dir, checkpoint_tag, load_module_only=True)
     if wrapper is not model:  # torch.compile(model): compiled in place (see compiling.py)

@@ -85,26 +85,52 @@ def _built_client(optimizer: Any, model: nn.Module, model_parameters: Any) -> to
     return optimizer
 
 
+def _deepspeed_adam(client: torch.optim.Optimizer) -> tuple[type, list[dict[str, Any]]] | None:
+    """DeepSpeed's ``FusedAdam`` (elementwise Adam in one kernel) as the torch class that
+    computes the same update and the client's groups without ``bias_correction``; None for
+    any other optimizer.
+
+    ``adam_w_mode`` picks ``AdamW`` (decoupled weight decay) or ``Adam`` (L2 added to the
+    gradient), as FusedAdam's kernel does; ``lr``, ``betas``, ``eps`` and ``weight_decay`` are
+    torch's keys already. torch's Adam always corrects the bias: a group with
+    ``bias_correction: False`` is an ``UnsupportedFeatureError`` (DeepSpeed runs it).
+    """
+    cls = type(client)
+    if cls.__name__ != "FusedAdam" or not cls.__module__.startswith("deepspeed."):
+        return None
+    if not all(g.get("bias_correction", True) for g in client.param_groups):
+        raise UnsupportedFeatureError(
+            "optimizer: FusedAdam with bias_correction=False has no torch.optim counterpart "
+            "(torch's Adam always corrects the bias)",
+            key="optimizer",
+            feature="FusedAdam without bias correction",
+        )
+    torch_cls = torch.optim.AdamW if getattr(client, "adam_w_mode", 1) else torch.optim.Adam
+    groups = [{k: v for k, v in g.items() if k != "bias_correction"} for g in client.param_groups]
+    return torch_cls, groups
+
+
 def _client_choice(
     optimizer: Any, cfg: EngineConfig, model: nn.Module, model_parameters: Any
 ) -> OptimizerChoice:
     client = _built_client(optimizer, model, model_parameters)
-    cls = type(client)
-    try:
-        check_optimizer_class(cls, elementwise=cfg.flatzero.elementwise_optimizer or None)
-    except TypeError as error:
-        raise UnsupportedFeatureError(
-            f"optimizer: {error}", key="optimizer", feature=f"the {cls.__name__}"
-        ) from None
+    mapped = _deepspeed_adam(client)
+    if mapped is not None:
+        cls, groups = mapped
+        name = f"{cls.__name__} (client FusedAdam)"
+    else:
+        cls, groups, name = type(client), client.param_groups, f"{type(client).__name__} (client)"
+        try:
+            check_optimizer_class(cls, elementwise=cfg.flatzero.elementwise_optimizer or None)
+        except TypeError as error:
+            raise UnsupportedFeatureError(
+                f"optimizer: {error}", key="optimizer", feature=f"the {cls.__name__}"
+            ) from None
     if cfg.zero_optimizer.offload_optimizer is not None:
-        options = [{k: v for k, v in g.items() if k != "params"} for g in client.param_groups]
+        options = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         check_host_kernel(cls, options, {})
     return OptimizerChoice(
-        cls,
-        name=f"{cls.__name__} (client)",
-        params=client.param_groups,
-        where="optimizer.param_groups",
-        client=client,
+        cls, name=name, params=groups, where="optimizer.param_groups", client=client
     )
 
 

@@ -9,7 +9,7 @@ import torch
 
 from ....config import FlattenConfig
 from ....dtypes import SHORT_DTYPES, dtype_name
-from ....optim import ZeroConfig
+from ....optim import LossScaleConfig, ZeroConfig
 from .flatzero_section import read_flatzero
 from .keys import TOP_NO_EFFECT, TOP_REFUSED
 from .optimizer import parse_optimizer, parse_scheduler
@@ -88,6 +88,15 @@ def _flatten_config(
     return FlattenConfig(**kwargs, dtype=None if dtype is None else dtype_name(dtype))
 
 
+def _loss_scale(precision: PrecisionSection, stage: int) -> LossScaleConfig | None:
+    """The optimizer's loss scaler: the precision's; for fp32 at stages 1 and 2 a fixed
+    scale of 1, so that a step with inf/nan gradients is skipped, as DeepSpeed's ZeRO-1/2
+    optimizer checks every step for overflow whatever the dtype (its stage 0 does not)."""
+    if precision.dtype == "fp32" and stage in (1, 2):
+        return LossScaleConfig(init_scale=1.0, dynamic=False)
+    return precision.loss_scale
+
+
 def parse_config(config: Any, *, world_size: int) -> EngineConfig:
     """Parse a DeepSpeed config for ``world_size`` data-parallel ranks.
 
@@ -134,7 +143,7 @@ def parse_config(config: Any, *, world_size: int) -> EngineConfig:
             max_grad_norm=keys.gradient_clipping,
             reduce_dtype=keys.reduce_dtype or _default_reduce_dtype(precision.torch_dtype),
             grad_accum_dtype=data_types.grad_accum_dtype,
-            loss_scale=precision.loss_scale,
+            loss_scale=_loss_scale(precision, zero.stage),
             offload_optimizer=offload,
             **flatzero[ZeroConfig],
         ),
