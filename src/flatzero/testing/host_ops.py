@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
@@ -51,7 +52,9 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.counts: collections.Counter[str] = collections.Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(
+        self, func: OpOverload, types: tuple, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         self.counts[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
 
