@@ -52,6 +52,7 @@ def _rows(
             "method": spec.method,
             "layers": spec.layers,
             "params": ops["params"],
+            "buckets": ops["buckets"],
             "backward_ops": ops["backward"],
             "backward_per_param": ops["backward"] / ops["params"],
             "step_ops": ops["step"],
@@ -73,14 +74,15 @@ def _with_plain(rows: list[dict[str, Any]]) -> None:
 
 def _table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| world size | method | layers | params | backward ops / param "
+        "| world size | method | layers | params | buckets | backward ops / param "
         "| over plain torch | step ops | step ops / param |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         over = r.get("backward_per_param_over_plain")
         lines.append(
             f"| {r['world_size']} | {r['method']} | {r['layers']} | {r['params']} | "
+            f"{'' if r['buckets'] is None else r['buckets']} | "
             f"{r['backward_per_param']:.2f} | {'' if over is None else f'{over:+.2f}'} | "
             f"{r['step_ops']:.0f} | {r['step_per_param']:.2f} |"
         )
@@ -93,6 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", default="50,200", help="comma-separated Linear layer counts")
     parser.add_argument("--width", type=int, default=8, help="each layer's in/out features")
     parser.add_argument("--steps", type=int, default=2, help="counted steps per method")
+    parser.add_argument(
+        "--bucket-numel",
+        type=int,
+        default=HostOpsSpec.bucket_numel,
+        help="flatzero's and DeepSpeed's bucket size in elements (even); the default holds "
+        "every param of 200 layers of width 8 in one bucket",
+    )
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed")
     parser.add_argument("--json", help="also write the result JSON to this path")
     parser.add_argument("--markdown", help="also write the table (markdown) to this path")
@@ -105,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for ws in (int(w) for w in args.world_sizes.split(",")):
         specs = tuple(
-            HostOpsSpec(method=m, layers=n, width=args.width, steps=args.steps)
+            HostOpsSpec(m, n, args.width, steps=args.steps, bucket_numel=args.bucket_numel)
             for m in _methods_for(ws, bool(kept))
             for n in layers
         )
@@ -117,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
     header = (
         f"{platform.node()}: {os.cpu_count()} cpus, {cpu_name()}; "
         + ", ".join(f"{k} {v}" for k, v in versions().items())
-        + f"; Linear({args.width}, {args.width}) x {args.layers} layers, {args.steps} "
-        "counted steps, rank 0"
+        + f"; Linear({args.width}, {args.width}) x {args.layers} layers, buckets of "
+        f"{args.bucket_numel} elements, {args.steps} counted steps, rank 0"
     )
     print(header)
     print_skipped(skipped)

@@ -105,6 +105,7 @@ class HostOps:
 
     Attributes:
         params: param tensors in the model.
+        buckets: flatzero's buckets (``None`` for the other methods).
         backward: ops in backward, with the gradient reduction complete.
         step: ops in the optimizer step (clipping, update, all-gather, zeroing the grads).
         backward_ops: per operator name, backward's ops over all counted steps.
@@ -112,6 +113,7 @@ class HostOps:
     """
 
     params: int
+    buckets: int | None
     backward: float
     step: float
     backward_ops: dict[str, int]
@@ -120,6 +122,9 @@ class HostOps:
 
 class _Method:
     """A model and its optimizer, in two counted phases."""
+
+    buckets: int | None = None
+    """flatzero's buckets; ``None`` for the other methods."""
 
     def __init__(self, model: nn.Module, spec: HostOpsSpec) -> None:
         self.model = model
@@ -162,6 +167,7 @@ class _Flatzero(_Method):
             flatten_config=FlattenConfig(bucket_numel=spec.bucket_numel, progress=False),
             lr=LR,
         )
+        self.buckets = sum(len(g.layout.buckets) for g in self.opt.flat.groups)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -230,6 +236,7 @@ def count_host_ops(rank: int, world_size: int, spec: HostOpsSpec) -> dict[str, A
     return dataclasses.asdict(
         HostOps(
             params=params,
+            buckets=method.buckets,
             backward=sum(backward.values()) / spec.steps,
             step=sum(step.values()) / spec.steps,
             backward_ops=dict(backward),
