@@ -9,6 +9,7 @@ from types import ModuleType
 from flatzero_bench.checkpoint import checkpoint_bench
 from flatzero_bench.device_memory import device_memory
 from flatzero_bench.doors import doors
+from flatzero_bench.host_ops import host_ops
 from flatzero_bench.init import init_bench
 from flatzero_bench.load import load_bench
 from flatzero_bench.muon import muon_bench
@@ -28,6 +29,7 @@ BENCHMARKS: tuple[tuple[str, ModuleType], ...] = (
     ("device-memory", device_memory),
     ("offload", offload_bench),
     ("muon", muon_bench),
+    ("host-ops", host_ops),
 )
 """``flatzero bench NAME``: each module has ``add_arguments(parser)`` and ``run(args)``,
 and its docstring's first line is its help."""

@@ -233,7 +233,10 @@ class Stage2Reducer(GradReducer):
         else:
             for pos in positions:
                 state.pending[pos] -= 1
-        state.hold(pid, grad.reshape(-1))
+        # Flat without a view op where it is flat already, and staged whole without a slice
+        # where a chunk holds all of it (_launch): host ops per param are pinned by
+        # tests/test_host_ops.py.
+        state.hold(pid, grad if grad.dim() == 1 else grad.reshape(-1))
         self.held_peak = max(self.held_peak, state.held_bytes)
         if self.order_state is OrderState.RECORDING:
             self._last_arrival[self._bucket_of[pid]] = len(state.arrived)
@@ -303,7 +306,7 @@ class Stage2Reducer(GradReducer):
                 zeros.append(view)
             else:
                 dsts.append(view)
-                srcs.append(grad[first : first + numel])
+                srcs.append(grad if numel == grad.numel() else grad[first : first + numel])
             state.unstaged[pid] -= 1
         if zeros:
             torch._foreach_zero_(zeros)

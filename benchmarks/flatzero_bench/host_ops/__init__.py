@@ -1,0 +1,1 @@
+"""``flatzero bench host-ops``: operator calls per param in backward and in the step."""
