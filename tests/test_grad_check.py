@@ -60,8 +60,8 @@ def _inject(fault: str, rank: int) -> None:
 
     def faulty_reduce(tensor, *args, **kwargs):  # a rank's contribution, after staging
         if rank == 1 and fires(tensor):
-            if fault == "corrupted":
-                tensor[0] += 1.0
+            if fault == "corrupted":  # a garbled copy: every other element's sign
+                tensor[::2].neg_()
             else:  # skipped: the rank's contribution never counts
                 tensor.zero_()
         return reduce(tensor, *args, **kwargs)
