@@ -123,3 +123,14 @@ def test_every_fault_is_detected(stage: int, world: int) -> None:
 def test_no_false_alarm_over_many_bf16_steps() -> None:
     out = run_ranks(_train, 2, 2, "none", 1000, "bfloat16")
     assert out == ["quiet after 1000 checks"] * 2
+
+
+def test_the_deepspeed_door_key_turns_it_on() -> None:
+    from flatzero.deepspeed.engine.config import parse_config
+
+    base = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
+    assert not parse_config(base, world_size=2).zero_optimizer.check_gradients
+    given = {**base, "flatzero": {"check_gradients": True}}
+    assert parse_config(given, world_size=2).zero_optimizer.check_gradients
+    with pytest.raises(TypeError, match=r"flatzero\.check_gradients"):
+        parse_config({**base, "flatzero": {"check_gradients": "yes"}}, world_size=2)
