@@ -173,6 +173,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "inner",
                 "norm",
                 "config",
+                "grad_check",
                 "scaler",
                 "agreement",
                 "torch_clip",

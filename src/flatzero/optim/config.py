@@ -186,6 +186,11 @@ class ZeroConfig:
             agreed by all ranks; this only makes it the one backward actually follows.
         offload_optimizer: step the optimizer in host memory (``OffloadConfig``); ``None``
             keeps the master shards and the optimizer state beside the buckets.
+        check_gradients: verify every reduction of every step (``grad_check.py``): each rank
+            projects what it contributes to each chunk on a seeded random vector, each owner
+            projects what landed in its shard, one all-reduce of a few scalars per chunk
+            compares them; a mismatch raises ``GradientMismatch`` naming the bucket, the
+            params and the ranks. Off by default; over several ranks only.
     """
 
     stage: int = 2
@@ -197,6 +202,7 @@ class ZeroConfig:
     loss_scale: LossScaleConfig | None = None
     learn_bucket_order: bool = True
     offload_optimizer: OffloadConfig | None = None
+    check_gradients: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2) or isinstance(self.stage, bool):
@@ -237,6 +243,10 @@ class ZeroConfig:
         if not isinstance(self.learn_bucket_order, bool):
             raise ValueError(
                 f"ZeroConfig.learn_bucket_order must be a bool, got {self.learn_bucket_order!r}"
+            )
+        if not isinstance(self.check_gradients, bool):
+            raise ValueError(
+                f"ZeroConfig.check_gradients must be a bool, got {self.check_gradients!r}"
             )
         if self.offload_optimizer is not None and not isinstance(
             self.offload_optimizer, OffloadConfig

@@ -41,6 +41,7 @@ from .buckets import (
     staging_geometry,
 )
 from .config import ZeroConfig
+from .grad_check import GradCheck
 
 __all__ = ["GradReducer", "WindowState", "check_unclaimed"]
 
@@ -183,6 +184,8 @@ class GradReducer:
         self._chunks_by_bucket = (
             [self._bucket_chunks(b) for b in self.buckets] if self.world_size > 1 else []
         )
+        self.check = self._grad_check() if config.check_gradients and self.world_size > 1 else None
+        """The gradient check (``ZeroConfig.check_gradients``), over several ranks."""
         self.on_chunk_landed: Callable[[int, bool], None] | None = None
         """Called as ``(bucket, complete)`` after a chunk of a bucket's gradient shard
         landed, ``complete`` when it was the last of the bucket's chunks in a backward pass
@@ -200,6 +203,32 @@ class GradReducer:
             self.world_size,
             self.chunk_numel,
         )
+
+    def _grad_check(self) -> GradCheck:
+        names = [s.spec.name for g in self.flat.groups for s in g.layout.slots]
+        labels = [f"bucket {b.bucket} of group {b.group}" for b in self.buckets]
+        chunks = [c for chunks in self._chunks_by_bucket for c in chunks]
+        return GradCheck(
+            chunks,
+            self.buckets,
+            names,
+            labels,
+            self.rank,
+            self.world_size,
+            self.pg,
+            self.chunk_numel,
+            self.config.reduce_dtype,
+        )
+
+    def _check_landed(self) -> None:
+        """Verify the window's reductions so far (collective; after they all landed)."""
+        if self.check is not None:
+            self.check.verify()
+
+    def _check_reset(self) -> None:
+        """A new window for the gradient check."""
+        if self.check is not None:
+            self.check.reset()
 
     def _register(self, args_for: Callable[[int, int, BucketState], tuple]) -> None:
         """Hook ``self._hook(*args_for(group, slot, bucket_state), param)`` on every
@@ -222,6 +251,8 @@ class GradReducer:
     ) -> None:
         """Start summing ``staged`` (``chunk`` of this rank's gradient, in ``slot``) onto the
         chunk's owner, which lands it in its gradient shard (added when ``add``)."""
+        if self.check is not None:
+            self.check.local(chunk, staged, add)
         work = dist.reduce(staged, group_dst=chunk.owner, group=self.pg, async_op=True)
         if chunk.owner != self.rank:
             self.pool.inflight.append(InFlight(work, slot))

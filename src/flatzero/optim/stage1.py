@@ -167,6 +167,9 @@ class Stage1Reducer(GradReducer):
                 and self.pool.dtype == torch.float32
             ):
                 shard = self.buckets[index].shard_view
+                if self.check is not None:
+                    for chunk in self._chunks_by_bucket[index]:
+                        self.check.local(chunk, src[chunk.start : chunk.end], add=False)
                 work = reduce_scatter_into(shard, src, self.pg, async_op=True)
                 self.pool.inflight.append(InFlight(work))
                 continue
@@ -176,12 +179,14 @@ class Stage1Reducer(GradReducer):
                 staged.copy_(src[chunk.start : chunk.end])
                 self._reduce_chunk(chunk, slot, staged, add=False)
         self.pool.finish_all()
+        self._check_landed()
 
     def reset_window(self) -> None:
         self.pool.finish_all()
         if self.buffer_state is not BufferState.CLEAN:
             torch._foreach_zero_(self.flat_grads)
         self.buffer_state = BufferState.CLEAN
+        self._check_reset()
         if self._detached:  # something replaced .grad: put every view back
             self._attach()
             self._detached = False

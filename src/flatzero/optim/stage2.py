@@ -400,12 +400,14 @@ class Stage2Reducer(GradReducer):
         if self.window.running:
             raise RuntimeError(UNFINISHED)
         self.pool.finish_all()
+        self._check_landed()
 
     def reset_window(self) -> None:
         self.pool.finish_all()
         self._chunks_landed = [0] * len(self.buckets)  # a failed pass launched only some
         self._pass = self._new_pass()
         self.window = WindowState.EMPTY
+        self._check_reset()
         if self.order_state is OrderState.RECORDING:
             self._last_arrival.clear()  # a failed first pass: record the next one
         self.generation += 1
