@@ -15,7 +15,9 @@ from safetensors.torch import load_file
 
 from flatzero import FlattenConfig
 from flatzero.checkpoint import ExportConfig, export_checkpoint, save_checkpoint
-from flatzero.checkpoint.export import add_export_arguments, export_main, parse_size
+from flatzero.checkpoint.export import export_main
+from flatzero.checkpoint_options import add_export_arguments
+from flatzero.cli_types import parse_size
 from flatzero.models import build_model
 from flatzero.optim import ZeroOptimizer
 from tiny_configs import TINY_LLAMA

@@ -226,17 +226,28 @@ def test_every_option_has_help_showing_its_default_and_no_markup():
     assert seen > 100  # every command's options were walked, the benchmarks' too
 
 
-@pytest.mark.parametrize(
-    "argv, status",
-    [
-        (["--help"], 0),
-        (["-v", "--help"], 0),
-        (["no-such-command"], 2),
-        ([], 2),
-        (["demo", "--help"], 0),
-        (["demo", "--steps", "many"], 2),
-    ],
-)
+TORCH_FREE = [
+    (["--help"], 0),
+    (["-v", "--help"], 0),
+    (["no-such-command"], 2),
+    ([], 2),
+    (["demo", "--help"], 0),
+    (["demo", "--steps", "many"], 2),
+    (["info", "--help"], 0),
+    (["info", "--ranks", "many"], 2),
+    (["export", "--help"], 0),
+    (["export", "ckpt", "out", "--max-shard-size", "5XB"], 2),
+    (["import-deepspeed", "--help"], 0),
+    (["import-deepspeed", "ds", "out", "--world-size", "0"], 2),
+    (["export-deepspeed", "--help"], 0),
+    (["export-deepspeed", "ckpt", "out"], 2),  # --world-size is required
+    (["plan", "--help"], 0),
+    (["plan", "--model", "llama-3-8b", "--stage", "3"], 2),
+]
+"""Command lines that answer without torch: ``--help`` and an argument error of each command."""
+
+
+@pytest.mark.parametrize("argv, status", TORCH_FREE)
 def test_the_command_line_answers_without_torch(argv, status):
     """``python -m flatzero --help`` and an argument error answer without importing torch
     (which takes seconds): the package's names load on first use, a command's module only
@@ -251,6 +262,20 @@ def test_the_command_line_answers_without_torch(argv, status):
         capture_output=True, text=True, timeout=60, env=os.environ,
     )  # fmt: skip
     assert done.stdout.splitlines()[-1] == f"False {status}", done.stdout + done.stderr
+
+
+def test_every_command_answers_its_help_and_argument_errors_without_torch():
+    """``TORCH_FREE`` holds ``--help`` and an argument error of every command; their options
+    spell the checkpoint's export dtypes as ``checkpoint.config`` does."""
+    from flatzero import cli, cli_types
+    from flatzero.checkpoint.config import EXPORT_DTYPES
+    from flatzero.checkpoint_options import EXPORT_DTYPES as OPTION_DTYPES
+
+    for command in cli.COMMANDS:
+        answers = {status for argv, status in TORCH_FREE if argv[:1] == [command.name]}
+        assert answers == {0, 2}, command.name
+    assert OPTION_DTYPES == EXPORT_DTYPES
+    assert cli_types.parse_size("500MiB") == 500 * 2**20
 
 
 def test_the_public_names_all_load_on_first_use():

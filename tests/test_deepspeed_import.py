@@ -253,11 +253,12 @@ def test_errors_name_the_file(tmp_path):
 def test_import_cli_with_another_world_size(runs, capsys):
     import argparse
 
-    from flatzero.deepspeed.convert.cli import add_import_arguments, import_main
+    from flatzero.checkpoint_options import add_import_deepspeed_arguments
+    from flatzero.deepspeed.convert.cli import import_main
 
     root, _ = runs
     parser = argparse.ArgumentParser()
-    add_import_arguments(parser)
+    add_import_deepspeed_arguments(parser)
     out = root / "fz_cli"
     args = parser.parse_args(
         [str(root / "ds_fp32"), str(out), "--world-size", "3", "--bucket-numel", "100"]

@@ -43,8 +43,9 @@ from flatzero.plan import (
     resolve_model,
 )
 from flatzero.plan.calibration import measure_fresh_write
-from flatzero.plan.cli import add_arguments, spec_from_args
+from flatzero.plan.cli import spec_from_args
 from flatzero.plan.model_source import ModelSource, group_dicts, param_groups
+from flatzero.plan.options import add_arguments
 from flatzero.plan.planner import huge_pages_advice, new_memory_sizes
 from flatzero.plan.traffic import deepspeed_bytes, deepspeed_master_bytes, flatzero_bytes
 from flatzero.storage.index import SafetensorsCheckpoint

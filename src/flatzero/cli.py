@@ -74,20 +74,20 @@ class Command:
 
 COMMANDS: tuple[Command, ...] = (
     Command("info", "versions, devices and tiers",
-            "flatzero.plan.cli:add_info_arguments", "flatzero.cli:_info"),
+            "flatzero.plan.options:add_info_arguments", "flatzero.cli:_info"),
     Command("demo", "the DeepSpeed door end to end, against DeepSpeed's",
             "flatzero.demo_spec:add_arguments", "flatzero.demo:run"),
     Command("export", "consolidated safetensors weights of a checkpoint",
-            "flatzero.checkpoint.export:add_export_arguments",
+            "flatzero.checkpoint_options:add_export_arguments",
             "flatzero.checkpoint.export:export_main"),
     Command("import-deepspeed", "a DeepSpeed ZeRO-1/2 checkpoint as a flatzero checkpoint",
-            "flatzero.deepspeed.convert.cli:add_import_arguments",
+            "flatzero.checkpoint_options:add_import_deepspeed_arguments",
             "flatzero.deepspeed.convert.cli:import_main"),
     Command("export-deepspeed", "a flatzero checkpoint as a DeepSpeed ZeRO-1/2 checkpoint",
-            "flatzero.deepspeed.convert.cli:add_export_arguments",
+            "flatzero.checkpoint_options:add_export_deepspeed_arguments",
             "flatzero.deepspeed.convert.cli:export_main"),
     Command("plan", "predict memory, tier, bytes per link and init time of a job",
-            "flatzero.plan.cli:add_arguments", "flatzero.plan.cli:run"),
+            "flatzero.plan.options:add_arguments", "flatzero.plan.cli:run"),
 )  # fmt: skip
 """Every subcommand but ``bench`` (the benchmark harness adds its own)."""
 

@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FlattenConfig", "register_check"]
+from .layout import DEFAULT_BUCKET_NUMEL
 
-DEFAULT_BUCKET_NUMEL = 2**26
-"""Default bucket size: 64 Mi elements (128 MiB in bf16)."""
+__all__ = ["FlattenConfig", "register_check"]
 
 
 _CHECKS: list[Callable[[FlattenConfig], None]] = []

@@ -30,6 +30,7 @@ from .owners import newton_schulz_cost, place_whole
 
 __all__ = [
     "DEFAULT_ALIGNMENT",
+    "DEFAULT_BUCKET_NUMEL",
     "BucketLayout",
     "GroupLayout",
     "Layout",
@@ -41,6 +42,9 @@ __all__ = [
 
 DEFAULT_ALIGNMENT = 64
 """Every param starts on a multiple of this many elements (128 bytes in bf16)."""
+
+DEFAULT_BUCKET_NUMEL = 2**26
+"""Default bucket size: 64 Mi elements (128 MiB in bf16)."""
 
 
 def _round_up(value: int, multiple: int) -> int:

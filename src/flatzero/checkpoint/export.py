@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..dtypes import SAFETENSORS_DTYPES, SHORT_DTYPES
-from ..progress import add_progress_argument, progress_bar
+from ..progress import progress_bar
 from ..storage.header import TensorEntry
 from ..storage.tensorfile import open_safetensors
 from ..storage.writer import SafetensorsWriter
-from .config import EXPORT_DTYPES, ExportConfig
+from .config import ExportConfig
 from .format import MASTER
 from .reader import CheckpointReader
 
@@ -42,10 +42,8 @@ if TYPE_CHECKING:
 __all__ = [
     "INDEX_NAME",
     "ExportResult",
-    "add_export_arguments",
     "export_checkpoint",
     "export_main",
-    "parse_size",
 ]
 
 logger = logging.getLogger(__name__)
@@ -246,48 +244,6 @@ def _write_file(
 
 
 # ---------------------------------------------------------------------------------- CLI
-def parse_size(text: str) -> int:
-    """``"5GB"``, ``"500MiB"``, ``"1e9"`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?i?B?)?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MiB, 1000000)")
-    value = float(m.group(1))
-    unit = (m.group(2) or "").upper().rstrip("B")
-    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-    scale |= {"KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
-    if unit not in scale:
-        raise argparse.ArgumentTypeError(f"unknown unit in {text!r}")
-    return max(1, int(value * scale[unit]))
-
-
-def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``flatzero export CHECKPOINT OUT_DIR``."""
-    parser.add_argument("checkpoint", help="checkpoint directory (its latest) or a checkpoint")
-    parser.add_argument("out_dir", help="output directory for model*.safetensors")
-    parser.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
-    parser.add_argument(
-        "--dtype",
-        choices=EXPORT_DTYPES,
-        default="bf16",
-        help="dtype of the weights (from the fp32 masters); 'saved': the training dtype",
-    )
-    parser.add_argument(
-        "--max-shard-size",
-        type=parse_size,
-        default=5 * 10**9,
-        help="bytes per file at most, e.g. 5GB (default), 500MiB",
-    )
-    parser.add_argument(
-        "--include-tied", action="store_true", help="also write tied params under second names"
-    )
-    parser.add_argument(
-        "--no-rest", action="store_true", help="leave out frozen params and buffers"
-    )
-    parser.add_argument("--verify", action="store_true", help="check rank file checksums first")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    add_progress_argument(parser)
-
-
 def export_main(args: argparse.Namespace) -> int:
     """Run ``flatzero export``; returns the exit status."""
     config = ExportConfig(

@@ -21,14 +21,11 @@ import torch
 from torch import nn
 
 from .. import accel
-from ..config import DEFAULT_BUCKET_NUMEL
 from ..cores import usable_cores
 from ..hostmem import empty_host
 from ..memory import meminfo_bytes
 from .hardware import HostSpec
-
-DEFAULT_FILL_BYTES = DEFAULT_BUCKET_NUMEL * 2
-"""One default bucket of bf16 params (bytes): the size flatzero's fill writes at a time."""
+from .names import DEFAULT_FILL_BYTES
 
 MAX_PROBE_BYTES = 2 * 2**30
 """The largest write of new memory a calibration makes (bytes): a job's master shard can be

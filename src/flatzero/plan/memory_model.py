@@ -31,6 +31,7 @@ from ..layout import GroupLayout, Layout
 from ..optim.buckets import staging_geometry
 from ..optim.config import DEFAULT_REDUCE_STAGING_BYTES
 from ..optim.offload import OffloadHostBytes, offload_host_bytes, state_floats
+from .names import OPTIMIZER_STATES
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -46,15 +47,6 @@ __all__ = [
     "offload_host_memory",
     "staging_bytes",
 ]
-
-OPTIMIZER_STATES: dict[str, tuple[int, int]] = {
-    "adamw": (2, 1),  # exp_avg, exp_avg_sq; step
-    "adam": (2, 1),
-    "sgd": (1, 0),  # momentum_buffer (momentum > 0)
-    "adagrad": (1, 1),  # sum; step
-}
-"""Per optimizer: (fp32 tensors of the shard's size, 0-dim fp32 scalars) in its state per
-param group, as ``torch.optim`` creates them at the first step."""
 
 _SCALAR_BYTES = 4  # a 0-dim float32 ``step`` tensor
 

@@ -25,6 +25,7 @@ from ..models import LlamaConfig, ModelConfig, Qwen3MoeConfig, build_model
 from ..models.zoo import PRESETS
 from ..params import collect_param_groups
 from .hf_model import build_hf_model, check_sizes, hf_layers, hf_ties, transformers_available
+from .names import GROUPINGS
 
 __all__ = [
     "GROUPINGS",
@@ -35,9 +36,6 @@ __all__ = [
     "resolve_model",
 ]
 
-GROUPINGS = ("one", "decay")
-"""How params are grouped: ``one`` group, or ``decay`` (params with 2+ dims) and the rest,
-as trainers do for weight decay."""
 
 _ZOO_LEAVES_OUT = ("attention_bias", "mlp_bias", "mlp_only_layers", "decoder_sparse_step")
 """Fields of a config.json the zoo does not build and transformers does: left out of the

@@ -30,7 +30,8 @@ from .memory_model import (
     model_states,
     offload_host_memory,
 )
-from .model_source import GROUPINGS, ModelSource, param_groups
+from .model_source import ModelSource, param_groups
+from .names import GROUPINGS, PARAMS_ON
 from .rates import Rates, node_rates
 from .time_model import (
     InitTime,
@@ -53,10 +54,6 @@ __all__ = [
     "new_memory_sizes",
     "tiers_for",
 ]
-
-PARAMS_ON = ("device", "host", "checkpoint")
-"""Where the params are when init starts: on the GPU, in host memory, or on the meta
-device with their values in a safetensors checkpoint."""
 
 _SAMPLED_RANKS = 64
 """Above this world size the per-rank bytes are computed for the first, middle and last

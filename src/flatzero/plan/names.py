@@ -1,0 +1,28 @@
+"""The names a plan is asked for by: optimizers, where params start, groupings, the fill
+size. Plain data with no torch, so that ``flatzero plan --help`` answers at once."""
+
+from __future__ import annotations
+
+from ..layout import DEFAULT_BUCKET_NUMEL
+
+__all__ = ["DEFAULT_FILL_BYTES", "GROUPINGS", "OPTIMIZER_STATES", "PARAMS_ON"]
+
+OPTIMIZER_STATES: dict[str, tuple[int, int]] = {
+    "adamw": (2, 1),  # exp_avg, exp_avg_sq; step
+    "adam": (2, 1),
+    "sgd": (1, 0),  # momentum_buffer (momentum > 0)
+    "adagrad": (1, 1),  # sum; step
+}
+"""Per optimizer: (fp32 tensors of the shard's size, 0-dim fp32 scalars) in its state per
+param group, as ``torch.optim`` creates them at the first step."""
+
+PARAMS_ON = ("device", "host", "checkpoint")
+"""Where the params are when init starts: on the GPU, in host memory, or on the meta
+device with their values in a safetensors checkpoint."""
+
+GROUPINGS = ("one", "decay")
+"""How params are grouped: ``one`` group, or ``decay`` (params with 2+ dims) and the rest,
+as trainers do for weight decay."""
+
+DEFAULT_FILL_BYTES = DEFAULT_BUCKET_NUMEL * 2
+"""One default bucket of bf16 params (bytes): the size flatzero's fill writes at a time."""
