@@ -168,7 +168,10 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "torch_clip",
             ),
         ),
-        ("reduce and step", ("reducers", "stage1", "stage2", "state", "offload", "stepper")),
+        (
+            "reduce and step",
+            ("reducers", "stage1", "stage2", "state", "offload", "stepper", "overlap"),
+        ),
         ("optimizer", ("prepare", "zero", "__init__")),
     ),
     "deepspeed": (

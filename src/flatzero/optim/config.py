@@ -186,6 +186,14 @@ class ZeroConfig:
             agreed by all ranks; this only makes it the one backward actually follows.
         offload_optimizer: step the optimizer in host memory (``OffloadConfig``); ``None``
             keeps the master shards and the optimizer state beside the buckets.
+        overlap_param_gather: ``step()`` launches the parameter all-gathers and returns;
+            the next forward waits for each bucket's just before a module owning its
+            params runs (``optim/overlap.py``). Needs the model (``ZeroOptimizer(model)``
+            or ``ZeroOptimizer.overlap_with(model)``) and no optimizer offload. ``None``
+            (the default): off; ``True``: on (an error without the model); ``False``: off.
+        overlap_guard: debug mode of ``overlap_param_gather``: from ``step()`` until every
+            gather was waited for, any torch op reading a param whose gather is still
+            running raises ``RuntimeError`` (costs a check per op meanwhile).
     """
 
     stage: int = 2
@@ -197,6 +205,8 @@ class ZeroConfig:
     loss_scale: LossScaleConfig | None = None
     learn_bucket_order: bool = True
     offload_optimizer: OffloadConfig | None = None
+    overlap_param_gather: bool | None = None
+    overlap_guard: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2) or isinstance(self.stage, bool):

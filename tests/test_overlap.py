@@ -1,0 +1,208 @@
+"""Issue 42 part 1: the parameter all-gathers of a step overlap the next forward.
+
+Multi-process gloo tests: overlap on and off give bitwise equal losses and weights
+(stage 1 and 2, a forward order unlike the registration order, a param used twice);
+whatever reads params after ``step()`` sees the gathered values; on a slow link
+(``testing.slowlink``) ``step()`` returns before the gathers are through and the forward
+waits for them bucket by bucket.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from flatzero import FlattenConfig, ZeroConfig, ZeroOptimizer
+from flatzero.launch import run_ranks
+from flatzero.testing.slowlink import slow_link
+
+
+class _Shuffled(nn.Module):
+    """Runs its layers in an order unlike their registration order (Megatron #950), the
+    first one twice (a param used in two places), and holds a parent-owned scale."""
+
+    def __init__(self, width: int = 16, layers: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.scale = nn.Parameter(torch.ones(width))
+        self.order = [3, 0, 2, 1, 0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in self.order:
+            x = torch.tanh(self.layers[i](x))
+        return (x * self.scale).pow(2).mean()
+
+
+class _ReadsChildParam(_Shuffled):
+    """Reads a child's weight from the parent's forward: no pre-hook of the child runs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.linear(x, self.layers[2].weight)
+        return super().forward(x)
+
+
+def _train(rank: int, world: int, stage: int, overlap: bool, model_cls: type, steps: int):
+    torch.manual_seed(0)
+    model = model_cls()
+    opt = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        lr=1e-2,
+        config=ZeroConfig(stage=stage, overlap_param_gather=overlap),
+        flatten_config=FlattenConfig(device="cpu", bucket_numel=300),
+    )
+    losses, outstanding = [], []
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        loss = model(torch.randn(8, 16, generator=gen))
+        loss.backward()
+        opt.step()
+        outstanding.append(opt._gather.outstanding if opt._gather is not None else 0)
+        losses.append(loss.item())
+    with torch.no_grad():  # evaluation right after a step: hooks still wait
+        losses.append(model(torch.ones(8, 16)).item())
+    weights = {k: v.numpy().tobytes() for k, v in model.state_dict().items()}
+    enabled = opt._gather.enabled if opt._gather is not None else False
+    opt.close()
+    return losses, weights, outstanding, enabled
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_overlap_bitwise_equal_to_waiting_in_step(stage):
+    off = run_ranks(_train, 2, stage, False, _Shuffled, 4)
+    on = run_ranks(_train, 2, stage, True, _Shuffled, 4)
+    for (l_off, w_off, _, _), (l_on, w_on, pending, enabled) in zip(off, on, strict=True):
+        assert enabled
+        assert l_off == l_on
+        assert w_off.keys() == w_on.keys()
+        for k in w_off:
+            assert w_off[k] == w_on[k], k
+        assert all(n > 0 for n in pending)  # step() returned with gathers outstanding
+
+
+def test_overlap_turns_itself_off_for_a_parent_reading_a_child_param():
+    off = run_ranks(_train, 2, 2, False, _ReadsChildParam, 3)
+    on = run_ranks(_train, 2, 2, True, _ReadsChildParam, 3)
+    for (l_off, w_off, _, _), (l_on, w_on, pending, enabled) in zip(off, on, strict=True):
+        assert not enabled
+        assert pending[1:] == [0, 0]
+        assert l_off == l_on
+        for k in w_off:
+            assert w_off[k] == w_on[k], k
+
+
+def _reads_after_step(rank: int, world: int, tmp: str):
+    from flatzero.checkpoint import load_checkpoint, save_checkpoint
+
+    torch.manual_seed(0)
+    model = _Shuffled()
+    opt = ZeroOptimizer(
+        model,
+        lr=1e-2,
+        config=ZeroConfig(overlap_param_gather=True),
+        flatten_config=FlattenConfig(device="cpu", bucket_numel=300),
+    )
+    model(torch.randn(8, 16)).backward()  # the learning forward
+    opt.step()
+    model(torch.randn(8, 16)).backward()
+    with slow_link(2e5):  # ~1 ms per KB: the gathers are still running when step returns
+        opt.step()
+        assert opt._gather.outstanding > 0
+        sd = {k: v.clone() for k, v in model.state_dict().items()}  # waits
+        assert opt._gather.outstanding == 0
+    expected = opt.full_params()
+    for name, value in expected.items():
+        assert torch.equal(sd[name], value), name
+    model(torch.randn(8, 16)).backward()
+    with slow_link(2e5):
+        opt.step()
+        path = save_checkpoint(tmp, opt, tag="t")  # waits, saves the stepped values
+        assert opt._gather.outstanding == 0
+    saved = {k: v.clone() for k, v in opt.full_params().items()}
+    model(torch.randn(8, 16)).backward()
+    opt.step()
+    load_checkpoint(path.parent, opt, tag="t")
+    for name, value in opt.full_params().items():
+        assert torch.equal(value, saved[name]), name
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            assert torch.equal(p, saved[name].to(p.dtype)), name
+    opt.close()
+    return True
+
+
+def test_state_dict_and_checkpoint_right_after_step_see_gathered_values(tmp_path):
+    assert run_ranks(_reads_after_step, 2, str(tmp_path)) == [True, True]
+
+
+def _timed(rank: int, world: int, overlap: bool, bytes_per_s: float):
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+    opt = ZeroOptimizer(
+        model,
+        lr=1e-2,
+        config=ZeroConfig(overlap_param_gather=overlap),
+        flatten_config=FlattenConfig(device="cpu", bucket_numel=64 * 65),
+    )
+    nbuckets = len(opt.flat.groups[0].buckets)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    waits: list[float] = []
+    with slow_link(bytes_per_s):
+        model(torch.randn(4, 64)).sum().backward()
+        opt.reduce_gradients()  # the reductions through the link, not timed here
+        t0 = time.perf_counter()
+        opt.step()
+        step_s = time.perf_counter() - t0
+        for layer in model:
+            t1 = time.perf_counter()
+            layer(torch.randn(4, 64))
+            waits.append(time.perf_counter() - t1)
+        opt.wait_for_params()
+    opt.close()
+    return nbuckets, step_s, waits
+
+
+def test_step_returns_before_the_gathers_and_the_forward_waits_per_bucket():
+    # a bucket is ~16.6 KB of fp32: ~83 ms through the 200 KB/s link; 4 buckets ~0.33 s
+    for nbuckets, step_s, waits in run_ranks(_timed, 2, True, 2e5):
+        assert nbuckets == 4
+        assert step_s < 0.06  # returned before one bucket was through
+        assert waits[0] > 0.05  # the first layer waited for its bucket ...
+        assert sum(waits) > 0.25  # ... and each later one for the next, in turn
+        assert max(waits) < 0.2  # no layer waited for all of them
+    for nbuckets, step_s, waits in run_ranks(_timed, 2, False, 2e5):
+        assert step_s > 0.3  # without overlap step() waits for every bucket
+        assert sum(waits) < 0.05
+
+
+def _guarded(rank: int, world: int):
+    model = _Shuffled()
+    opt = ZeroOptimizer(
+        model,
+        lr=1e-2,
+        config=ZeroConfig(overlap_param_gather=True, overlap_guard=True),
+        flatten_config=FlattenConfig(device="cpu", bucket_numel=300),
+    )
+    model(torch.randn(8, 16)).backward()
+    opt.step()
+    model(torch.randn(8, 16)).backward()
+    with slow_link(2e5):
+        opt.step()
+        try:
+            torch.clone(model.layers[0].weight.data)  # an EMA copy, not waited for
+        except RuntimeError as e:
+            caught = "overlap guard" in str(e)
+        else:
+            caught = False
+        opt.wait_for_params()
+        ema = torch.clone(model.layers[0].weight.data)  # after the wait: allowed
+    opt.close()
+    return caught, bool(torch.isfinite(ema).all())
+
+
+def test_debug_guard_catches_a_read_before_the_wait():
+    assert run_ranks(_guarded, 2) == [(True, True), (True, True)]
