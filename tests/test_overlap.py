@@ -70,28 +70,43 @@ def _train(rank: int, world: int, stage: int, overlap: bool, model_cls: type, st
     return losses, weights, outstanding, enabled
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_overlap_bitwise_equal_to_waiting_in_step(stage):
-    off = run_ranks(_train, 2, stage, False, _Shuffled, 4)
-    on = run_ranks(_train, 2, stage, True, _Shuffled, 4)
-    for (l_off, w_off, _, _), (l_on, w_on, pending, enabled) in zip(off, on, strict=True):
-        assert enabled
-        assert l_off == l_on
-        assert w_off.keys() == w_on.keys()
-        for k in w_off:
-            assert w_off[k] == w_on[k], k
-        assert all(n > 0 for n in pending)  # step() returned with gathers outstanding
+def _on_and_off(rank: int, world: int, model_cls: type, steps: int):
+    """For stages 1 and 2: overlap off, then on, in the same processes."""
+    return [
+        (
+            _train(rank, world, stage, False, model_cls, steps),
+            _train(rank, world, stage, True, model_cls, steps),
+        )
+        for stage in (1, 2)
+    ]
 
 
-def test_overlap_turns_itself_off_for_a_parent_reading_a_child_param():
-    off = run_ranks(_train, 2, 2, False, _ReadsChildParam, 3)
-    on = run_ranks(_train, 2, 2, True, _ReadsChildParam, 3)
-    for (l_off, w_off, _, _), (l_on, w_on, pending, enabled) in zip(off, on, strict=True):
-        assert not enabled
-        assert pending[1:] == [0, 0]
-        assert l_off == l_on
-        for k in w_off:
-            assert w_off[k] == w_on[k], k
+def _both_models(rank: int, world: int):
+    return _on_and_off(rank, world, _Shuffled, 4), _on_and_off(rank, world, _ReadsChildParam, 3)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """Per rank: (shuffled model, parent-reads-child model) results; one launch for both."""
+    return run_ranks(_both_models, 2)
+
+
+def test_overlap_bitwise_equal_to_waiting_in_step(trained):
+    for per_stage, _ in trained:
+        for (l_off, w_off, _, _), (l_on, w_on, pending, enabled) in per_stage:
+            assert enabled
+            assert l_off == l_on
+            assert w_off == w_on
+            assert all(n > 0 for n in pending)  # step() returned with gathers outstanding
+
+
+def test_overlap_turns_itself_off_for_a_parent_reading_a_child_param(trained):
+    for _, per_stage in trained:
+        for (l_off, w_off, _, _), (l_on, w_on, pending, enabled) in per_stage:
+            assert not enabled
+            assert pending[1:] == [0, 0]
+            assert l_off == l_on
+            assert w_off == w_on
 
 
 def _reads_after_step(rank: int, world: int, tmp: str):
@@ -131,14 +146,19 @@ def _reads_after_step(rank: int, world: int, tmp: str):
         for name, p in model.named_parameters():
             assert torch.equal(p, saved[name].to(p.dtype)), name
     opt.close()
-    return True
+    return _guarded()
 
 
 def test_state_dict_and_checkpoint_right_after_step_see_gathered_values(tmp_path):
-    assert run_ranks(_reads_after_step, 2, str(tmp_path)) == [True, True]
+    """And the debug guard catches a read before the wait (``_guarded``)."""
+    assert run_ranks(_reads_after_step, 2, str(tmp_path)) == [(True, True), (True, True)]
 
 
-def _timed(rank: int, world: int, overlap: bool, bytes_per_s: float):
+def _timed(rank: int, world: int, bytes_per_s: float):
+    return [_timed_one(overlap, bytes_per_s) for overlap in (True, False)]
+
+
+def _timed_one(overlap: bool, bytes_per_s: float):
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
     opt = ZeroOptimizer(
@@ -168,18 +188,19 @@ def _timed(rank: int, world: int, overlap: bool, bytes_per_s: float):
 
 def test_step_returns_before_the_gathers_and_the_forward_waits_per_bucket():
     # a bucket is ~16.6 KB of fp32: ~83 ms through the 200 KB/s link; 4 buckets ~0.33 s
-    for nbuckets, step_s, waits in run_ranks(_timed, 2, True, 2e5):
+    for on, off in run_ranks(_timed, 2, 2e5):
+        nbuckets, step_s, waits = on
         assert nbuckets == 4
         assert step_s < 0.06  # returned before one bucket was through
         assert waits[0] > 0.05  # the first layer waited for its bucket ...
         assert sum(waits) > 0.25  # ... and each later one for the next, in turn
         assert max(waits) < 0.2  # no layer waited for all of them
-    for nbuckets, step_s, waits in run_ranks(_timed, 2, False, 2e5):
+        _, step_s, waits = off
         assert step_s > 0.3  # without overlap step() waits for every bucket
         assert sum(waits) < 0.05
 
 
-def _guarded(rank: int, world: int):
+def _guarded():
     model = _Shuffled()
     opt = ZeroOptimizer(
         model,
@@ -202,7 +223,3 @@ def _guarded(rank: int, world: int):
         ema = torch.clone(model.layers[0].weight.data)  # after the wait: allowed
     opt.close()
     return caught, bool(torch.isfinite(ema).all())
-
-
-def test_debug_guard_catches_a_read_before_the_wait():
-    assert run_ranks(_guarded, 2) == [(True, True), (True, True)]
