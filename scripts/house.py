@@ -239,7 +239,10 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "emulated.collectives",
             ),
         ),
-        ("registration", ("emulated.registration", "emulated", "deepspeed", "__init__")),
+        (
+            "registration",
+            ("emulated.registration", "emulated", "deepspeed", "slowlink", "__init__"),
+        ),
     ),
 }
 """The floors inside a subpackage, for the rooms that have them: an import between two
