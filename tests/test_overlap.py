@@ -81,8 +81,37 @@ def _on_and_off(rank: int, world: int, model_cls: type, steps: int):
     ]
 
 
+def _door(overlap: bool, rank: int):
+    """Three steps through the DeepSpeed door with ``overlap_comm: overlap``."""
+    import flatzero
+
+    torch.manual_seed(0)
+    model = _Shuffled()
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 2, "overlap_comm": overlap, "reduce_bucket_size": 300},
+    }
+    engine, opt, _, _ = flatzero.initialize(model=model, config=config)
+    gen = torch.Generator().manual_seed(100 + rank)
+    losses, outstanding = [], []
+    for _ in range(3):
+        loss = engine(torch.randn(8, 16, generator=gen))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        outstanding.append(opt._gather.outstanding if opt._gather is not None else 0)
+    weights = {k: v.numpy().tobytes() for k, v in model.state_dict().items()}
+    engine.destroy()
+    return losses, weights, outstanding
+
+
 def _both_models(rank: int, world: int):
-    return _on_and_off(rank, world, _Shuffled, 4), _on_and_off(rank, world, _ReadsChildParam, 3)
+    return (
+        _on_and_off(rank, world, _Shuffled, 4),
+        _on_and_off(rank, world, _ReadsChildParam, 3),
+        (_door(False, rank), _door(True, rank)),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +121,7 @@ def trained():
 
 
 def test_overlap_bitwise_equal_to_waiting_in_step(trained):
-    for per_stage, _ in trained:
+    for per_stage, _, _ in trained:
         for (l_off, w_off, _, _), (l_on, w_on, pending, enabled) in per_stage:
             assert enabled
             assert l_off == l_on
@@ -101,12 +130,19 @@ def test_overlap_bitwise_equal_to_waiting_in_step(trained):
 
 
 def test_overlap_turns_itself_off_for_a_parent_reading_a_child_param(trained):
-    for _, per_stage in trained:
+    for _, per_stage, _ in trained:
         for (l_off, w_off, _, _), (l_on, w_on, pending, enabled) in per_stage:
             assert not enabled
             assert pending[1:] == [0, 0]
             assert l_off == l_on
             assert w_off == w_on
+
+
+def test_deepspeed_door_maps_overlap_comm(trained):
+    for _, _, ((l_off, w_off, p_off), (l_on, w_on, p_on)) in trained:
+        assert p_off == [0, 0, 0] and all(n > 0 for n in p_on)
+        assert l_off == l_on
+        assert w_off == w_on
 
 
 def _reads_after_step(rank: int, world: int, tmp: str):
