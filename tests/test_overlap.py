@@ -66,6 +66,9 @@ def _train(rank: int, world: int, stage: int, overlap: bool, model_cls: type, st
         losses.append(model(torch.ones(8, 16)).item())
     weights = {k: v.numpy().tobytes() for k, v in model.state_dict().items()}
     enabled = opt._gather.enabled if opt._gather is not None else False
+    # No extra memory: every param is still a view of its bucket, which the gathers fill.
+    buckets = {b.untyped_storage().data_ptr() for g in opt.flat.groups for b in g.buckets}
+    assert all(p.untyped_storage().data_ptr() in buckets for p in model.parameters())
     opt.close()
     return losses, weights, outstanding, enabled
 
