@@ -181,7 +181,10 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "torch_clip",
             ),
         ),
-        ("reduce and step", ("reducers", "stage1", "stage2", "state", "offload", "stepper")),
+        (
+            "reduce and step",
+            ("reducers", "stage1", "stage2", "state", "offload", "stepper", "overlap"),
+        ),
         ("optimizer", ("prepare", "zero", "__init__")),
     ),
     "deepspeed": (
@@ -256,7 +259,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
         ),
         (
             "registration",
-            ("emulated.registration", "emulated", "deepspeed", "host_ops", "__init__"),
+            ("emulated.registration", "emulated", "deepspeed", "host_ops", "slowlink", "__init__"),
         ),
     ),
 }

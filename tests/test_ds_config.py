@@ -428,7 +428,7 @@ ERRORS = [  # (config, world size, exception, exact message)
         {"train_micro_batch_size_per_gpu": 2, "flatzero": {"bucket_size": 5}},
         1,
         ValueError,
-        "config key 'flatzero.bucket_size' is not a key of 'flatzero' that DeepSpeed or flatzero knows (known: async_save, bucket_numel, check_gradients, device, elementwise_optimizer, host_huge_pages, host_threads, learn_bucket_order, load_fallback, param_sync, preemption_check_every, preemption_dir, preemption_exit_code, preemption_grace_s, preemption_signals, progress, reduce_staging_buffers, reduce_staging_bytes, staging_buffers, tier); fix its spelling or remove it",
+        "config key 'flatzero.bucket_size' is not a key of 'flatzero' that DeepSpeed or flatzero knows (known: async_save, bucket_numel, check_gradients, device, elementwise_optimizer, host_huge_pages, host_threads, learn_bucket_order, load_fallback, overlap_guard, param_sync, preemption_check_every, preemption_dir, preemption_exit_code, preemption_grace_s, preemption_signals, progress, reduce_staging_buffers, reduce_staging_bytes, staging_buffers, tier); fix its spelling or remove it",
         id="fz_key",
     ),
     pytest.param(

@@ -111,6 +111,19 @@ class FlatParams:
     _state_fences: list[Callable[[], None]] = field(
         default_factory=list, init=False, repr=False, compare=False
     )
+    _param_waiters: list[Callable[[], None]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
+
+    def wait_params_with(self, waiter: Callable[[], None]) -> None:
+        """Register ``waiter``: it waits for every outstanding write into the buckets (an
+        optimizer's parameter all-gathers left running past ``step()``)."""
+        self._param_waiters.append(waiter)
+
+    def wait_for_params(self) -> None:
+        """Wait until the buckets hold their values: run every registered waiter."""
+        for waiter in self._param_waiters:
+            waiter()
 
     def hold_state_until(self, fence: Callable[[], None]) -> None:
         """Run ``fence()`` once, before the master shards (or the state of an optimizer
@@ -122,7 +135,9 @@ class FlatParams:
 
     def before_state_changes(self) -> None:
         """Run the fences ``hold_state_until`` registered (call it before changing the
-        master shards or the optimizer state; a fence that raises keeps the later ones)."""
+        master shards or the optimizer state; a fence that raises keeps the later ones).
+        Waits for the params first (``wait_for_params``)."""
+        self.wait_for_params()
         while self._state_fences:
             self._state_fences.pop(0)()
 

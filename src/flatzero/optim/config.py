@@ -191,6 +191,14 @@ class ZeroConfig:
             projects what landed in its shard, one all-reduce of a few scalars per chunk
             compares them; a mismatch raises ``GradientMismatch`` naming the bucket, the
             params and the ranks. Off by default; over several ranks only.
+        overlap_param_gather: ``step()`` launches the parameter all-gathers and returns;
+            the next forward waits for each bucket's just before a module owning its
+            params runs (``optim/overlap.py``). Needs the model (``ZeroOptimizer(model)``
+            or ``ZeroOptimizer.overlap_with(model)``) and no optimizer offload. ``None``
+            (the default): off; ``True``: on (an error without the model); ``False``: off.
+        overlap_guard: debug mode of ``overlap_param_gather``: from ``step()`` until every
+            gather was waited for, any torch op reading a param whose gather is still
+            running raises ``RuntimeError`` (costs a check per op meanwhile).
     """
 
     stage: int = 2
@@ -203,6 +211,8 @@ class ZeroConfig:
     learn_bucket_order: bool = True
     offload_optimizer: OffloadConfig | None = None
     check_gradients: bool = False
+    overlap_param_gather: bool | None = None
+    overlap_guard: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2) or isinstance(self.stage, bool):

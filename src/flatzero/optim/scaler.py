@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from .config import LossScaleConfig
 
-__all__ = ["LossScaler"]
+__all__ = ["LossScaler", "loss_scaler_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,3 +133,13 @@ class LossScaler:
         # older checkpoints: as many steps since the last overflow as clean steps counted
         self.iteration = int(state.get("iteration", self.good_steps))
         self.last_overflow_iteration = int(state.get("last_overflow_iteration", -1))
+
+
+def loss_scaler_for(
+    config: LossScaleConfig | None, dtypes: Sequence[torch.dtype]
+) -> LossScaler | None:
+    """The loss scaler of ``config``, or the default one when a group's params (of
+    ``dtypes``) are fp16; None without scaling."""
+    if config is None and torch.float16 in dtypes:
+        config = LossScaleConfig()
+    return LossScaler(config) if config is not None else None

@@ -23,14 +23,13 @@ from torch import nn
 from ..comm import check_same_everywhere, rank_of, world_size_of
 from ..config import FlattenConfig
 from ..control import every_rank_or_none
-from ..flatten import FlatParams
 from ..gcpause import paused_gc
 from ..own_groups import collective_group, control_group
 from ..report import report_is_owned
 from ..words import plural
 from . import torch_clip
 from .agreement import meaning, setup_fields
-from .config import LossScaleConfig, OffloadConfig, ZeroConfig, zero_config_for
+from .config import OffloadConfig, ZeroConfig, zero_config_for
 from .gather import full_param, full_params
 from .inner import (
     build_inner_optimizer,
@@ -40,6 +39,7 @@ from .inner import (
 )
 from .norm import global_sq_norm
 from .offload import OffloadHostBytes
+from .overlap import ParamGather, param_gather_for
 from .prepare import (
     allocate_grad_shards,
     check_buckets_usable,
@@ -48,21 +48,13 @@ from .prepare import (
     whole_pieces,
 )
 from .reducers import GradReducer
-from .scaler import LossScaler
+from .scaler import loss_scaler_for
 from .state import GroupState, ShardedOptimizerState, check_loadable, check_options
 from .stepper import ShardStepper, make_stepper, masters_to_host
 
 __all__ = ["ZeroOptimizer"]
 
 logger = logging.getLogger(__name__)
-
-
-def _loss_scaler(config: ZeroConfig, flat: FlatParams) -> LossScaler | None:
-    """The loss scaler: ``config.loss_scale``, or the default one for fp16 params."""
-    scale_config = config.loss_scale
-    if scale_config is None and any(g.dtype == torch.float16 for g in flat.groups):
-        scale_config = LossScaleConfig()
-    return LossScaler(scale_config) if scale_config is not None else None
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -173,7 +165,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with_fused_default(optimizer, defaults, options, self._stepper.step_device),
             whole_pieces(flat, optimizer),
         )
-        self._scaler = _loss_scaler(config, flat)
+        self._scaler = loss_scaler_for(config.loss_scale, [g.dtype for g in flat.groups])
+        self._gather: ParamGather | None = None  # overlapped gathers (overlap_with)
+        if isinstance(params, nn.Module) and config.overlap_param_gather:
+            self.overlap_with(params)
         self._reducer: GradReducer = make_reducer(flat, self._grads, config)
         self._reducer.on_chunk_landed = self._stepper.chunk_hook
         self._clip_request: float | None = None
@@ -378,6 +373,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.wait_for_params()
         reducer = self._reducer
         reducer.finish()
         if not reducer.backward_seen:
@@ -387,6 +383,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "the accumulation window, so every step needs its own backward pass)"
             )
         reducer.agree_order()
+        if self._gather is not None:
+            self._gather.agree()  # the order learned from the first forward, once
         self._stepper.after_backward()  # overlaps the norm's all-reduce
         max_norm = self.config.max_grad_norm
         if self._clip_request is not None:
@@ -410,7 +408,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._stepper.step(self.inner, coef)
         if self._scaler is not None:
             self._scaler.update(found_inf=False)
-        self._stepper.write_back(self.master_shards)
+        if self._gather is not None:
+            self._gather.launch()  # waited for by the next forward, bucket by bucket
+        else:
+            self._stepper.write_back(self.master_shards)
         self._end_window()
         return loss
 
@@ -428,18 +429,34 @@ class ZeroOptimizer(torch.optim.Optimizer):
         zeroed in place whatever ``set_to_none`` says (freeing it would free nothing: the
         buffer stays).
         """
+        self.wait_for_params()
         self._end_window()
+
+    # ------------------------------------------------------------------ overlap
+    def overlap_with(self, module: nn.Module) -> None:
+        """Overlap later steps' parameter all-gathers with ``module``'s forward
+        (``ZeroConfig.overlap_param_gather``, ``optim/overlap.py``); once, before a forward.
+        Raises ``ValueError`` with optimizer offload."""
+        if self._gather is None:
+            self._gather = param_gather_for(self.flat, self._pg, module, self.config)
+
+    def wait_for_params(self) -> None:
+        """Wait for the param all-gathers ``step()`` left running; call it before reading
+        ``p.data`` outside a forward (an EMA copy). State dicts, saves, steps wait anyway."""
+        self.flat.wait_for_params()
 
     # -------------------------------------------------------------- reading full params
     def full_param(self, name: str) -> torch.Tensor:
         """The fp32 master value of param ``name``, gathered from all ranks (a new tensor
         shaped like the param). Collective: every rank must call it with the same name."""
+        self.wait_for_params()
         return full_param(self.flat, name)
 
     def full_params(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """``{name: fp32 master value}`` of ``names`` (default: every flattened param),
         gathering each bucket once. Collective: every rank must call it with the same
         names."""
+        self.wait_for_params()
         return full_params(self.flat, names)
 
     # ------------------------------------------------------------------ state
@@ -447,6 +464,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """This rank's shard of the optimizer (what checkpoints save): master shards, inner
         optimizer state and hyperparameters, loss scaler, bucket order, and the layout they
         belong to. Tensors are references; copy them to keep a snapshot."""
+        self.wait_for_params()
         inner = self.inner.state_dict()
         groups = tuple(
             GroupState(
@@ -525,3 +543,5 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ``ZeroOptimizer`` may manage them; this one cannot reduce gradients after."""
         torch_clip.unregister(p for g in self.flat.groups for p in g.params)
         self._reducer.close()
+        if self._gather is not None:
+            self._gather.close()  # waits first

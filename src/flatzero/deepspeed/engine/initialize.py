@@ -431,6 +431,8 @@ def initialize(
             elementwise_optimizer=cfg.flatzero.elementwise_optimizer or None,
             **choice.defaults,
         )
+    if cfg.zero_optimizer.overlap_param_gather:  # zero_optimization.overlap_comm
+        zero_opt.overlap_with(model)
     if choice.client is not None:
         link_client_optimizer(choice.client, zero_opt)  # its schedulers drive flatzero's
     scheduler, dataloader = _scheduler_and_loader(

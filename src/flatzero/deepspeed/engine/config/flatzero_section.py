@@ -44,6 +44,7 @@ SET_ELSEWHERE: Mapping[tuple[type, str], str] = {
     (ZeroConfig, "grad_accum_dtype"): "data_types.grad_accum_dtype",
     (ZeroConfig, "loss_scale"): "fp16 / bf16",
     (ZeroConfig, "offload_optimizer"): "zero_optimization.offload_optimizer",
+    (ZeroConfig, "overlap_param_gather"): "zero_optimization.overlap_comm",
 }
 """Fields that are not keys of the section, and the DeepSpeed key that sets each."""
 

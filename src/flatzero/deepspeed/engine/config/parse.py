@@ -145,6 +145,7 @@ def parse_config(config: Any, *, world_size: int) -> EngineConfig:
             grad_accum_dtype=data_types.grad_accum_dtype,
             loss_scale=_loss_scale(precision, zero.stage),
             offload_optimizer=offload,
+            overlap_param_gather=zero.overlap_comm,
             **flatzero[ZeroConfig],
         ),
         optimizer=optimizer,

@@ -78,9 +78,12 @@ class ZeroSection:
         stage: 0 (plain data parallel: all-reduced gradients, replicated optimizer state;
             the optimizer runs as stage 1 over a one-rank group per rank), 1 (sharded
             optimizer state) or 2 (sharded gradients too).
+        overlap_comm: ``zero_optimization.overlap_comm``, or None when absent (or with
+            optimizer offload): ``ZeroConfig.overlap_param_gather``.
     """
 
     stage: int = 0
+    overlap_comm: bool | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2) or isinstance(self.stage, bool):

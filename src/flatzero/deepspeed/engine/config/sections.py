@@ -87,9 +87,11 @@ def _read_stage(zero: Section) -> int:
     return stage
 
 
-def _note_switches(zero: Section, stage: int) -> None:
-    """``overlap_comm`` and ``contiguous_gradients`` asking for what flatzero does not do
-    are listed as without effect."""
+def _note_switches(zero: Section, stage: int) -> bool | None:
+    """``overlap_comm``: returned (None when absent), the param all-gathers' overlap
+    (``ZeroConfig.overlap_param_gather``); ``false`` at stage 2 is listed as without effect
+    on the reductions, which always overlap backward. ``contiguous_gradients: false`` is
+    listed as without effect."""
     overlap = zero.raw("overlap_comm", None)
     if overlap is not None:
         overlap = zero.bool("overlap_comm", False)
@@ -97,14 +99,11 @@ def _note_switches(zero: Section, stage: int) -> None:
             zero.ignored.append(
                 (zero.key("overlap_comm"), "flatzero's stage 2 always overlaps reductions")
             )
-        if stage < 2 and overlap:
-            zero.ignored.append(
-                (zero.key("overlap_comm"), "stages 0/1 reduce at the accumulation boundary")
-            )
     if not zero.bool("contiguous_gradients", True):
         zero.ignored.append(
             (zero.key("contiguous_gradients"), "gradients are always staged contiguously")
         )
+    return overlap
 
 
 def parse_zero(top: Section) -> tuple[ZeroSection, int | None, OffloadConfig | None]:
@@ -120,7 +119,7 @@ def parse_zero(top: Section) -> tuple[ZeroSection, int | None, OffloadConfig | N
     stage = _read_stage(zero)
     reduce = zero.int("reduce_bucket_size", None, unit=" (elements)")
     gather = zero.int("allgather_bucket_size", None, minimum=0, unit=" (elements)")
-    _note_switches(zero, stage)
+    overlap = _note_switches(zero, stage)
     if gather and reduce and gather != reduce:
         zero.ignored.append(
             (
@@ -136,7 +135,12 @@ def parse_zero(top: Section) -> tuple[ZeroSection, int | None, OffloadConfig | N
     for name in STAGE3_KEYS:
         zero.no_effect(name, "stage 3 only")
     zero.finish(unknown="error", main=ZERO_MAIN_KEYS)
-    return ZeroSection(stage), reduce or gather or None, offload
+    if overlap and offload is not None:
+        zero.ignored.append(
+            (zero.key("overlap_comm"), "the offloaded step's parameter gathers do not overlap")
+        )
+        overlap = None
+    return ZeroSection(stage, overlap), reduce or gather or None, offload
 
 
 class _Fp16(NamedTuple):
