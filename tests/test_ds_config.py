@@ -827,6 +827,8 @@ def test_flatzero_section_is_derived_from_the_dataclasses():
         "reduce_staging_buffers": 4,
         "reduce_staging_bytes": 2**20,
         "learn_bucket_order": False,
+        "check_gradients": True,
+        "overlap_guard": True,
         "param_sync": "none",
         "elementwise_optimizer": True,
         "load_fallback": "newest_valid",

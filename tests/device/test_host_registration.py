@@ -96,7 +96,13 @@ def _snapshot_worker(rank: int, world_size: int, kind: str) -> dict[str, int]:
         wait_for_save(opt)
         seen[f"{how}: saved"] = registry.registered_bytes()
         if how == "destroy":
-            engine = SimpleNamespace(_destroyed=False, wait_for_save=lambda: None, optimizer=opt)
+            engine = SimpleNamespace(
+                _destroyed=False,
+                wait_for_save=lambda: None,
+                optimizer=opt,
+                _user_backward=SimpleNamespace(close=lambda: None),
+                _preemption=None,
+            )
             Engine.destroy(engine)  # type: ignore[arg-type]
             seen["destroy: after"] = registry.registered_bytes()
         else:

@@ -63,7 +63,7 @@ def decide_tier(
         return TierDecision(tier, reason, min_free, need_bytes)
 
     if params_on == "meta":
-        return _allocate_only_decision(device_type, min_free, total_bytes + shard_bytes)
+        return _allocate_only_decision(device_type, min_free, total_bytes, shard_bytes)
     if params_on == "device":
         if min_free >= need("device"):
             return decision(
@@ -139,13 +139,18 @@ def choose_tier(
     return decision
 
 
-def _allocate_only_decision(device_type: str, min_free: int, need_bytes: int) -> TierDecision:
-    """``device`` (buffers straight on the target, nothing read) when ``need_bytes``, every
-    bucket plus the fp32 shards, fit in ``min_free`` bytes: params that are not on the device
-    free no device memory as their buckets arrive, so no bucket replaces anything."""
+def _allocate_only_decision(
+    device_type: str, min_free: int, total_bytes: int, shard_bytes: int
+) -> TierDecision:
+    """``device`` (buffers straight on the target, nothing read) when every bucket
+    (``total_bytes``) plus the fp32 shards (``shard_bytes``) fit in ``min_free`` bytes: params
+    that are not on the device free no device memory as their buckets arrive, so no bucket
+    replaces anything."""
+    need_bytes = total_bytes + shard_bytes
     if min_free < need_bytes:
         what = "the flat buffers and fp32 shards"
-        return TierDecision(None, _too_small(device_type, min_free, need_bytes, what), min_free)
+        why = _too_small(device_type, min_free, need_bytes, what, total_bytes, shard_bytes)
+        return TierDecision(None, why, min_free)
     reason = (
         f"nothing to read (allocate_only) and params not on {device_type}; {_gib(min_free)} "
         f"free >= every bucket and the fp32 shards ({_gib(need_bytes)})"
