@@ -46,7 +46,7 @@ def _separate_control_groups() -> None:
     """In this process, give every group a gloo control group of its own, as on NCCL."""
     import flatzero.control
 
-    flatzero.control._separate_control_needed = lambda group: True
+    flatzero.own_groups._separate_control_needed = lambda group: True
 
 
 class _Recorder:

@@ -25,6 +25,7 @@ import flatzero.devices as devices
 import flatzero.flatten.alloc as flatten_alloc
 import flatzero.flatten.tiers as tiers
 import flatzero.optim.prepare as prepare
+import flatzero.own_groups as own_groups
 from flatzero import FlattenConfig, ZeroOptimizer, flatten_parameters, inject_oom
 from flatzero.deepspeed.engine.param_sync import bitwise_sum
 from flatzero.flatten.choice import choose_tier
@@ -357,7 +358,7 @@ def _count_new_groups(monkeypatch_like: dict) -> None:
 
 
 def _subgroup_worker(rank: int, world_size: int, stage: int) -> dict:
-    control._separate_control_needed = lambda group: True  # as on NCCL: a gloo group each
+    own_groups._separate_control_needed = lambda group: True  # as on NCCL: a gloo group each
     mine, _ = dist.new_subgroups(group_size=2)  # data parallel inside "tensor parallel"
     created: dict = {"new_group": []}
     _count_new_groups(created)
@@ -379,7 +380,7 @@ def _subgroup_worker(rank: int, world_size: int, stage: int) -> dict:
         "created": created["new_group"],
         "ranks": ranks,
         "seconds": time.monotonic() - t0,
-        "control": control.control_group(mine) is not mine,
+        "control": own_groups.control_group(mine) is not mine,
     }
 
 
@@ -396,7 +397,7 @@ def test_data_parallel_subgroups_train_concurrently_with_one_control_group_each(
 
 
 def _control_reuse_worker(rank: int, world_size: int) -> int:
-    control._separate_control_needed = lambda group: True
+    own_groups._separate_control_needed = lambda group: True
     created: dict = {"new_group": []}
     _count_new_groups(created)
     for _ in range(3):
@@ -413,7 +414,7 @@ def test_the_control_group_is_created_once_per_process_group():
 
 
 def test_gloo_groups_are_their_own_control_group():
-    assert control._separate_control_needed(None) is False  # no group: nothing to create
+    assert own_groups._separate_control_needed(None) is False  # no group: nothing to create
 
 
 # ------------------------------------------------------- 8: stage 0 decides together
@@ -606,7 +607,7 @@ def test_ranks_wait_for_a_slow_writer_beyond_the_groups_timeout(backend):
 
 
 def _uneven_groups_world_worker(rank: int, world_size: int) -> int:
-    control._separate_control_needed = lambda group: True
+    own_groups._separate_control_needed = lambda group: True
     dist.new_group([0])  # every rank calls it; only rank 0 registers it: uneven counts
     flat = flatten_parameters(_net(), config=FlattenConfig(progress=False))
     return len(flat.groups)
@@ -617,7 +618,7 @@ def test_a_control_group_over_all_ranks_is_found_whatever_groups_ranks_registere
 
 
 def _uneven_groups_subgroup_worker(rank: int, world_size: int) -> str:
-    control._separate_control_needed = lambda group: True
+    own_groups._separate_control_needed = lambda group: True
     mine, _ = dist.new_subgroups(group_size=2)
     dist.new_group([0])  # rank 0 now has one more group than rank 1
     try:
@@ -626,7 +627,7 @@ def _uneven_groups_subgroup_worker(rank: int, world_size: int) -> str:
     except RuntimeError as error:
         first = str(error)
     dist.barrier()
-    control.prepare_control_groups([[0, 1], [2, 3]])  # every rank, the same order
+    own_groups.prepare_control_groups([[0, 1], [2, 3]])  # every rank, the same order
     flatten_parameters(_net(), process_group=mine, config=FlattenConfig(progress=False))
     return first
 
