@@ -183,3 +183,40 @@ def test_offload_waits_sleep_rather_than_spin(monkeypatch):
     monkeypatch.setattr(accel, "new_event", new_event)
     offload_module.HostOffload(flat, grads, OffloadConfig(pin_memory=True), threads=1)
     assert made and all(made), made
+
+
+def test_the_latched_error_is_cleared_in_torchs_own_runtime(monkeypatch):
+    """Review of issue 41, finding 7: with a conda copy of the CUDA runtime mapped beside
+    torch's, the error is cleared through torch's library (whose handle's lookup reaches the
+    runtime torch uses), not the first ``libcudart`` in sorted order."""
+    opened: list[str] = []
+
+    class _Library:
+        def __init__(self, path: str, mode: int) -> None:
+            opened.append(path)
+            self.cudaGetLastError = path
+
+    monkeypatch.setattr(
+        accel,
+        "_mapped_libraries",
+        lambda: {
+            "/conda/lib/libcudart.so.12",
+            "/venv/torch/lib/libtorch_cuda.so",
+            "/venv/nvidia/cuda_runtime/lib/libcudart.so.12",
+        },
+    )
+    monkeypatch.setattr(accel.ctypes, "CDLL", _Library)
+    accel._loaded_get_last_error.cache_clear()
+    try:
+        assert accel._loaded_get_last_error() == "/venv/torch/lib/libtorch_cuda.so"
+    finally:
+        accel._loaded_get_last_error.cache_clear()
+
+
+def test_a_sticky_error_is_raised_not_taken_for_a_refusal(runtime):
+    """Review of issue 41, finding 7: only a refusal (1, 2, 712, 801) falls back to
+    pageable memory; an illegal address (700, sticky: the device is unusable) raises."""
+    runtime.code = 700
+    with pytest.raises(RuntimeError, match="runtime error 700"):
+        page_locked(1 << 16, device=torch.device("cuda", 0))
+    assert accel.pinned_bytes() == 0
