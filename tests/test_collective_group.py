@@ -13,13 +13,13 @@ params, and no flatzero collective may run on the user's group.
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-import flatzero.own_groups as own_groups
-from flatzero import FlattenConfig, ZeroOptimizer
+from flatzero import FlattenConfig, ZeroOptimizer, comm, own_groups
 from flatzero.launch import run_ranks
 
 WIDTH = 16
@@ -111,3 +111,46 @@ def _subgroup_worker(rank: int, world_size: int) -> list[int]:
 
 def test_a_subgroups_own_group_has_its_ranks_and_is_made_once():
     assert run_ranks(_subgroup_worker, 4, timeout_s=60) == [[1, 0, 1]] * 2 + [[5, 2, 3]] * 2
+
+
+def _review_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """Review of issue 41, findings 2 and 3, at 4 ranks in subgroups [0, 1] and [2, 3]."""
+    out: dict[str, Any] = {}
+    mine, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])
+    # Finding 3: ranks 0 and 1 already have a control group over [0, 1]; ranks 2 and 3 none.
+    if rank < 2:
+        own_groups._new_control([0, 1], everyone_calls=False)
+    own_groups.prepare_control_groups([[0, 1], [2, 3]])
+    counts = [dist.distributed_c10d._world.group_count]
+    out["group_counts"] = comm.all_reduce_max_each([counts[0], -counts[0]], None)
+    # Finding 2: a device-bound default group (init_process_group(device_id=...)) splits a
+    # new NCCL group off its communicator, which every rank of the job must call: a group
+    # made by the subgroup's ranks alone (use_local_synchronization) would hang them.
+    other, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    local_calls: list[bool] = []
+    real = dist.new_group
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        local_calls.append(bool(kwargs.get("use_local_synchronization")))
+        return real(*args, **kwargs)
+
+    world = dist.group.WORLD
+    world.bound_device_id = torch.device("cuda", 0)
+    try:
+        with mock.patch.object(dist, "new_group", recording):
+            out["shares"] = own_groups.collective_group(other) is other
+            out["prepared"] = own_groups.collective_group(mine) is not mine
+    finally:
+        world.bound_device_id = None
+    out["local_calls"] = local_calls
+    return out
+
+
+def test_own_groups_never_split_locally_and_prepare_agrees_on_skipping():
+    for r in run_ranks(_review_worker, 4, timeout_s=60):
+        high, neg_low = r["group_counts"]
+        # Before: ranks 0 and 1 skipped [0, 1] while 2 and 3 created its groups job-wide, so
+        # the job's group counts (torch's names for the next job-wide group) differed by 2.
+        assert high == -neg_low, r
+        # Before: the subgroup's ranks called new_group(use_local_synchronization=True).
+        assert r["local_calls"] == [] and r["shares"] and r["prepared"], r

@@ -41,6 +41,9 @@ class _Runtime:
     def current_device(self) -> int:
         return self.current
 
+    def synchronize(self, device: torch.device | None = None) -> None:
+        self.calls.append(("synchronize", self.current))
+
     @contextlib.contextmanager
     def device(self, device: torch.device) -> Iterator[None]:
         before, self.current = self.current, device.index
@@ -65,7 +68,7 @@ def test_host_memory_is_registered_in_the_context_of_the_device_it_serves(runtim
     buffer = page_locked(1 << 16, device=torch.device("cuda", 3))
     assert buffer.registered
     buffer.release()
-    assert runtime.calls == [("register", 3), ("unregister", 3)]
+    assert runtime.calls == [("register", 3), ("synchronize", 3), ("unregister", 3)]
     assert accel.pinned_bytes() == 0
 
 
@@ -75,7 +78,7 @@ def test_a_dropped_buffer_is_unregistered_before_its_pages_go(runtime):
     buffer = page_locked(1 << 16, device=torch.device("cuda", 1))
     assert accel.pinned_bytes() == 1 << 16
     del buffer
-    assert runtime.calls == [("register", 1), ("unregister", 1)]
+    assert runtime.calls == [("register", 1), ("synchronize", 1), ("unregister", 1)]
     assert accel.pinned_bytes() == 0
 
 
@@ -183,3 +186,61 @@ def test_offload_waits_sleep_rather_than_spin(monkeypatch):
     monkeypatch.setattr(accel, "new_event", new_event)
     offload_module.HostOffload(flat, grads, OffloadConfig(pin_memory=True), threads=1)
     assert made and all(made), made
+
+
+def test_the_latched_error_is_cleared_in_torchs_own_runtime(monkeypatch):
+    """Review of issue 41, finding 7: with a conda copy of the CUDA runtime mapped beside
+    torch's, the error is cleared through torch's library (whose handle's lookup reaches the
+    runtime torch uses), not the first ``libcudart`` in sorted order."""
+    opened: list[str] = []
+
+    class _Library:
+        def __init__(self, path: str, mode: int) -> None:
+            opened.append(path)
+            self.cudaGetLastError = path
+
+    monkeypatch.setattr(
+        accel,
+        "_mapped_libraries",
+        lambda: {
+            "/conda/lib/libcudart.so.12",
+            "/venv/torch/lib/libtorch_cuda.so",
+            "/venv/nvidia/cuda_runtime/lib/libcudart.so.12",
+        },
+    )
+    monkeypatch.setattr(accel.ctypes, "CDLL", _Library)
+    accel._loaded_get_last_error.cache_clear()
+    try:
+        assert accel._loaded_get_last_error() == "/venv/torch/lib/libtorch_cuda.so"
+    finally:
+        accel._loaded_get_last_error.cache_clear()
+
+
+def test_a_sticky_error_is_raised_not_taken_for_a_refusal(runtime):
+    """Review of issue 41, finding 7: only a refusal (1, 2, 712, 801) falls back to
+    pageable memory; an illegal address (700, sticky: the device is unusable) raises."""
+    runtime.code = 700
+    with pytest.raises(RuntimeError, match="runtime error 700"):
+        page_locked(1 << 16, device=torch.device("cuda", 0))
+    assert accel.pinned_bytes() == 0
+
+
+def test_a_buffer_is_unregistered_only_after_the_copies_queued_before(runtime):
+    """Review of issue 41, finding 8: a copy still in flight when the buffer is dropped
+    would use pages no longer page-locked (then unmapped): the device's queued work is
+    waited for first."""
+    buffer = page_locked(1 << 16, device=torch.device("cuda", 2))
+    del buffer
+    assert runtime.calls == [("register", 2), ("synchronize", 2), ("unregister", 2)]
+
+
+def test_a_forked_child_dropping_a_buffer_leaves_the_runtime_alone(runtime, monkeypatch):
+    """Review of issue 41, finding 9: the finalizer runs in a forked child too (its copy of
+    the object is dropped there); it must not call CUDA nor unregister the parent's range."""
+    buffer = page_locked(1 << 16, device=torch.device("cuda", 1))
+    real = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: real + 1)  # as in the child
+    del buffer
+    assert runtime.calls == [("register", 1)]
+    monkeypatch.undo()
+    accel._pinned_pages.clear()  # the fake's range: the parent would unpin it

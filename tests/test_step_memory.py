@@ -356,6 +356,54 @@ def test_gradient_after_its_chunk_was_reduced_raises():
         assert "counted as unused and already reduced as zero" in error, error
 
 
+class HeadFirst(nn.Module):
+    """A head registered first but used last (launched last, its bucket complete first)
+    and four layers of one bucket each, checkpointed reentrantly where ``reentrant``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(WIDTH, WIDTH)
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def loss(self, x: torch.Tensor, reentrant: bool) -> torch.Tensor:
+        for layer in self.layers:
+            block = lambda t, layer=layer: t + torch.tanh(layer(t))  # noqa: E731
+            x = checkpoint(block, x, use_reentrant=True) if reentrant else block(x)
+        return self.head(x).square().mean()
+
+
+def _reentrant_first_pass_worker(rank: int, world_size: int) -> bytes:
+    """Review of issue 41, finding 1: reentrant checkpointing from the first backward pass
+    on, the head's bucket complete before any segment recomputes (on rank 0 only: rank 1
+    runs the same numbers without checkpointing), against a run with no checkpointing."""
+    out = {}
+    for reentrant in (True, False):
+        model = HeadFirst()
+        opt = ZeroOptimizer(
+            model.parameters(),
+            flatten_config=FlattenConfig(
+                bucket_numel=WIDTH * WIDTH + WIDTH, device="cpu", progress=False
+            ),
+            lr=LR,
+        )
+        for step in range(3):
+            x = _inputs(step, rank).requires_grad_(True)
+            model.loss(x, reentrant and rank == 0).backward()
+            opt.step()
+        out[reentrant] = _snapshot(model)
+        opt.close()
+    return _pack(out)
+
+
+def test_reentrant_checkpointing_from_the_first_pass_matches_no_checkpointing():
+    # Before: both ranks raised "counted as unused and already reduced as zero" at step 1
+    # (the layers' params were tentative, and counted as zero once the head's bucket waited).
+    for result in map(_unpack, run_ranks(_reentrant_first_pass_worker, 2, timeout_s=60)):
+        for name, value in result[False].items():
+            torch.testing.assert_close(result[True][name], value, rtol=1e-6, atol=1e-7)
+
+
 # ------------------------------------------------------------------- host syncs
 _HOST_READS = ("item", "__float__", "__bool__", "__int__", "tolist")
 

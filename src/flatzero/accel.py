@@ -372,21 +372,45 @@ def _clear_last_error(runtime: Any) -> None:
         get_last_error()
 
 
-@functools.cache
-def _loaded_get_last_error() -> Any:
-    """``cudaGetLastError`` (``hipGetLastError``) of the runtime library already mapped into
-    this process (torch's own: ``RTLD_NOLOAD`` never loads a second one), or None."""
+_TORCH_LIBRARIES = (("libtorch_cuda", "cudaGetLastError"), ("libtorch_hip", "hipGetLastError"))
+"""torch's accelerator libraries and their runtime's call: a symbol looked up through a
+library's handle is searched in that library, then in its dependencies, so this finds the
+runtime instance torch itself uses (the last error is kept per runtime instance)."""
+_RUNTIMES = (("libcudart", "cudaGetLastError"), ("libamdhip64", "hipGetLastError"))
+
+_REFUSALS = frozenset({1, 2, 712, 801})
+"""Runtime errors of a registration that leave the device usable (invalid value, out of
+memory, already mapped, not supported): ``pin_host`` falls back to pageable memory. Any
+other (a sticky 700, an illegal address) is raised."""
+
+
+def _mapped_libraries() -> set[str]:
+    """Paths of the shared libraries mapped into this process (empty where unknown)."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/lib" in line}
+            return {line.split()[-1] for line in maps if "/lib" in line}
     except OSError:
-        return None
-    for library, name in (("libcudart", "cudaGetLastError"), ("libamdhip64", "hipGetLastError")):
-        for path in sorted(p for p in paths if library in os.path.basename(p)):
-            try:
-                return getattr(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY), name)
-            except (OSError, AttributeError):
+        return set()
+
+
+@functools.cache
+def _loaded_get_last_error() -> Any:
+    """``cudaGetLastError`` (``hipGetLastError``) of the runtime torch uses: looked up
+    through torch's own accelerator library (``_TORCH_LIBRARIES``), else through the runtime
+    library where exactly one copy is mapped (a conda or cupy copy beside torch's would be
+    another runtime instance, with its own last error); None otherwise. ``RTLD_NOLOAD``
+    never loads a library."""
+    paths = _mapped_libraries()
+    for libraries in (_TORCH_LIBRARIES, _RUNTIMES):
+        for library, name in libraries:
+            found = sorted(p for p in paths if library in os.path.basename(p))
+            if libraries is _RUNTIMES and len(found) != 1:
                 continue
+            for path in found:
+                try:
+                    return getattr(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY), name)
+                except (OSError, AttributeError):
+                    continue
     return None
 
 
@@ -401,8 +425,9 @@ def pin_host(tensor: torch.Tensor) -> bool:
     batches). False, nothing changed, where the runtime cannot register host memory (no
     accelerator, or a backend without the calls: the caller may take ``pinned_empty``'s
     memory instead), ``tensor`` does not start on a page boundary or shares a page with
-    memory registered here, or the runtime refused (the system's page-locked limit; warned
-    with the size, its latched error cleared: [Note: a refused registration])."""
+    memory registered here, or the runtime refused (``_REFUSALS``: the system's page-locked
+    limit; warned with the size, its latched error cleared: [Note: a refused
+    registration]). Raises ``RuntimeError`` for any other runtime error."""
     calls = _host_registration()
     if calls is None or tensor.nbytes == 0:
         return False
@@ -418,6 +443,12 @@ def pin_host(tensor: torch.Tensor) -> bool:
         if code == 0:
             _pinned_pages[tensor.data_ptr()] = pages
             return True
+    if code not in _REFUSALS:
+        raise RuntimeError(
+            f"page-locking {tensor.nbytes} bytes of host memory failed with runtime error "
+            f"{code}, which is not a refusal of the registration (1, 2, 712, 801): the "
+            "device is unusable"
+        )
     logger.warning(
         "could not page-lock %d bytes of host memory (runtime error %d); uploads use "
         "pageable memory and are synchronous",

@@ -25,6 +25,7 @@ import ctypes.util
 import functools
 import logging
 import mmap
+import os
 import sys
 import weakref
 from collections.abc import Callable
@@ -195,7 +196,9 @@ class StagingBuffer:
     device: torch.device | None = None
 
     def __post_init__(self) -> None:
-        self._unpin = weakref.finalize(self, _unpin, self.data, self.device, self.registered)
+        self._unpin = weakref.finalize(
+            self, _unpin, self.data, self.device, self.registered, os.getpid()
+        )
         self._unpin.atexit = False  # the process's exit releases its pages anyway
 
     def release(self) -> None:
@@ -208,9 +211,14 @@ class StagingBuffer:
             self._unpin()
 
 
-def _unpin(data: torch.Tensor, device: torch.device | None, registered: bool) -> None:
-    if registered:
+def _unpin(data: torch.Tensor, device: torch.device | None, registered: bool, pid: int) -> None:
+    """Unregister ``data``: after the device ran every copy queued before (a copy still in
+    flight would read or write pages no longer page-locked, or soon unmapped), and only in
+    the process that registered it (a forked child that drops its copy of the object must
+    not touch the parent's runtime nor CUDA at all)."""
+    if registered and os.getpid() == pid:
         with _context(device):
+            accel.synchronize(device or torch.device(accel.accelerator_type()))
             accel.unpin_host(data)
 
 

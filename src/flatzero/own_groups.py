@@ -47,8 +47,9 @@ shares one)."""
 _collectives: dict[tuple[tuple[int, ...], str], dist.ProcessGroup] = {}
 """flatzero's own collective groups by the global ranks they span and their backend."""
 
-_shared: set[tuple[tuple[int, ...], str]] = set()
-"""Ranks and backends whose reductions share the user's group (``collective_group``)."""
+_shared: dict[tuple[tuple[int, ...], str], dist.ProcessGroup] = {}
+"""Ranks and backends whose reductions share the user's group (``collective_group``), with
+the default group they were decided under (void once the job's groups are made again)."""
 
 
 def _separate_control_needed(group: dist.ProcessGroup | None) -> bool:
@@ -90,10 +91,10 @@ def prepare_control_groups(rank_lists: Sequence[Sequence[int]]) -> None:
     over the whole job.
     """
     backend = str(dist.get_backend())
-    for ranks in rank_lists:
-        key = tuple(sorted(int(r) for r in ranks))
-        existing = _controls.get(key)
-        if existing is not None and _alive(existing):
+    keys = [tuple(sorted(int(r) for r in ranks)) for ranks in rank_lists]
+    missing = all_reduce_max_each([int(not _prepared(key, backend)) for key in keys], None)
+    for key, needed in zip(keys, missing, strict=True):
+        if not needed:  # [Note: every rank of the job decides alike]
             continue
         control = _new_control(list(key), everyone_calls=True)
         if dist.get_rank() not in key:
@@ -108,6 +109,35 @@ def prepare_control_groups(rank_lists: Sequence[Sequence[int]]) -> None:
             )
             if dist.get_rank() in key:
                 _collectives[(key, backend)] = ours
+
+
+def _prepared(key: tuple[int, ...], backend: str) -> bool:
+    """Whether this rank has nothing to create over ``key`` (it is not in it, or it has
+    both groups alive).
+
+    [Note: every rank of the job decides alike] ``prepare_control_groups`` creates a rank
+    list's groups with job-wide ``new_group`` calls, which advance torch's group count (its
+    name for the next job-wide group) on every rank that makes them. A rank that skipped a
+    list its neighbours created would name every later job-wide group differently and wait
+    for them forever, so the ranks all-reduce whether any member lacks a group, and skip a
+    list only together.
+    """
+    if dist.get_rank() not in key:
+        return True
+    control = _controls.get(key)
+    ours = _collectives.get((key, backend))
+    return (
+        control is not None
+        and _alive(control)
+        and (len(key) == 1 or (ours is not None and _alive(ours)))
+    )
+
+
+def _splits_the_default_group() -> bool:
+    """Whether a new NCCL group is split off the default group's communicator (the default
+    group is bound to a device: ``init_process_group(device_id=...)``), which every rank of
+    the job must take part in (pytorch#129965)."""
+    return dist.distributed_c10d._get_default_group().bound_device_id is not None
 
 
 def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -142,7 +172,10 @@ def collective_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | Non
     at world size 1. Created once per set of ranks and backend, as ``control_group`` creates
     its groups (every rank of the job calls ``new_group`` when ``group`` spans the job, the
     group's ranks only otherwise, after the same naming check), and reused. Where that check
-    fails (a subgroup's ranks registered different numbers of groups), ``group`` itself,
+    fails (a subgroup's ranks registered different numbers of groups), or the default group
+    is bound to a device (a new NCCL group is then split off it by every rank of the job,
+    so the subgroup's ranks alone would hang) and ``prepare_control_groups`` did not make
+    it, ``group`` itself,
     with one warning naming ``prepare_control_groups``: reductions share the user's group,
     as before there was a group of flatzero's own.
 
@@ -157,16 +190,19 @@ def collective_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | Non
     ours = _collectives.get(key)
     if ours is not None and _alive(ours):
         return ours
-    if key in _shared:
+    default = dist.distributed_c10d._get_default_group()
+    if _shared.get(key) is default:
         return group
     everyone_calls = len(ranks) == dist.get_world_size()
-    if not everyone_calls and not _group_counts_agree(parent):
-        _shared.add(key)
+    if not everyone_calls and (_splits_the_default_group() or not _group_counts_agree(parent)):
+        _shared[key] = default  # until the job's groups are destroyed and made again
         logger.warning(
-            "flatzero's reductions over ranks %s share their process group: those ranks "
-            "registered different numbers of process groups, so a group of flatzero's own "
-            "would get a different rendezvous name on each. A collective of yours inside "
-            "backward on that group can then hang; call flatzero.control."
+            "flatzero's reductions over ranks %s share their process group: a group of "
+            "flatzero's own made by those ranks alone would hang (the default group is bound "
+            "to a device, so a new group is split off its communicator by every rank of the "
+            "job) or get a different rendezvous name on each (those ranks registered "
+            "different numbers of process groups). A collective of yours inside "
+            "backward on that group can then hang; call flatzero.own_groups."
             "prepare_control_groups(<the rank lists of every data-parallel group>) on every "
             "rank right after creating those groups",
             ranks,

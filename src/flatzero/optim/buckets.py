@@ -207,6 +207,10 @@ class BackwardPass:
         tentative: params the pass's graph does not reach at its start, in a pass that may
             still see a backward inside backward (the first): counted as zero only once a
             whole bucket's gradients wait behind them (``Stage2Reducer._pump``).
+        late: in the first pass, params counted as zero whose gradient arrived after some
+            of their chunks were reduced without it: the flat gradient and how many of its
+            chunks (the first, in launch order) went without it
+            (``Stage2Reducer._reduce_late``).
         missing: per bucket, its params whose gradient has not arrived.
         complete: buckets whose every gradient arrived, in arrival order.
         cursor: position of the next chunk to launch.
@@ -221,6 +225,7 @@ class BackwardPass:
     arrived: set[int] = field(default_factory=set)
     unused: set[int] = field(default_factory=set)
     tentative: set[int] = field(default_factory=set)
+    late: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
     missing: list[int] = field(default_factory=list)
     complete: list[int] = field(default_factory=list)
     cursor: int = 0
@@ -232,6 +237,13 @@ class BackwardPass:
         """Keep ``param``'s flat gradient until its chunks are staged."""
         self.held[param] = grad
         self.held_bytes += grad.numel() * grad.element_size()
+
+    def keep_late(self, param: int, grad: torch.Tensor, reduced: int, held: bool) -> None:
+        """Keep ``param``'s late gradient (see ``late``); ``held``: it is also in ``held``
+        (counted there)."""
+        self.late[param] = (grad, reduced)
+        if not held:
+            self.held_bytes += grad.numel() * grad.element_size()
 
     def release(self, param: int) -> None:
         """Drop ``param``'s gradient (all its chunks are staged), if it was held."""

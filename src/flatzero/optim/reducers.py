@@ -99,8 +99,7 @@ LATE = (
     "flatzero stage 2: a gradient arrived for a param that this backward pass had counted as "
     "unused and already reduced as zero. A backward pass ran inside this one (reentrant "
     "activation checkpointing, use_reentrant=True) that the first backward pass did not "
-    "show, or that started only after a whole bucket of gradients had waited for this "
-    "param. Use torch.utils.checkpoint with use_reentrant=False, or turn reentrant "
+    "show. Use torch.utils.checkpoint with use_reentrant=False, or turn reentrant "
     "checkpointing on before the first backward pass"
 )
 

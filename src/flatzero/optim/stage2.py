@@ -150,8 +150,9 @@ class Stage2Reducer(GradReducer):
     bucket waits for them). So an unused param early in launch order (an expert with no
     tokens, registered last) holds back about one bucket in the first pass too, not every
     gradient. Which chunks are launched, and their contents, are the same either way; only
-    the moment differs, on each rank its own. A gradient that arrives after its chunk was
-    reduced without it raises ``RuntimeError``.
+    the moment differs, on each rank its own. In the first pass a gradient that arrives
+    after its chunk was reduced without it is reduced again at the pass's end (see
+    ``_reduce_late``); in a later pass it raises ``RuntimeError``.
     """
 
     def __init__(self, flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> None:
@@ -225,18 +226,23 @@ class Stage2Reducer(GradReducer):
         state.missing[bucket] -= 1
         if state.missing[bucket] == 0:
             state.complete.append(bucket)
-        if pid in state.unused:
-            if state.unstaged[pid] < len(positions):
-                raise RuntimeError(LATE)
-            state.unused.discard(pid)  # its chunks still wait: it counts after all
-            state.nested = True
-        else:
-            for pos in positions:
-                state.pending[pos] -= 1
         # Flat without a view op where it is flat already, and staged whole without a slice
         # where a chunk holds all of it (_launch): host ops per param are pinned by
         # tests/test_host_ops.py.
-        state.hold(pid, grad if grad.dim() == 1 else grad.reshape(-1))
+        flat = grad if grad.dim() == 1 else grad.reshape(-1)
+        if pid in state.unused:
+            reduced = len(positions) - state.unstaged[pid]
+            if reduced and self.unused_rule is not UnusedRule.WATCHING:
+                raise RuntimeError(LATE)
+            state.unused.discard(pid)  # its chunks not staged yet still wait: it counts
+            state.nested = True
+            if reduced:
+                state.keep_late(pid, flat, reduced, held=reduced < len(positions))
+        else:
+            for pos in positions:
+                state.pending[pos] -= 1
+        if state.unstaged[pid]:
+            state.hold(pid, flat)
         self.held_peak = max(self.held_peak, state.held_bytes)
         if self.order_state is OrderState.RECORDING:
             self._last_arrival[self._bucket_of[pid]] = len(state.arrived)
@@ -338,12 +344,47 @@ class Stage2Reducer(GradReducer):
         for pos in range(state.cursor, len(self.chunks)):
             state.pending[pos] = 0
         self._pump(state)
+        if self.unused_rule is UnusedRule.WATCHING:
+            self._reduce_late(state)
         if self.order_state is OrderState.RECORDING:
             self._learn_order()
         self.unused_rule = self.unused_rule.after(state.nested)
         self._pass = self._new_pass()
         self.window = self.window.end()
         self.generation += 1
+
+    def _reduce_late(self, state: BackwardPass) -> None:
+        """The first pass's end: reduce again, added, every bucket in which some rank got
+        a gradient after its chunk was reduced with that param counted as zero
+        (``BackwardPass.late``), staging only those late gradients (zeros elsewhere).
+
+        [Note: late gradients in the first pass] A reentrant checkpointed segment's params
+        are not in the graph a pass starts with; its gradients come from a backward inside
+        backward, which can start after a whole bucket (a head registered first, used
+        last) waited and so made them count as zero. Recovering costs one all-reduce of
+        one int per bucket at the end of the first pass (and a host read of it), plus one
+        more reduction of each affected bucket; the late gradients are held until then.
+        Every rank takes part, so ranks that differ (MoE routing) neither raise nor hang.
+        """
+        device = collective_device(self.pg, self.flat.groups[0].device)
+        late = [0] * len(self.buckets)
+        for pid, (_, reduced) in state.late.items():
+            for pos in self._chunks_of[pid][:reduced]:
+                late[self.chunks[pos].bucket] = 1
+        flags = torch.tensor(late, dtype=torch.int32).to(device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
+        buckets = flags.tolist()
+        for pos, chunk in enumerate(self.chunks):
+            if not buckets[chunk.bucket]:
+                continue
+            slot = self.pool.acquire()
+            staged = slot[: chunk.numel]
+            staged.zero_()
+            for pid, first, offset, numel in chunk.params:
+                grad, reduced = state.late.get(pid, (None, 0))
+                if grad is not None and pos in self._chunks_of[pid][:reduced]:
+                    staged[offset : offset + numel].copy_(grad[first : first + numel])
+            self._reduce_chunk(chunk, slot, staged, True)
 
     def _queue_on_outer_backward(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
         """Post-hook of the node whose inner backward pass just ended: queue the end of the
