@@ -568,7 +568,11 @@ def test_no_host_sync_in_step(two_ranks):
         item = result["host_syncs"]
         for case in ("fp32", "fp32_clip", "bf16_clip", "engine", "engine_clip"):
             seen = item[case]
-            assert seen["reads"] == [], (case, seen["reads"])
+            # The DeepSpeed door at fp32, stages 1 and 2, reads the inf/nan verdict once a
+            # step, as DeepSpeed's ZeRO-1/2 does: a step with inf/nan gradients is skipped,
+            # and so is the LR scheduler's step (the host must know). The PyTorch door never.
+            expected = [("__bool__", "cpu")] if case.startswith("engine") else []
+            assert seen["reads"] == expected, (case, seen["reads"])
             assert seen["uploads"] == [], (case, seen["uploads"])
             assert "all_gather_into" in {c[0] for c in seen["collectives"]}, case
             reductions = [c for c in seen["collectives"] if c[0] != "all_gather_into"]
@@ -586,7 +590,8 @@ def test_no_host_sync_in_step(two_ranks):
     for case in ("engine", "engine_clip"):
         norms = [r["host_syncs"][case]["norm"] for r in two_ranks]
         assert norms[0] > 0 and norms == [norms[0]] * len(norms), (case, norms)
-    assert two_ranks[0]["host_syncs"]["engine"]["optimizer_norm"] is None
+    engine = two_ranks[0]["host_syncs"]["engine"]
+    assert engine["optimizer_norm"] == engine["norm"]  # computed for the verdict
     assert two_ranks[0]["host_syncs"]["engine_clip"]["optimizer_norm"] == norms[0]
 
 
