@@ -2,10 +2,15 @@
 ``deepspeed.initialize`` routed to flatzero (``flatzero.patch_deepspeed()``).
 
 The tests are vendored under ``benchmarks/deepspeed_unit_tests/tests`` (Apache-2.0, see the
-README there); nothing is fetched at run time. Each route is one pytest run over the selected
-files, with ``DS_ACCELERATOR=cpu`` (gloo) and ``-p stages12`` (ZeRO stage 3 deselected: the
-router hands it to DeepSpeed); the flatzero route adds ``route/`` to ``PYTHONPATH``, whose
-``sitecustomize.py`` applies the patch in every process, DeepSpeed's test workers included.
+README there); nothing is fetched at run time. Each route runs each selected file in its own
+pytest process, with ``DS_ACCELERATOR=cpu`` (gloo) and ``-p stages12`` (ZeRO stage 3
+deselected: the router hands it to DeepSpeed); the flatzero route adds ``route/`` to
+``PYTHONPATH``, whose ``sitecustomize.py`` applies the patch in every process, DeepSpeed's test
+workers included. pytest's output is kept in ``<out>.<route>.log``. A test that prints nothing
+for ``--timeout`` seconds is stopped with its process group and recorded as ``timeout``, and
+its file runs on without it (DeepSpeed's harness hangs when a test fails through
+``pytest.fail``, e.g. ``pytest.raises`` that did not raise: the ``Failed`` it re-raises is a
+``BaseException``, which kills its ``multiprocessing.Pool`` worker, and the result never comes).
 Per-test outcomes of both routes, the command, the machine and the date go to one JSON file.
 
     python benchmarks/deepspeed_unit_tests.py                      # both routes, the default files
@@ -19,6 +24,8 @@ import datetime
 import json
 import os
 import platform
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -77,18 +84,98 @@ def _outcomes(junit: Path) -> dict[str, dict[str, str]]:
     return out
 
 
+def _junit_id(nodeid: str) -> str:
+    """``unit/a/test_b.py::C::t[x]`` -> ``unit.a.test_b.C::t[x]`` (the junit file's form)."""
+    path, *rest = nodeid.split("::")
+    return ".".join([path.removesuffix(".py").replace("/", "."), *rest[:-1]]) + "::" + rest[-1]
+
+
+def _from_log(text: str) -> tuple[dict[str, dict[str, str]], str | None]:
+    """Outcomes that ``pytest -v`` printed in ``text``, and the test it started last without
+    an outcome (the one that hung), if any."""
+    done: dict[str, dict[str, str]] = {}
+    started = None
+    for line in text.splitlines():
+        plain = re.sub(r"\x1b\[[0-9;]*m", "", line)
+        if re.match(r"=+ (?!test session starts)", plain):
+            break  # the summaries after the tests name tests without outcomes
+        words = plain.split()
+        if not words or "::" not in words[0] or not words[0].startswith("unit/"):
+            continue
+        started = words[0]
+        if len(words) > 1 and words[1] in ("PASSED", "FAILED", "SKIPPED", "ERROR"):
+            done[words[0]] = {"outcome": words[1].lower(), "message": ""}
+            started = None
+    return done, started
+
+
+def _pytest(command: list[str], env: dict, log: Path, idle_s: float) -> bool:
+    """Run ``command`` with its output appended to ``log``; stop it (its whole process group:
+    DeepSpeed's test workers too) once ``log`` has not grown for ``idle_s`` seconds. True if
+    it finished on its own."""
+    with log.open("ab") as sink:
+        proc = subprocess.Popen(command, cwd=TESTS, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        size, quiet_since = -1, time.monotonic()
+        while proc.poll() is None:
+            time.sleep(2.0)
+            if log.stat().st_size != size:
+                size, quiet_since = log.stat().st_size, time.monotonic()
+            elif time.monotonic() - quiet_since > idle_s:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return False
+    return True
+
+
+def run_file(
+    route: str, file: str, keyword: str | None, junit: Path, log: Path, idle_s: float
+) -> dict[str, dict[str, str]]:
+    """Outcomes of one test file on ``route``. A test that prints nothing for ``idle_s``
+    seconds, or that ends the session unfinished (DeepSpeed's harness calls ``pytest.exit``
+    when a test outlives ``DS_UNITTEST_TIMEOUT``), is recorded as ``timeout`` and the file is
+    run again without it and the tests already done, so one hang costs minutes, not the run."""
+    outcomes: dict[str, dict[str, str]] = {}
+    skip: list[str] = []
+    while True:
+        command = [sys.executable, "-m", "pytest", "-p", "stages12", "-p", "no:cacheprovider",
+                   "--color=no", f"--junitxml={junit}", "-v", "-rA", file]  # fmt: skip
+        command += ["-k", keyword] if keyword else []
+        command += [f"--deselect={t}" for t in skip]
+        before = log.stat().st_size if log.exists() else 0
+        with log.open("a") as sink:
+            sink.write(f"\n--- {route}: {' '.join(command[1:])}\n")
+        junit.unlink(missing_ok=True)
+        finished = _pytest(command, _environment(route), log, idle_s)
+        with log.open("rb") as f:
+            done, hung = _from_log(f.read()[before:].decode(errors="replace"))
+        outcomes.update({_junit_id(t): o for t, o in done.items()})
+        outcomes.update(_outcomes(junit) if junit.exists() else {})
+        junit.unlink(missing_ok=True)
+        if hung is None:
+            return outcomes
+        why = "ended the session unfinished" if finished else f"no output for {idle_s:.0f} s"
+        with log.open("a") as sink:
+            sink.write(f"\n--- {route}: TIMEOUT {hung} ({why})\n")
+        outcomes[_junit_id(hung)] = {"outcome": "timeout", "message": why}
+        skip += [*done, hung]
+
+
 def run_route(
-    route: str, files: list[str], keyword: str | None, junit: Path
+    route: str, files: list[str], keyword: str | None, out: Path, idle_s: float
 ) -> tuple[dict, float, list[str]]:
-    """One pytest run of ``files`` on ``route``; its outcomes, seconds and command."""
-    command = [sys.executable, "-m", "pytest", "-p", "stages12", "-p", "no:cacheprovider",
-               f"--junitxml={junit}", "-q", *files]  # fmt: skip
-    if keyword:
-        command += ["-k", keyword]
+    """Each of ``files`` in its own pytest run on ``route`` (output kept in
+    ``<out>.<route>.log``); the outcomes, the seconds and the command (of one file)."""
+    out = out.resolve()  # pytest runs in TESTS
+    junit, log = out.with_suffix(f".{route}.xml"), out.with_suffix(f".{route}.log")
+    log.unlink(missing_ok=True)
+    outcomes: dict[str, dict[str, str]] = {}
     start = time.perf_counter()
-    subprocess.run(command, cwd=TESTS, env=_environment(route), stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, check=False)  # fmt: skip
-    return _outcomes(junit), time.perf_counter() - start, command
+    for file in files:
+        outcomes.update(run_file(route, file, keyword, junit, log, idle_s))
+    command = ["python", "-m", "pytest", "-p", "stages12", "-p", "no:cacheprovider", "--color=no",
+               "-v", "-rA", "<file>"] + (["-k", keyword] if keyword else [])  # fmt: skip
+    return outcomes, time.perf_counter() - start, command
 
 
 def _versions() -> dict[str, str]:
@@ -141,8 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routes", nargs="+", default=["deepspeed", "flatzero"])
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
+        "--timeout", type=float, default=600.0,
+        help="seconds a test may run without output before it is stopped (outcome: timeout)",
+    )  # fmt: skip
+    parser.add_argument(
         "--merge", nargs="+", type=Path, default=None,
-        help="combine result files written earlier (a route each: run at once) into --out",
+        help="combine result files into --out (a route in several: its tests together)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     routes: dict = {}
@@ -151,15 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         for path in args.merge:
             data = json.loads(path.read_text())
-            for route in data["seconds"]:
-                routes[route] = {t: row[route] for t, row in data["tests"].items() if route in row}
-                seconds[route] = data["seconds"][route]
-                commands[route] = data["pytest_commands"][route]
+            for route in data["seconds"]:  # a route in two files: their tests together
+                rows = {t: row[route] for t, row in data["tests"].items() if route in row}
+                routes.setdefault(route, {}).update(rows)
+                seconds[route] = seconds.get(route, 0.0) + data["seconds"][route]
+                command = data["pytest_commands"][route]
+                commands[route] = f"{commands[route]}; {command}" if route in commands else command
     for route in [] if args.merge else args.routes:
-        junit = args.out.with_suffix(f".{route}.xml")
-        routes[route], seconds[route], command = run_route(route, args.files, args.keyword, junit)
+        outcome = run_route(route, args.files, args.keyword, args.out, args.timeout)
+        routes[route], seconds[route], command = outcome
         commands[route] = " ".join(command[1:])
-        junit.unlink(missing_ok=True)
     write_results(routes, seconds, commands, args.out, argv)
     return 0
 
