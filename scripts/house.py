@@ -237,6 +237,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "engine.checkpointing",
                 "engine.compiling",
                 "engine.user_backward",
+                "engine.unused_check",
                 "engine.engine",
                 "engine.deepspeed_compat",
                 "engine.initialize",

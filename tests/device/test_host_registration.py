@@ -102,6 +102,7 @@ def _snapshot_worker(rank: int, world_size: int, kind: str) -> dict[str, int]:
                 optimizer=opt,
                 _user_backward=SimpleNamespace(close=lambda: None),
                 _preemption=None,
+                _unused_check=None,
             )
             Engine.destroy(engine)  # type: ignore[arg-type]
             seen["destroy: after"] = registry.registered_bytes()

@@ -23,6 +23,7 @@ from .full_values import unregister
 from .getters import DeepSpeedGetters
 from .preemption import check_at_boundary, engine_watch
 from .report import EngineInitReport
+from .unused_check import UnusedCheck
 from .user_backward import UserBackward
 
 __all__ = ["Engine"]
@@ -126,6 +127,11 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, EngineCompile, nn.Module):
             self.gradient_accumulation_steps(),
             needs_scale=optimizer._scaler is not None,
         )
+        self._unused_check = (
+            UnusedCheck(list(optimizer.flat.named_params().items()))
+            if config.zero.check_unused
+            else None
+        )
 
     def __getattr__(self, name: str) -> Any:
         """Attributes the engine does not have come from the module, as with DeepSpeed."""
@@ -219,6 +225,8 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, EngineCompile, nn.Module):
         if boundary:
             if self.parsed_config.replicated:
                 self._all_reduce_gradients()
+            if self._unused_check is not None:
+                self._unused_check.verify(self._pg)
             self._global_grad_norm = self._grad_norm_before_step()
             self.optimizer.step()
             norm = self.optimizer.last_grad_norm_tensor
@@ -327,6 +335,8 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, EngineCompile, nn.Module):
             wait_for_removals()
             self._destroyed = True
             self._user_backward.close()
+            if self._unused_check is not None:
+                self._unused_check.close()
             unregister(self.optimizer)
             self.optimizer.close()
             if self._preemption is not None:

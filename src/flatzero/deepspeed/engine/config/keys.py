@@ -201,7 +201,6 @@ ZERO_NO_EFFECT: Mapping[str, str] = {
     "allgather_partitions": "flatzero always all-gathers updated buckets",
     "use_multi_rank_bucket_allreduce": "no effect",
     "round_robin_gradients": "no effect",
-    "ignore_unused_parameters": "unused params count as zero gradients",
     "load_from_fp32_weights": "checkpoints always hold fp32 master weights",
     "elastic_checkpoint": "checkpoints always load at any world size",
     "compute_grad_norm": "the norm is computed when clipping or loss scaling needs it",

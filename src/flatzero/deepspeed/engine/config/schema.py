@@ -80,10 +80,14 @@ class ZeroSection:
             optimizer state) or 2 (sharded gradients too).
         overlap_comm: ``zero_optimization.overlap_comm``, or None when absent (or with
             optimizer offload): ``ZeroConfig.overlap_param_gather``.
+        check_unused: ``ignore_unused_parameters: false`` with optimizer offload: the step
+            asserts that every trainable param got a gradient in the accumulation window,
+            as DeepSpeed's offloaded ZeRO-1/2 does (``engine/unused_check.py``).
     """
 
     stage: int = 0
     overlap_comm: bool | None = None
+    check_unused: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2) or isinstance(self.stage, bool):

@@ -130,6 +130,15 @@ def parse_zero(top: Section) -> tuple[ZeroSection, int | None, OffloadConfig | N
     offload = parse_offload_optimizer(zero, stage)
     for refusal in ZERO_REFUSED:
         zero.refuse(*refusal)
+    check_unused = not zero.bool("ignore_unused_parameters", True)
+    if check_unused and offload is None:
+        zero.ignored.append(
+            (
+                zero.key("ignore_unused_parameters"),
+                "DeepSpeed checks for params without a gradient only with optimizer offload",
+            )
+        )
+        check_unused = False
     for name, reason in ZERO_NO_EFFECT.items():
         zero.no_effect(name, reason)
     for name in STAGE3_KEYS:
@@ -140,7 +149,7 @@ def parse_zero(top: Section) -> tuple[ZeroSection, int | None, OffloadConfig | N
             (zero.key("overlap_comm"), "the offloaded step's parameter gathers do not overlap")
         )
         overlap = None
-    return ZeroSection(stage, overlap), reduce or gather or None, offload
+    return ZeroSection(stage, overlap, check_unused), reduce or gather or None, offload
 
 
 class _Fp16(NamedTuple):
