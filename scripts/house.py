@@ -159,6 +159,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
             (
                 "buckets",
                 "gather",
+                "deepspeed_muon",
                 "whole",
                 "inner",
                 "norm",
@@ -212,6 +213,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "engine.weights16",
                 "engine.getters",
                 "engine.lr_scheduler",
+                "engine.muon_groups",
                 "engine.optimizer_choice",
                 "engine.rank_agreement",
                 "engine.preemption",

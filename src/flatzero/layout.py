@@ -23,7 +23,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .owners import newton_schulz_cost, place_whole
@@ -461,7 +461,7 @@ def plan_layout(
     world_size: int,
     bucket_numel: int,
     alignment: int = DEFAULT_ALIGNMENT,
-    whole_params: bool = False,
+    whole_params: bool | Collection[int] = False,
 ) -> Layout:
     """Plan the flat, sharded layout of ``groups`` of trainable, deduplicated params.
 
@@ -472,6 +472,7 @@ def plan_layout(
         alignment: params start on multiples of this many elements (>= 1).
         whole_params: every param lies whole inside one rank's slice, for optimizers that
             step whole tensors (``owners``); buckets may pad more to balance the ranks.
+            ``True``: in every group; indices into ``groups``: in those groups only.
 
     Returns:
         One ``GroupLayout`` per (param group, dtype); groups without params produce none.
@@ -496,7 +497,10 @@ def plan_layout(
             seen[spec.name] = group_index
             by_dtype.setdefault(spec.dtype, []).append((reg_index, spec))
         for dtype, members in by_dtype.items():
-            plan_group = _plan_whole_group if whole_params else _plan_group
+            whole = whole_params is True or (
+                not isinstance(whole_params, bool) and group_index in whole_params
+            )
+            plan_group = _plan_whole_group if whole else _plan_group
             layouts.append(
                 plan_group(
                     group_index,

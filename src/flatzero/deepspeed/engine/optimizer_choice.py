@@ -18,6 +18,7 @@ from ...optim.offload import check_host_kernel
 from ...params import ParamGroup
 from .config import EngineConfig
 from .errors import UnsupportedFeatureError
+from .muon_groups import muon_param_groups
 
 __all__ = ["OptimizerChoice", "choose_optimizer"]
 
@@ -139,6 +140,10 @@ def choose_optimizer(
     if isinstance(model_parameters, torch.Tensor):
         model_parameters = [model_parameters]
     cls = cfg.optimizer.torch_class
+    if cfg.optimizer.torch_name == "Muon":
+        groups, defaults = muon_param_groups(model, model_parameters, cfg.optimizer.kwargs())
+        name = f"{cls.__name__} (config {cfg.optimizer.type})"
+        return OptimizerChoice(cls, defaults, name, groups)
     return OptimizerChoice(
         cls,
         cfg.optimizer.kwargs(),

@@ -1,0 +1,92 @@
+"""DeepSpeed 0.19.8's ``Muon`` optimizer config through flatzero's door, side by side with
+the real DeepSpeed (CPU, gloo; skipped without DeepSpeed): the same losses at ZeRO stages 1
+and 2, each matrix orthogonalized once per step over all ranks, and Muon (not SGD) at
+stage 0 (DeepSpeed #8441)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from flatzero.launch import run_ranks
+
+pytest.importorskip("transformers")
+
+STEPS = 10
+
+
+def _llama() -> torch.nn.Module:
+    """A Llama whose sizes do not divide evenly over 2 ranks."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=61, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def _config(stage: int, world_size: int) -> dict[str, Any]:
+    params = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.01, "adam_lr": 3e-3}
+    return {
+        "train_batch_size": world_size,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "Muon", "params": params},
+    }
+
+
+def _losses(engine: Any, rank: int) -> list[float]:
+    gen = torch.Generator().manual_seed(10 + rank)
+    losses = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 61, (1, 12), generator=gen)
+        loss = engine(ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _side_by_side(rank: int, world_size: int, stage: int) -> dict[str, Any]:
+    from flatzero.testing.deepspeed import prepare_deepspeed, release_engine
+
+    prepare_deepspeed()
+    import deepspeed
+
+    import flatzero
+    from flatzero.optim import deepspeed_muon
+
+    engine, *_ = deepspeed.initialize(model=_llama(), config=_config(stage, world_size))
+    theirs = _losses(engine, rank)
+    release_engine(engine)
+    calls = []
+    orthogonalize = deepspeed_muon.orthogonalize
+    deepspeed_muon.orthogonalize = lambda u, m: calls.append(tuple(u.shape)) or orthogonalize(u, m)
+    engine, *_ = flatzero.initialize(model=_llama(), config=_config(stage, world_size))
+    calls.clear()  # probes of the class at construction
+    ours = _losses(engine, rank)
+    groups = [(g["name"], g["use_muon"]) for g in engine.optimizer.param_groups]
+    engine.destroy()
+    return {"theirs": theirs, "ours": ours, "calls": calls, "groups": groups}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_muon_config_matches_deepspeed_and_orthogonalizes_each_matrix_once(stage):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed")
+    out = run_ranks(_side_by_side, 2, stage, env={"DS_ACCELERATOR": "cpu"})
+    for rank in out:
+        assert rank["ours"] == pytest.approx(rank["theirs"], rel=1e-5, abs=1e-6)
+    assert out[0]["groups"] == [("muon-params", True), ("adam-params", False)]
+    muon = sorted(
+        tuple(p.shape)
+        for n, p in _llama().named_parameters()
+        if p.dim() >= 2 and "embed" not in n and "lm_head" not in n
+    )
+    calls = sorted(out[0]["calls"] + out[1]["calls"])
+    assert calls == sorted(muon * STEPS)  # each matrix once per step, over both ranks
+    assert out[0]["calls"] and out[1]["calls"]  # both ranks own matrices
