@@ -90,3 +90,46 @@ def test_muon_config_matches_deepspeed_and_orthogonalizes_each_matrix_once(stage
     calls = sorted(out[0]["calls"] + out[1]["calls"])
     assert calls == sorted(muon * STEPS)  # each matrix once per step, over both ranks
     assert out[0]["calls"] and out[1]["calls"]  # both ranks own matrices
+
+
+def _stage0_rank(rank: int, world_size: int) -> dict[str, Any]:
+    import flatzero
+
+    model = _llama()
+    name = "model.layers.0.mlp.down_proj.weight"
+    before = dict(model.named_parameters())[name].detach().clone()
+    config = _config(0, world_size)
+    config["gradient_clipping"] = 0.0
+    config["optimizer"]["params"]["weight_decay"] = 0.0
+    engine, *_ = flatzero.initialize(model=model, config=config)
+    ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(ids, labels=ids).loss)
+    engine.step()
+    after = dict(engine.module.named_parameters())[name].detach().float()
+    reference = _llama()
+    reference(ids, labels=ids).loss.backward()
+    engine.destroy()
+    return {
+        "update": torch.linalg.svdvals((before - after) / 0.02).tolist(),
+        "grad": torch.linalg.svdvals(dict(reference.named_parameters())[name].grad).tolist(),
+    }
+
+
+def test_muon_at_stage_0_orthogonalizes_not_sgd():
+    """DeepSpeed #8441: Muon at stage 0 ran SGD. Through the router a stage 0 Muon config
+    comes to flatzero, whose step of a matrix is orthogonalized: its singular values are
+    alike (Newton-Schulz leaves them in about [0.5, 1.5]), where the gradient's (SGD's
+    update) spread over orders of magnitude."""
+    from flatzero.deepspeed.patch import routing_reason
+
+    muon = _config(0, 1)
+    assert routing_reason(config=muon) is None  # flatzero runs it
+    adam = {**muon, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    assert "stage 0" in routing_reason(config=adam)
+    out = run_ranks(_stage0_rank, 1)[0]
+    rank = 8  # the gradient of 12 tokens has rank <= 12: compare the leading directions
+    update, grad = out["update"][:rank], out["grad"][:rank]
+    spread = max(update) / min(update)
+    assert spread < 2, update
+    assert max(grad) / min(grad) > 2 * spread, grad  # SGD's step: the gradient's spread
+    assert min(update) > 0.3 and max(update) < 1.6
