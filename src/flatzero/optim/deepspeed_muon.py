@@ -118,30 +118,29 @@ class DeepSpeedMuon(torch.optim.Optimizer):
     """DeepSpeed's ``MuonWithAuxAdam`` update over groups tagged ``use_muon``.
 
     Args:
-        params: param groups, each with ``use_muon`` (True: Muon, False: Adam) and its
-            options (Muon: ``lr``, ``momentum``, ``weight_decay``, ``ns_method``; Adam:
-            ``lr``, ``betas``, ``eps``, ``weight_decay``), DeepSpeed's defaults for the rest.
+        params: params or param groups, each group with ``use_muon`` (True: Muon, False:
+            Adam) and its options (Muon: ``lr``, ``momentum``, ``weight_decay``,
+            ``ns_method``; Adam: ``lr``, ``betas``, ``eps``, ``weight_decay``), DeepSpeed's
+            defaults for the rest.
         adam_w_mode: the Adam half decays weights decoupled (AdamW), else as L2 on the
             gradient (Adam).
+        use_muon: for a group that does not say.
     """
 
     whole_group_option = "use_muon"
     """The group option that makes a group need whole params (``inner.whole_groups``)."""
 
-    def __init__(self, params: Iterable[dict[str, Any]], adam_w_mode: bool = True) -> None:
-        groups = [dict(g) for g in params]
-        for group in groups:
-            if "use_muon" not in group:
-                raise ValueError(
-                    "DeepSpeedMuon needs 'use_muon' (True or False) in every param group"
-                )
+    def __init__(
+        self, params: Iterable[Any], adam_w_mode: bool = True, use_muon: bool = True
+    ) -> None:
+        super().__init__(params, {"adam_w_mode": bool(adam_w_mode), "use_muon": use_muon})
+        for group in self.param_groups:
             for key, value in (_MUON_DEFAULTS if group["use_muon"] else _ADAM_DEFAULTS).items():
                 group.setdefault(key, value)
             if group["use_muon"] and group["ns_method"] not in NS_METHODS:
                 raise ValueError(
                     f"ns_method must be one of {', '.join(NS_METHODS)}, got {group['ns_method']!r}"
                 )
-        super().__init__(groups, {"adam_w_mode": bool(adam_w_mode)})
         self._updates_ready = False
         """``grads_to_updates`` ran since the last step: Muon matrices hold updates."""
 
