@@ -141,6 +141,13 @@ def choose_optimizer(
         model_parameters = [model_parameters]
     cls = cfg.optimizer.torch_class
     if cfg.optimizer.torch_name == "Muon":
+        if cfg.zero_optimizer.offload_optimizer is not None:
+            raise UnsupportedFeatureError(
+                "optimizer: the Muon config with zero_optimization.offload_optimizer: flatzero "
+                "runs Muon's Newton-Schulz on the device shards only; drop the offload",
+                key="optimizer",
+                feature="Muon with optimizer offload",
+            )
         groups, defaults = muon_param_groups(model, model_parameters, cfg.optimizer.kwargs())
         name = f"{cls.__name__} (config {cfg.optimizer.type})"
         return OptimizerChoice(cls, defaults, name, groups)
