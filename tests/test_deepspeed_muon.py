@@ -191,3 +191,41 @@ def test_muon_momentum_saves_and_reshards_through_the_door(tmp_path):
     assert any(v != 0 for v in saved["momentum_buffer"]["model.layers.1.mlp.up_proj.weight"])
     loaded = run_ranks(_resume_rank, 1, str(tmp_path), "load")[0]
     assert loaded == saved
+
+
+def _kernels_rank(rank: int, world_size: int) -> list[tuple[str, tuple[int, ...], float]]:
+    from flatzero.testing.deepspeed import import_deepspeed
+
+    import_deepspeed()
+    from deepspeed.runtime.zero.muon.original_muon import muon_update
+
+    from flatzero.optim.deepspeed_muon import DeepSpeedMuon
+
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for method in ("gram", "standard"):
+        for shape in ((24, 40), (40, 24), (16, 16)):
+            p = torch.nn.Parameter(torch.randn(shape, generator=gen))
+            theirs, ours = p.detach().clone(), p
+            momentum = torch.zeros(shape)
+            opt = DeepSpeedMuon([{"params": [ours], "use_muon": True, "ns_method": method}])
+            for _ in range(3):
+                grad = torch.randn(shape, generator=gen)
+                ours.grad = grad.clone()
+                opt.step()
+                update = muon_update(grad.clone(), momentum, beta=0.95, ns_method=method)
+                theirs.add_(update.reshape(shape), alpha=-0.02)
+            rel = float((ours.detach() - theirs).norm() / theirs.norm())
+            out.append((method, shape, rel))
+    return out
+
+
+def test_muon_update_is_deepspeeds_for_both_newton_schulz_methods():
+    """``DeepSpeedMuon``'s step against DeepSpeed's own ``muon_update`` over 3 steps: wide,
+    tall and square matrices, ``gram`` and ``standard`` Newton-Schulz. (DeepSpeed's own
+    update of a 4-D param raises: its flattened update does not broadcast against the
+    gradient.)"""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed")
+    for method, shape, rel in run_ranks(_kernels_rank, 1, env=ENV)[0]:
+        assert rel < 1e-6, (method, shape, rel)

@@ -98,7 +98,8 @@ def _gram(x: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
 
 def orthogonalize(update: torch.Tensor, method: str) -> torch.Tensor:
     """DeepSpeed's Newton-Schulz of a matrix ``update`` (4-D conv filters flattened to
-    2-D), times ``sqrt(rows / cols)`` when rows > cols, in ``update``'s dtype."""
+    2-D), times ``sqrt(rows / cols)`` of its last two dimensions when rows > cols, in
+    ``update``'s dtype."""
     shape = update.shape
     matrix = update.reshape(len(update), -1) if update.dim() == 4 else update
     tall = matrix.size(0) > matrix.size(1)
@@ -110,7 +111,8 @@ def orthogonalize(update: torch.Tensor, method: str) -> torch.Tensor:
     else:
         out = _standard(x, NS_STEPS, dtype)
     out = out.mT if tall else out
-    scale = math.sqrt(shape[0] / shape[1]) if shape[0] > shape[1] else 1.0
+    rows, cols = shape[-2], shape[-1]  # DeepSpeed's: of the param's last two dimensions
+    scale = math.sqrt(rows / cols) if rows > cols else 1.0
     return (out * scale).to(update.dtype).reshape(shape)
 
 
