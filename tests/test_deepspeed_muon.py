@@ -229,3 +229,27 @@ def test_muon_update_is_deepspeeds_for_both_newton_schulz_methods():
     pytest.importorskip("deepspeed")
     for method, shape, rel in run_ranks(_kernels_rank, 1, env=ENV)[0]:
         assert rel < 1e-6, (method, shape, rel)
+
+
+def test_one_optimizer_steps_its_muon_groups_whole_and_its_adam_groups_flat():
+    """``ZeroOptimizer`` with ``DeepSpeedMuon`` (one process): the Muon group keeps only
+    the momentum, the Adam group only Adam's moments and step (state homed per group);
+    optimizer offload is refused before anything is flattened."""
+    import flatzero
+    from flatzero.optim.deepspeed_muon import DeepSpeedMuon
+
+    model = torch.nn.Linear(6, 5)
+    groups = [
+        {"params": [model.weight], "use_muon": True},
+        {"params": [model.bias], "use_muon": False},
+    ]
+    with pytest.raises(TypeError, match="turn optimizer offload off"):
+        flatzero.ZeroOptimizer(groups, DeepSpeedMuon, offload_optimizer=True)
+    opt = flatzero.ZeroOptimizer(groups, DeepSpeedMuon)
+    model(torch.randn(3, 6)).sum().backward()
+    opt.step()
+    state = opt.state_dict()["optimizer"]["state"]
+    assert set(state[0]) == {"momentum_buffer"}
+    assert set(state[1]) == {"exp_avg", "exp_avg_sq", "step"}
+    assert opt.flat.layout.groups[1].shard_numel >= 5  # the bias, flat
+    opt.close()

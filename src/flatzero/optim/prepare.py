@@ -29,7 +29,12 @@ from ..layout import GroupLayout
 from ..params import ParamGroup, collect_param_groups
 from .buckets import empty_buffer
 from .config import ZeroConfig
-from .inner import build_inner_optimizer, needs_whole_params, whole_groups
+from .inner import (
+    build_inner_optimizer,
+    check_optimizer_class,
+    needs_whole_params,
+    whole_groups,
+)
 from .offload import check_host_kernel
 from .reducers import GradReducer, check_unclaimed
 from .stage1 import Stage1Reducer
@@ -112,6 +117,13 @@ def _probe(
     host tensors, fail here, before anything is flattened."""
     _probe_optimizer(optimizer, options, defaults)
     if offload:
+        cls = check_optimizer_class(optimizer, elementwise=True)
+        if hasattr(cls, "grads_to_updates"):  # [Note: updates before the norm]
+            raise TypeError(
+                f"{cls.__name__} turns gradients into updates before the norm, on the "
+                "gradient shards beside the buckets; with optimizer offload the optimizer "
+                "steps host copies of them: turn optimizer offload off"
+            )
         check_host_kernel(optimizer, options, defaults)
 
 

@@ -414,6 +414,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._end_window()
         return loss
 
+    # [Note: updates before the norm] DeepSpeed's ZeRO optimizer replaces each Muon
+    # matrix's gradient by its orthogonalized update before it takes the global norm, so
+    # its gradient clipping (on by default, 1.0) scales the updates. ``DeepSpeedMuon``
+    # does the same through ``grads_to_updates`` on the gradient shards the norm reads;
+    # with optimizer offload the inner optimizer would see host copies made before, so
+    # ``prepare._probe`` refuses that pairing.
     def _updates_before_norm(self, inv: float) -> None:
         """Let an inner optimizer that has ``grads_to_updates`` (DeepSpeed's Muon) turn its
         gradients into updates before the norm, clipping and unscaling see them, as
