@@ -23,7 +23,7 @@ CASES = ((1, torch.float32), (2, torch.float32), (2, torch.bfloat16))
 """(ZeRO stage, training dtype) run side by side."""
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
 """The door's relative loss tolerances against DeepSpeed (tests/test_deepspeed_import.py's
-for bf16: DeepSpeed keeps bf16 Muon momentum, flatzero fp32; measured 8e-5 here)."""
+for bf16: DeepSpeed keeps bf16 Muon momentum, flatzero fp32)."""
 
 
 def _llama() -> torch.nn.Module:
