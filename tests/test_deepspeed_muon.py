@@ -47,10 +47,10 @@ def _config(stage: int, world_size: int) -> dict[str, Any]:
     }
 
 
-def _losses(engine: Any, rank: int) -> list[float]:
+def _losses(engine: Any, rank: int, steps: int = STEPS) -> list[float]:
     gen = torch.Generator().manual_seed(10 + rank)
     losses = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         ids = torch.randint(0, 61, (1, 12), generator=gen)
         loss = engine(ids, labels=ids).loss
         engine.backward(loss)
@@ -181,7 +181,7 @@ def _resume_rank(rank: int, world_size: int, directory: str, phase: str) -> dict
 
     engine, *_ = flatzero.initialize(model=_llama(), config=_config(2, world_size))
     if phase == "save":
-        _losses(engine, rank)
+        _losses(engine, rank, steps=3)
         engine.save_checkpoint(directory, tag="t")
     else:
         engine.load_checkpoint(directory, tag="t")
@@ -191,7 +191,7 @@ def _resume_rank(rank: int, world_size: int, directory: str, phase: str) -> dict
 
 
 def test_muon_momentum_saves_and_reshards_through_the_door(tmp_path):
-    """``engine.save_checkpoint`` at 2 ranks after 10 steps, ``load_checkpoint`` at 1: every
+    """``engine.save_checkpoint`` at 2 ranks after 3 steps, ``load_checkpoint`` at 1: every
     matrix's whole Muon momentum and the Adam half's moments are exactly what was saved."""
     saved = run_ranks(_resume_rank, 2, str(tmp_path), "save")[0]
     muon = [n for n, p in _llama().named_parameters() if p.dim() == 2 and "embed" not in n]
