@@ -122,6 +122,12 @@ class WholeParamsOptimizer(torch.optim.Optimizer):
             for piece, view in zip(group, views, strict=True):
                 view.grad = None if shard.grad is None else piece.of(shard.grad)
 
+    # [Note: updates before the norm] DeepSpeed's ZeRO optimizer replaces each Muon
+    # matrix's gradient by its orthogonalized update before it takes the global norm, so
+    # its gradient clipping (on by default, 1.0) scales the updates. ``ZeroOptimizer.step``
+    # calls this before the norm when its inner optimizer has it (the gradients are then
+    # the shards the norm reads); with optimizer offload the inner optimizer would step
+    # host copies made before, so ``prepare._probe`` refuses ``DeepSpeedMuon`` with it.
     @torch.no_grad()
     def grads_to_updates(self, scale: float) -> None:
         """The wrapped optimizer's ``grads_to_updates`` (DeepSpeed's Muon: each matrix's

@@ -392,7 +392,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             max_norm = self._clip_request if max_norm is None else min(max_norm, self._clip_request)
         inv = 1.0 / (self._world_size * self.loss_scale)
         coef: float | torch.Tensor = inv
-        self._updates_before_norm(inv)
+        if hasattr(self.inner, "grads_to_updates"):  # [Note: updates before the norm]
+            self.inner.grads_to_updates(inv)
+            self._norm_cache = None
         self.last_step_skipped = False
         self._last_norm = None
         if max_norm is not None or self._scaler is not None:
@@ -413,22 +415,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._stepper.write_back(self.master_shards)
         self._end_window()
         return loss
-
-    # [Note: updates before the norm] DeepSpeed's ZeRO optimizer replaces each Muon
-    # matrix's gradient by its orthogonalized update before it takes the global norm, so
-    # its gradient clipping (on by default, 1.0) scales the updates. ``DeepSpeedMuon``
-    # does the same through ``grads_to_updates`` on the gradient shards the norm reads;
-    # with optimizer offload the inner optimizer would see host copies made before, so
-    # ``prepare._probe`` refuses that pairing.
-    def _updates_before_norm(self, inv: float) -> None:
-        """Let an inner optimizer that has ``grads_to_updates`` (DeepSpeed's Muon) turn its
-        gradients into updates before the norm, clipping and unscaling see them, as
-        DeepSpeed's ZeRO optimizer does; ``inv``: the averaged, unscaled gradient over the
-        shards' sum."""
-        to_updates = getattr(self.inner, "grads_to_updates", None)
-        if to_updates is not None:
-            to_updates(inv)
-            self._norm_cache = None
 
     def _end_window(self) -> None:
         self._reducer.reset_window()
