@@ -171,6 +171,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
             (
                 "buckets",
                 "gather",
+                "deepspeed_muon",
                 "whole",
                 "inner",
                 "norm",
@@ -231,6 +232,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "engine.full_values",
                 "engine.safe_full",
                 "engine.lr_scheduler",
+                "engine.muon_groups",
                 "engine.optimizer_choice",
                 "engine.rank_agreement",
                 "engine.preemption",

@@ -257,7 +257,7 @@ ERRORS = [  # (config, world size, exception, exact message)
         {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Lamb"}},
         1,
         ValueError,
-        "config key 'optimizer.type' is 'Lamb': flatzero's config optimizers are Adam, AdamW and SGD; use one of them, or build the optimizer yourself and pass it as flatzero.initialize(optimizer=torch.optim.X(...)) with an elementwise torch.optim class (Adagrad, RMSprop, ...)",
+        "config key 'optimizer.type' is 'Lamb': flatzero's config optimizers are Adam, AdamW, SGD and Muon; use one of them, or build the optimizer yourself and pass it as flatzero.initialize(optimizer=torch.optim.X(...)) with an elementwise torch.optim class (Adagrad, RMSprop, ...)",
         id="lamb",
     ),
     pytest.param(

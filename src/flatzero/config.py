@@ -41,6 +41,22 @@ def _check_positive_int(
         )
 
 
+def _check_whole_params(config: FlattenConfig) -> None:
+    """``whole_params`` is a bool or param group indices (made a sorted tuple)."""
+    value = config.whole_params
+    if isinstance(value, bool):
+        return
+    if isinstance(value, (list, tuple, set, frozenset)) and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value
+    ):
+        object.__setattr__(config, "whole_params", tuple(sorted(set(value))))
+        return
+    raise ValueError(
+        "FlattenConfig.whole_params must be True, False or a tuple of param group indices, "
+        f"got {value!r}"
+    )
+
+
 @dataclass(frozen=True)
 class FlattenConfig:
     """How to build the flat buffers.
@@ -74,6 +90,8 @@ class FlattenConfig:
             DeepSpeed door does on CPU), for the init report; ``None``: the user asked.
         whole_params: lay every param whole inside one rank's slice (``flatzero.owners``),
             for an optimizer that steps whole tensors (Muon); ``ZeroOptimizer`` sets it.
+            ``True``: every param group; a tuple of param group indices: those groups only
+            (DeepSpeed's Muon steps its Adam half elementwise on flat slices).
     """
 
     tier: str = "auto"
@@ -88,7 +106,7 @@ class FlattenConfig:
     dtype: str | None = None
     host_huge_pages: bool = True
     tier_reason: str | None = None
-    whole_params: bool = False
+    whole_params: bool | tuple[int, ...] = False
 
     def __post_init__(self) -> None:
         for check in _CHECKS:  # the tier registry's: ``tier`` is one of its tiers
@@ -97,7 +115,8 @@ class FlattenConfig:
         _check_positive_int("alignment", self.alignment, maximum=2**20)
         _check_positive_int("staging_buffers", self.staging_buffers, maximum=1024)
         _check_positive_int("host_threads", self.host_threads, allow_none=True)
-        for name in ("build_master", "master_on_host", "whole_params"):
+        _check_whole_params(self)
+        for name in ("build_master", "master_on_host"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"FlattenConfig.{name} must be True or False, got {getattr(self, name)!r}"

@@ -487,8 +487,8 @@ def plan_layout(
         bucket_numel: target bucket size in elements (>= 1); a bigger param gets its own bucket.
         alignment: params start on multiples of this many elements (>= 1).
         whole_params: every param lies whole inside one rank's slice, for optimizers that
-            step whole tensors (``owners``; buckets may pad more to balance the ranks):
-            ``True`` for every group, or the indices of the groups.
+            step whole tensors (``owners``); buckets may pad more to balance the ranks.
+            ``True``: in every group; indices into ``groups``: in those groups only.
 
     Returns:
         One ``GroupLayout`` per (param group, dtype); groups without params produce none.

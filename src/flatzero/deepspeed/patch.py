@@ -7,6 +7,7 @@ Hugging Face Trainer and Accelerate never call ``flatzero.initialize``: Accelera
 - ZeRO stage 1 or 2 with an optimizer flatzero supports: ``flatzero.initialize`` builds the
   engine (an instance of ``deepspeed.DeepSpeedEngine`` for ``isinstance``, with the API
   Accelerate and Trainer use).
+- ZeRO stage 0 with DeepSpeed's ``Muon`` optimizer config: flatzero too (Muon, not SGD).
 - Everything else goes to the real ``deepspeed.initialize``: stage 0 or 3, NVMe optimizer
   offload (``offload_optimizer.device: cpu`` is flatzero's own), param offload,
   ``mpu``/``mesh_param``, a pipeline module, no optimizer (a frozen reference model),
@@ -71,6 +72,17 @@ def _raw_config(kwargs: dict[str, Any]) -> Mapping[str, Any] | None:
         return None
 
 
+# [Note: Muon at stage 0] DeepSpeed's Muon has silently run plain SGD at stage 0
+# (DeepSpeed #8441): its stage 0 optimizers flattened the matrices before Muon saw them.
+# flatzero runs stage 0 itself (a stage 1 optimizer over one-rank groups), with each matrix
+# whole, so a stage 0 ``Muon`` config goes to flatzero, which orthogonalizes
+# (tests/test_deepspeed_muon.py).
+def _is_muon(data: Mapping[str, Any]) -> bool:
+    """Whether the config's ``optimizer.type`` is DeepSpeed's ``Muon``."""
+    section = data.get("optimizer")
+    return isinstance(section, Mapping) and str(section.get("type", "")).lower() == "muon"
+
+
 def routing_reason(**kwargs: Any) -> str | None:
     """Why the router gives a ``deepspeed.initialize`` call to DeepSpeed before asking
     flatzero (the stage, a pipeline module), or None. Reads the arguments only.
@@ -97,6 +109,8 @@ def routing_reason(**kwargs: Any) -> str | None:
     else:
         return None  # flatzero names the bad value
     if stage == 0 and not isinstance(stage, bool):
+        if _is_muon(data):
+            return None  # [Note: Muon at stage 0]
         return (
             "ZeRO stage 0 (no 'zero_optimization.stage' 1 or 2): flatzero takes stages "
             f"{' and '.join(map(str, STAGES))}"

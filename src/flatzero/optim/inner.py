@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..hostmem import HugePageFactories
+from .deepspeed_muon import DeepSpeedMuon
 from .whole import WholeParamsOptimizer, WholePiece
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "scale_grads",
     "step_with_grad_scale",
     "takes_grad_scale",
+    "whole_groups",
     "with_fused_default",
 ]
 
@@ -56,11 +58,12 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
 )
 """``torch.optim`` classes whose update is elementwise: they work on a flat shard."""
 
-WHOLE_PARAM_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
-    getattr(torch.optim, name) for name in ("Muon", "Adafactor") if hasattr(torch.optim, name)
+WHOLE_PARAM_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    *(getattr(torch.optim, name) for name in ("Muon", "Adafactor") if hasattr(torch.optim, name)),
+    DeepSpeedMuon,
 )
-"""``torch.optim`` classes that step each param as a whole: they run on whole params, each
-on its owner rank (``whole.WholeParamsOptimizer``)."""
+"""Classes that step each param as a whole (``torch.optim``'s, and DeepSpeed's Muon update):
+they run on whole params, each on its owner rank (``whole.WholeParamsOptimizer``)."""
 
 _REFUSED: dict[str, str] = {
     "LBFGS": (
@@ -125,6 +128,16 @@ def needs_whole_params(optimizer: Any) -> bool:
     """Whether ``optimizer`` (a class or a ``functools.partial`` of one) steps whole params
     (``WHOLE_PARAM_OPTIMIZERS`` or a subclass)."""
     return issubclass(_optimizer_class(optimizer), WHOLE_PARAM_OPTIMIZERS)
+
+
+def whole_groups(optimizer: Any, group_options: Sequence[Mapping[str, Any]]) -> tuple[bool, ...]:
+    """Per param group, whether ``optimizer`` steps its params whole. A class with a
+    ``whole_group_option`` (``DeepSpeedMuon``'s ``use_muon``) steps whole only the groups
+    whose option is true, the others elementwise on flat slices."""
+    if not needs_whole_params(optimizer):
+        return tuple(False for _ in group_options)
+    option = getattr(_optimizer_class(optimizer), "whole_group_option", None)
+    return tuple(option is None or bool(o.get(option, False)) for o in group_options)
 
 
 def optimizer_class_of(inner: torch.optim.Optimizer) -> type:

@@ -12,7 +12,7 @@ passed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +30,12 @@ from ..own_groups import control_group
 from ..params import ParamGroup, collect_param_groups
 from .buckets import empty_buffer
 from .config import ZeroConfig
-from .inner import build_inner_optimizer, needs_whole_params
+from .inner import (
+    build_inner_optimizer,
+    check_optimizer_class,
+    needs_whole_params,
+    whole_groups,
+)
 from .offload import check_host_kernel
 from .reducers import GradReducer, check_unclaimed
 from .stage1 import Stage1Reducer
@@ -43,6 +48,7 @@ __all__ = [
     "flat_params_for",
     "make_reducer",
     "whole_pieces",
+    "whole_setting",
 ]
 
 
@@ -63,16 +69,21 @@ _REFUSED_ELSEWHERE = (
 
 
 def _check_given_flat(
-    flat: FlatParams, process_group: dist.ProcessGroup | None, whole_params: bool
+    flat: FlatParams, process_group: dist.ProcessGroup | None, whole: Sequence[bool]
 ) -> None:
     """Refuse ``FlatParams`` over another process group, without master shards, or with
-    params cut between ranks for an optimizer that steps whole params."""
-    if whole_params and not all(
-        len(g.param_pieces(i)) <= 1 for g in flat.layout.groups for i in range(len(g.slots))
+    params cut between ranks in a group that ``whole`` (per flat group) says the optimizer
+    steps whole."""
+    if not all(
+        len(g.param_pieces(i)) <= 1
+        for g, is_whole in zip(flat.layout.groups, whole, strict=True)
+        if is_whole
+        for i in range(len(g.slots))
     ):
         raise ValueError(
             "the optimizer steps whole params but the FlatParams cut some params between "
-            "ranks; flatten with FlattenConfig(whole_params=True)"
+            "ranks; flatten with FlattenConfig(whole_params=True) (or the indices of the "
+            "groups it steps whole)"
         )
     if process_group is not None and process_group is not flat.process_group:
         raise ValueError(
@@ -107,6 +118,13 @@ def _probe(
     host tensors, fail here, before anything is flattened."""
     _probe_optimizer(optimizer, options, defaults)
     if offload:
+        cls = check_optimizer_class(optimizer, elementwise=True)
+        if hasattr(cls, "grads_to_updates"):  # [Note: updates before the norm]
+            raise TypeError(
+                f"{cls.__name__} turns gradients into updates before the norm, on the "
+                "gradient shards beside the buckets; with optimizer offload the optimizer "
+                "steps host copies of them: turn optimizer offload off"
+            )
         check_host_kernel(optimizer, options, defaults)
 
 
@@ -150,16 +168,17 @@ def flat_params_for(
     with every_rank_or_none(deciders, _REFUSED_ELSEWHERE, catch=catch, error_type=ValueError):
         if refused is not None:
             raise refused
-        whole_params = needs_whole_params(optimizer)
         if given:
             _probe(optimizer, [g.options for g in params.groups], defaults, offload)
             check_unclaimed(p for g in params.groups for p in g.params)
-            _check_given_flat(params, process_group, whole_params)
+            whole = whole_groups(optimizer, [g.options for g in params.groups])
+            _check_given_flat(params, process_group, whole)
         else:
             groups = collect_param_groups(params)
             _refuse_empty_groups(groups)
             _probe(optimizer, [g.options for g in groups], defaults, offload)
             check_unclaimed(p for g in groups for p in (*g.params, *g.frozen))
+            whole = whole_groups(optimizer, [g.options for g in groups])
     if given:
         fields = {"layout digest": params.layout.digest(), **setup}
         check_same_everywhere("the ZeroOptimizer setup", fields, control_group(deciders))
@@ -168,8 +187,8 @@ def flat_params_for(
     config = flatten_config or _leave_params_in_place(groups)
     if offload:
         config = dataclasses.replace(config, master_on_host=True)
-    if whole_params:
-        config = dataclasses.replace(config, whole_params=True)
+    if any(whole):
+        config = dataclasses.replace(config, whole_params=whole_setting(whole))
     return flatten_parameters(_as_group_dicts(groups), process_group=process_group, config=config)
 
 
@@ -255,14 +274,24 @@ def _zero_padding(shard: torch.Tensor, layout: GroupLayout, rank: int) -> None:
         torch._foreach_zero_(gaps)
 
 
+def whole_setting(whole: Sequence[bool]) -> bool | tuple[int, ...]:
+    """``FlattenConfig.whole_params`` for ``whole`` (per param group, stepped whole)."""
+    return True if all(whole) else tuple(i for i, w in enumerate(whole) if w)
+
+
 def whole_pieces(flat: FlatParams, optimizer: Any) -> list[list[WholePiece]] | None:
     """Per group, the whole params in this rank's master shard (a whole-params layout puts
     each param inside one rank's slice; empty params are left out), for an ``optimizer``
-    that ``needs_whole_params``; else None."""
+    that ``needs_whole_params``; else None. A group it steps elementwise
+    (``inner.whole_groups``) is one 1-D piece: the whole shard."""
     if not needs_whole_params(optimizer):
         return None
+    whole = whole_groups(optimizer, [g.options for g in flat.groups])
     out = []
-    for group in flat.layout.groups:
+    for group, is_whole in zip(flat.layout.groups, whole, strict=True):
+        if not is_whole:
+            out.append([WholePiece(0, (group.shard_numel,))])
+            continue
         out.append(
             [
                 WholePiece(piece.shard_start, group.slots[piece.slot].spec.shape)

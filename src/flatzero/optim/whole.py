@@ -6,6 +6,10 @@ optimizer (torch's ``Muon``, ``Adafactor``) steps 2-D views of the master shard,
 shape of its param, with the matching views of the gradient shard: each matrix is stepped
 by its owner alone, exactly once per step over all ranks.
 
+A group stepped elementwise (``DeepSpeedMuon``'s Adam half, laid out in flat slices) gets
+one piece: the whole shard as one 1-D tensor, so the wrapped optimizer steps it as it would
+under a plain ``ZeroOptimizer``.
+
 To the rest of flatzero it looks like an elementwise optimizer over one flat param per
 group: ``param_groups[i]["params"] == [master shard i]``, and ``state[master]`` holds one
 flat tensor of the shard's length per per-element state (Muon's ``momentum_buffer``),
@@ -63,8 +67,8 @@ class WholeParamsOptimizer(torch.optim.Optimizer):
         shards: one fp32 master shard per group (``nn.Parameter``, ``.grad`` set).
         group_options: per group, the user's hyperparameters.
         defaults: the wrapped optimizer's keyword arguments.
-        pieces: per group, the whole params this rank owns; ``None`` (a probe on
-            stand-ins): none.
+        pieces: per group, the whole params this rank owns (a group stepped elementwise:
+            one 1-D piece, the whole shard); ``None`` (a probe on stand-ins): none.
     """
 
     def __init__(
@@ -91,6 +95,7 @@ class WholeParamsOptimizer(torch.optim.Optimizer):
         self.whole_class: type = type(self.wrapped)
         """The wrapped optimizer's class (checkpoints record its name)."""
         self._names = self._probe_per_element_names()
+        """Per group, the names of the wrapped optimizer's per-element states."""
         groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": [shard]}
             for g, shard in zip(self.wrapped.param_groups, shards, strict=True)
@@ -106,21 +111,44 @@ class WholeParamsOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for group, wrapped in zip(self.param_groups, self.wrapped.param_groups, strict=True):
             wrapped.update({k: v for k, v in group.items() if k != "params"})  # lr schedules
-        for shard, group, views in zip(self._shards, self._pieces, self._views, strict=True):
-            for piece, view in zip(group, views, strict=True):
-                view.grad = None if shard.grad is None else piece.of(shard.grad)
+        self._link_grads()
         self.wrapped.step()
         self._home_state()
         return loss
+
+    def _link_grads(self) -> None:
+        """Each view's ``.grad``: the matching view of its shard's gradient."""
+        for shard, group, views in zip(self._shards, self._pieces, self._views, strict=True):
+            for piece, view in zip(group, views, strict=True):
+                view.grad = None if shard.grad is None else piece.of(shard.grad)
+
+    # [Note: updates before the norm] DeepSpeed's ZeRO optimizer replaces each Muon
+    # matrix's gradient by its orthogonalized update before it takes the global norm, so
+    # its gradient clipping (on by default, 1.0) scales the updates. ``ZeroOptimizer.step``
+    # calls this before the norm when its inner optimizer has it (the gradients are then
+    # the shards the norm reads); with optimizer offload the inner optimizer would step
+    # host copies made before, so ``prepare._probe`` refuses ``DeepSpeedMuon`` with it.
+    @torch.no_grad()
+    def grads_to_updates(self, scale: float) -> None:
+        """The wrapped optimizer's ``grads_to_updates`` (DeepSpeed's Muon: each matrix's
+        gradient replaced by its update before the norm and clipping), when it has one;
+        the gradients are ``1 / scale`` times the averaged, unscaled gradient."""
+        to_updates = getattr(self.wrapped, "grads_to_updates", None)
+        if to_updates is None:
+            return
+        self._link_grads()
+        to_updates(scale)
+        self._home_state()
 
     def _home_state(self) -> None:
         """Give each per-element state of the wrapped optimizer (a tensor shaped like its
         param) a home in one flat tensor per group and name, so that ``state[shard]`` is
         the shard's state: the wrapped tensors become views of the flat one. Every group
-        gets every name, zeros where this rank owns nothing: every rank saves the same
-        names."""
-        names = self._names
-        for shard, group, views in zip(self._shards, self._pieces, self._views, strict=True):
+        gets every name of its kind (``_probe_per_element_names``), zeros where this rank
+        owns nothing: every rank saves the same names."""
+        for shard, group, views, names in zip(
+            self._shards, self._pieces, self._views, self._names, strict=True
+        ):
             flat_state = self.state[shard]
             for name in names:
                 if name not in flat_state:
@@ -138,19 +166,23 @@ class WholeParamsOptimizer(torch.optim.Optimizer):
                     elif not isinstance(value, torch.Tensor) or value.dim() == 0:
                         flat_state[name] = value  # a scalar (step, ...): equal on every param
 
-    def _probe_per_element_names(self) -> tuple[str, ...]:
-        """Names of the wrapped optimizer's per-element states, from one step of its class
-        on a throwaway 2-by-2 param (at construction, not in a training step)."""
-        probe_param = torch.zeros(2, 2)
-        probe_param.grad = torch.zeros(2, 2)
-        options = {k: v for k, v in self.wrapped.param_groups[0].items() if k != "params"}
-        probe = self.whole_class([{**options, "params": [probe_param]}])
+    def _probe_per_element_names(self) -> list[tuple[str, ...]]:
+        """Per group, the names of the wrapped optimizer's per-element states, from one
+        step of its class on a throwaway 2-by-2 param per group, with the group's options
+        (at construction, not in a training step)."""
+        probes = [torch.zeros(2, 2) for _ in self.wrapped.param_groups]
+        for param in probes:
+            param.grad = torch.zeros(2, 2)
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [param]}
+            for g, param in zip(self.wrapped.param_groups, probes, strict=True)
+        ]
+        probe = self.whole_class(groups)
         probe.step()
-        return tuple(
-            name
-            for name, value in probe.state[probe_param].items()
-            if _per_element(value, probe_param)
-        )
+        return [
+            tuple(n for n, value in probe.state[param].items() if _per_element(value, param))
+            for param in probes
+        ]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ``state_dict()``'s form: hyperparameters, and the flat states copied into

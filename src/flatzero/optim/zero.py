@@ -391,6 +391,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             max_norm = self._clip_request if max_norm is None else min(max_norm, self._clip_request)
         inv = 1.0 / (self._world_size * self.loss_scale)
         coef: float | torch.Tensor = inv
+        if hasattr(self.inner, "grads_to_updates"):  # [Note: updates before the norm]
+            self.inner.grads_to_updates(inv)
+            self._norm_cache = None
         self.last_step_skipped = False
         self._last_norm = None
         if max_norm is not None or self._scaler is not None:

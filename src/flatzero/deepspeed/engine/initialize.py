@@ -40,6 +40,8 @@ from ...devices import activate, resolve_device
 from ...flatten.registry import gathering_tier
 from ...gcpause import paused_gc
 from ...optim import ZeroOptimizer
+from ...optim.inner import whole_groups
+from ...optim.prepare import whole_setting
 from ...own_groups import control_group
 from ...params import ParamGroup, collect_param_groups
 from ...process_group import ensure_process_group
@@ -214,6 +216,16 @@ def _flatten_config(cfg: EngineConfig) -> FlattenConfig:
     return _gathering_tier(
         cfg.flatten, target, cfg.flatzero.param_sync, cfg.replicated, cfg.batch.world_size
     )
+
+
+def _whole_where_stepped_whole(
+    config: FlattenConfig, choice: OptimizerChoice, groups: list[ParamGroup]
+) -> FlattenConfig:
+    """``config`` with whole params in the groups the optimizer steps whole (Muon's)."""
+    whole = whole_groups(choice.cls, [g.options for g in groups])
+    if not any(whole):
+        return config
+    return dataclasses.replace(config, whole_params=whole_setting(whole))
 
 
 def _agree_on_weights(model: nn.Module, weights: Weights, cfg: EngineConfig) -> str:
@@ -415,7 +427,7 @@ def initialize(
         weights = get_weights(
             model,
             groups,
-            _flatten_config(cfg),
+            _whole_where_stepped_whole(_flatten_config(cfg), choice, groups),
             replicated=cfg.replicated,
             checkpoint=checkpoint,
             key_map=key_map,

@@ -18,6 +18,7 @@ from ...optim.offload import check_host_kernel
 from ...params import ParamGroup
 from .config import EngineConfig
 from .errors import UnsupportedFeatureError
+from .muon_groups import muon_param_groups
 
 __all__ = ["OptimizerChoice", "choose_optimizer"]
 
@@ -165,6 +166,17 @@ def choose_optimizer(
     if isinstance(model_parameters, torch.Tensor):
         model_parameters = [model_parameters]
     cls = cfg.optimizer.torch_class
+    if cfg.optimizer.torch_name == "Muon":
+        if cfg.zero_optimizer.offload_optimizer is not None:
+            raise UnsupportedFeatureError(
+                "optimizer: the Muon config with zero_optimization.offload_optimizer: flatzero "
+                "runs Muon's Newton-Schulz on the device shards only; drop the offload",
+                key="optimizer",
+                feature="Muon with optimizer offload",
+            )
+        groups, defaults = muon_param_groups(model, model_parameters, cfg.optimizer.kwargs())
+        name = f"{cls.__name__} (config {cfg.optimizer.type})"
+        return OptimizerChoice(cls, defaults, name, groups)
     return OptimizerChoice(
         cls,
         cfg.optimizer.kwargs(),

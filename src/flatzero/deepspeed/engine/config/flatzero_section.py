@@ -37,7 +37,7 @@ SET_ELSEWHERE: Mapping[tuple[type, str], str] = {
     (FlattenConfig, "dtype"): "bf16.enabled / fp16.enabled",
     (FlattenConfig, "master_on_host"): "zero_optimization.offload_optimizer",
     (FlattenConfig, "tier_reason"): "initialize, when it sets the tier",
-    (FlattenConfig, "whole_params"): "the optimizer: whole params for one that needs them (Muon)",
+    (FlattenConfig, "whole_params"): "the optimizer: whole params where it steps them whole",
     (ZeroConfig, "stage"): "zero_optimization.stage",
     (ZeroConfig, "max_grad_norm"): "gradient_clipping",
     (ZeroConfig, "reduce_dtype"): "communication_data_type",

@@ -75,6 +75,34 @@ def _sgd_params(p: Section) -> dict[str, Any]:
     return params
 
 
+_MUON_NUMBERS = ("lr", "muon_lr", "adam_lr", "momentum", "weight_decay", "eps")
+"""``optimizer.params`` numbers of DeepSpeed's ``Muon`` (its two halves' settings)."""
+
+
+def _muon_params(p: Section) -> dict[str, Any]:
+    """DeepSpeed's ``Muon``: the settings of its Muon and Adam halves, as the config spells
+    them (``engine.muon_groups`` splits the params and resolves them per half)."""
+    p.no_effect("fp32_optimizer_states", "optimizer states are always fp32")
+    p.no_effect("foreach", _FOREACH)
+    p.no_effect("torch_adam", "the Adam half runs the same update with or without it")
+    p.refuse(
+        "per_head_muon",
+        bool,
+        "it asks for per-head Muon (Newton-Schulz per attention head)",
+        "remove it (flatzero orthogonalizes each whole matrix, DeepSpeed's default)",
+    )
+    params: dict[str, Any] = {"adam_w_mode": p.bool("adam_w_mode", True)}
+    for name in _MUON_NUMBERS:
+        if name in p:
+            params[name] = p.number(name, None, minimum=0.0)
+    betas = _read_betas(p)
+    if betas is not None:
+        params["betas"] = betas
+    if "ns_method" in p:
+        params["ns_method"] = p.choice("ns_method", "gram", ("gram", "standard"))
+    return params
+
+
 def _typed_section(top: Section, name: str, example: str) -> tuple[Section, str] | None:
     """The section ``name`` and its ``type`` (a string such as ``example``); None when the
     section is absent (null is an error, as in DeepSpeed)."""
@@ -90,7 +118,7 @@ def _typed_section(top: Section, name: str, example: str) -> tuple[Section, str]
 
 
 def parse_optimizer(top: Section) -> OptimizerSpec | None:
-    """``optimizer``: Adam, AdamW or SGD with DeepSpeed's defaults; None when absent."""
+    """``optimizer``: Adam, AdamW, SGD or Muon with DeepSpeed's defaults; None when absent."""
     typed = _typed_section(top, "optimizer", "AdamW")
     if typed is None:
         return None
@@ -99,11 +127,11 @@ def parse_optimizer(top: Section) -> OptimizerSpec | None:
     p = opt.section("params")
     opt.finish(unknown="error")
     lower = kind.lower()
-    if lower not in ("adam", "adamw", "sgd"):
+    if lower not in ("adam", "adamw", "sgd", "muon"):
         raise opt.unsupported(
             "type",
             kind,
-            "flatzero's config optimizers are Adam, AdamW and SGD",
+            "flatzero's config optimizers are Adam, AdamW, SGD and Muon",
             "use one of them, or build the optimizer yourself and pass it as "
             "flatzero.initialize(optimizer=torch.optim.X(...)) with an elementwise torch.optim "
             "class (Adagrad, RMSprop, ...)",
@@ -118,6 +146,8 @@ def parse_optimizer(top: Section) -> OptimizerSpec | None:
         )
     if lower == "sgd":
         torch_name, params = "SGD", _sgd_params(p)
+    elif lower == "muon":
+        torch_name, params = "Muon", _muon_params(p)
     else:
         torch_name, params = _adam_params(p, lower)
     p.finish(unknown="error")

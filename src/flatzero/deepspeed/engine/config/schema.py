@@ -17,6 +17,7 @@ from ....checkpoint.config import LOAD_FALLBACKS
 from ....config import FlattenConfig
 from ....dtypes import SHORT_DTYPES
 from ....optim import LossScaleConfig, ZeroConfig
+from ....optim.deepspeed_muon import DeepSpeedMuon
 from ..schedulers import SCHEDULERS
 
 __all__ = [
@@ -34,8 +35,9 @@ __all__ = [
 PARAM_SYNC = ("gather", "check", "none")
 """``flatzero.param_sync`` choices: how ranks agree on the initial weights."""
 
-OPTIMIZERS = ("AdamW", "Adam", "SGD")
-"""The ``torch.optim`` classes a config ``optimizer`` section can name."""
+OPTIMIZERS = ("AdamW", "Adam", "SGD", "Muon")
+"""The classes a config ``optimizer`` section can name: ``torch.optim``'s, and ``Muon``,
+DeepSpeed's Muon (``optim.deepspeed_muon.DeepSpeedMuon``)."""
 
 
 @dataclass(frozen=True)
@@ -130,9 +132,9 @@ class OptimizerSpec:
 
     Attributes:
         type: the config's ``type`` as written (``"AdamW"``, ``"adam"``, ``"SGD"``).
-        torch_name: the ``torch.optim`` class (one of ``OPTIMIZERS``): ``"AdamW"``
-            (DeepSpeed's ``Adam`` with its default ``adam_w_mode: true``, and ``AdamW``),
-            ``"Adam"`` or ``"SGD"``.
+        torch_name: the class (one of ``OPTIMIZERS``): ``"AdamW"`` (DeepSpeed's ``Adam``
+            with its default ``adam_w_mode: true``, and ``AdamW``), ``"Adam"``, ``"SGD"``,
+            or ``"Muon"`` (DeepSpeed's, its params the config's: ``engine.muon_groups``).
         params: keyword arguments of that class (lr, betas, eps, weight_decay, ...), with
             DeepSpeed's defaults for keys it sets differently from torch.
     """
@@ -148,7 +150,9 @@ class OptimizerSpec:
 
     @property
     def torch_class(self) -> type[torch.optim.Optimizer]:
-        """The ``torch.optim`` class."""
+        """The optimizer class: ``torch.optim``'s, or ``DeepSpeedMuon`` for ``Muon``."""
+        if self.torch_name == "Muon":
+            return DeepSpeedMuon
         return getattr(torch.optim, self.torch_name)
 
     def kwargs(self) -> dict[str, Any]:
