@@ -125,7 +125,7 @@ class Engine(DeepSpeedGetters, EngineCheckpoints, EngineCompile, nn.Module):
         self._user_backward = UserBackward(
             [p for g in optimizer.flat.groups for p in g.params],
             self.gradient_accumulation_steps(),
-            needs_scale=optimizer._scaler is not None,
+            needs_scale=config.precision.dtype == "fp16",  # a fixed scale of 1 needs none
         )
         self._unused_check = (
             UnusedCheck(list(optimizer.flat.named_params().items()))
