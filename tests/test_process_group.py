@@ -3,6 +3,8 @@ launcher that started several processes."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch.distributed as dist
 from torch import nn
@@ -87,3 +89,31 @@ def test_a_bad_flatzero_timeout_is_named(value, monkeypatch):
     monkeypatch.setenv("FLATZERO_TIMEOUT", value)
     with pytest.raises(ValueError, match=f"FLATZERO_TIMEOUT='{value}'.*seconds"):
         job_timeout()
+
+
+def test_a_port_taken_before_the_store_listens_is_replaced_only_when_flatzero_chose_it(
+    monkeypatch,
+):
+    """``free_port`` probes a port and lets it go; another process may take it before
+    c10d's store listens (EADDRINUSE, seen under a loaded suite). A one-process group
+    whose port flatzero chose tries a fresh one; a port the user set is never replaced."""
+    import torch.distributed as dist
+
+    from flatzero import process_group
+
+    tried = []
+
+    def init(backend, timeout):
+        tried.append(os.environ["MASTER_PORT"])
+        if len(tried) == 1:
+            raise dist.DistNetworkError("failed to listen ... EADDRINUSE, address already in use")
+
+    monkeypatch.setattr(dist, "init_process_group", init)
+    monkeypatch.setattr(process_group, "free_port", iter([41001, 41002, 41003]).__next__)
+    monkeypatch.setenv("MASTER_PORT", "41000")
+    process_group._init_default_group("gloo", port_chosen=True)
+    assert tried == ["41000", "41001"]
+    tried.clear()
+    with pytest.raises(dist.DistNetworkError, match="EADDRINUSE"):
+        process_group._init_default_group("gloo", port_chosen=False)
+    assert tried == ["41001"]

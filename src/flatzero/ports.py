@@ -9,7 +9,9 @@ __all__ = ["free_port"]
 
 
 def free_port() -> int:
-    """A TCP port that was free a moment ago on localhost."""
+    """A TCP port that was free a moment ago on every local address: c10d's store listens
+    on all of them, so a port free on 127.0.0.1 alone (another socket's on another
+    address) would not do."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]

@@ -109,15 +109,35 @@ def _check_not_one_of_many() -> None:
             )
 
 
-def _single_process_env() -> None:
+def _single_process_env() -> bool:
     """torchrun's environment for a world of one process (not launched by torchrun,
-    deepspeed or mpirun)."""
+    deepspeed or mpirun); whether the rendezvous port is one this function chose."""
+    chosen = "MASTER_PORT" not in os.environ
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
+    return chosen
+
+
+_PORT_TRIES = 3
+"""Rendezvous ports tried for a one-process group whose port flatzero chose: another
+process may take a probed port before the store listens on it (EADDRINUSE)."""
+
+
+def _init_default_group(backend: str, port_chosen: bool) -> None:
+    """``init_process_group`` from the environment; on a port flatzero chose that was
+    taken meanwhile, again on a fresh one."""
+    for attempt in range(_PORT_TRIES):
+        try:
+            dist.init_process_group(backend, timeout=job_timeout())
+            return
+        except dist.DistNetworkError as error:
+            if not port_chosen or "EADDRINUSE" not in str(error) or attempt == _PORT_TRIES - 1:
+                raise
+            os.environ["MASTER_PORT"] = str(free_port())
 
 
 def ensure_process_group(dist_init_required: bool | None) -> None:
@@ -136,14 +156,15 @@ def ensure_process_group(dist_init_required: bool | None) -> None:
             "torch.distributed.init_process_group() first or drop dist_init_required"
         )
     device_type = accel.accelerator_type()
+    port_chosen = False
     if not all(k in os.environ for k in _TORCHRUN_ENV):
         _check_not_one_of_many()
-        _single_process_env()
+        port_chosen = _single_process_env()
     backend = "gloo"
     if device_type is not None:
         accel.set_current(torch.device(device_type, local_device_index(device_type)))
         backend = default_backend(device_type)
-    dist.init_process_group(backend, timeout=job_timeout())
+    _init_default_group(backend, port_chosen)
     # The group is flatzero's to tear down: a script that never calls
     # destroy_process_group() otherwise leaves it to interpreter finalization, where a
     # rank was seen to abort ("terminate called without an active exception", exit -6).
