@@ -40,12 +40,32 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+RENDEZVOUS_ENV = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+)
+"""What ``flatzero.initialize`` sets in the process for a world-of-one group."""
+
+
 @pytest.fixture(autouse=True)
 def _no_process_group_left() -> Iterator[None]:
     """``flatzero.initialize`` in the test process makes a world-of-one default group and,
     as ``deepspeed.initialize`` does, leaves it: a test that made one takes it down, so the
-    tests after it start without one (a group a module fixture made is left alone)."""
+    tests after it start without one (a group a module fixture made is left alone). The
+    rendezvous variables it set go too: a later test's subprocess would inherit
+    ``MASTER_PORT``, a port this process's store may still hold (EADDRINUSE)."""
     had_one = dist.is_initialized()
+    env = {name: os.environ.get(name) for name in RENDEZVOUS_ENV}
     yield
     if not had_one and dist.is_initialized():
         dist.destroy_process_group()
+    if not had_one:
+        for name, value in env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
