@@ -23,7 +23,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .owners import newton_schulz_cost, place_whole
@@ -427,14 +427,29 @@ def _plan_group(
         bucket_members.pop()
 
     granule = world_size * alignment
+    buckets = _bucket_layouts(
+        slots, bucket_members, world_size, lambda _, used: max(granule, _round_up(used, granule))
+    )
+    return GroupLayout(group_index, dtype, tuple(slots), buckets, world_size, alignment)
+
+
+def _bucket_layouts(
+    slots: Sequence[ParamSlot],
+    bucket_members: Sequence[Sequence[int]],
+    world_size: int,
+    numel_of: Callable[[int, int], int],
+) -> tuple[BucketLayout, ...]:
+    """The buckets holding ``bucket_members`` (indices into ``slots``, in offset order),
+    each ``numel_of(index, used)`` elements long, their slices one after another in every
+    rank's shard."""
     buckets = []
     shard_offset = 0
     for index, members in enumerate(bucket_members):
         used = max(slots[i].end for i in members)
-        numel = max(granule, _round_up(used, granule))
+        numel = numel_of(index, used)
         buckets.append(BucketLayout(index, numel, tuple(members), used, shard_offset, world_size))
         shard_offset += numel // world_size
-    return GroupLayout(group_index, dtype, tuple(slots), tuple(buckets), world_size, alignment)
+    return tuple(buckets)
 
 
 def _plan_whole_group(
@@ -459,16 +474,11 @@ def _plan_whole_group(
         ParamSlot(spec, reg_index, bucket_of[i], placement.offsets[i])
         for i, (reg_index, spec) in enumerate(specs)
     )
-    buckets = []
-    shard_offset = 0
-    for index, (members, slice_numel) in enumerate(
-        zip(placement.buckets, placement.slice_numels, strict=True)
-    ):
-        used = max(slots[i].end for i in members)
-        numel = slice_numel * world_size
-        buckets.append(BucketLayout(index, numel, members, used, shard_offset, world_size))
-        shard_offset += slice_numel
-    return GroupLayout(group_index, dtype, slots, tuple(buckets), world_size, alignment, whole=True)
+    slices = placement.slice_numels
+    buckets = _bucket_layouts(
+        slots, placement.buckets, world_size, lambda index, _: slices[index] * world_size
+    )
+    return GroupLayout(group_index, dtype, slots, buckets, world_size, alignment, whole=True)
 
 
 def plan_layout(
