@@ -264,6 +264,76 @@ def test_the_command_line_answers_without_torch(argv, status):
     assert done.stdout.splitlines()[-1] == f"False {status}", done.stdout + done.stderr
 
 
+_BENCH_ANSWERS = """
+import contextlib, io, json, runpy, sys
+from flatzero import harness
+assert harness.find_harness()
+from flatzero_bench.commands import BENCHMARKS
+names = [benchmark[0] for benchmark in BENCHMARKS]
+lines = [["bench", "--help"], ["bench"], ["bench", "no-such-benchmark"]]
+for name in names:
+    lines += [["bench", name, "--help"], ["bench", name, "--no-such-option"]]
+answers = []
+for argv in lines:
+    sys.argv[1:] = argv
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module("flatzero", run_name="__main__")
+        except SystemExit as e:
+            answers.append([argv, e.code, "torch" in sys.modules, err.getvalue()])
+print(json.dumps([names, answers]))
+"""
+
+
+def test_bench_answers_its_help_and_argument_errors_without_torch():
+    """``python -m flatzero bench --help``, ``bench NAME --help`` of every benchmark, an
+    argument error of each, no benchmark named and an unknown one answer without importing
+    torch (the parser is built from the benchmarks' ``options`` modules), in one process:
+    ``TORCH_FREE``'s check at the cost of one interpreter."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _BENCH_ANSWERS],
+        capture_output=True, text=True, timeout=60, env=os.environ,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    names, answers = json.loads(done.stdout.splitlines()[-1])
+    assert len(names) >= 10 and len(answers) == 3 + 2 * len(names)
+    for argv, code, torch_imported, err in answers:
+        assert not torch_imported, f"{' '.join(argv)} imported torch"
+        assert code == (0 if argv[-1] == "--help" else 2), (argv, code, err)
+    (_, _, _, missing), (_, _, _, unknown) = answers[1:3]
+    assert "the following arguments are required: benchmark" in missing
+    assert "invalid choice: 'no-such-benchmark'" in unknown
+    assert all(name in missing and name in unknown for name in names)  # the choices listed
+
+
+def test_bench_options_agree_with_the_benchmarks():
+    """The names the torch-free options spell (models, dtypes, a default) are their homes'
+    (which import torch), and every benchmark's module has the ``run`` the CLI calls."""
+    from flatzero import harness
+    from flatzero.cli import _function
+    from flatzero.models.bench_models import MODELS, STEP_MODELS
+    from flatzero.testing.host_ops import HostOpsSpec
+
+    assert harness.find_harness()
+    from flatzero_bench.commands import BENCHMARKS
+    from flatzero_bench.common import options
+    from flatzero_bench.common.settings import BENCH_DTYPES
+    from flatzero_bench.host_ops.options import BUCKET_NUMEL
+
+    assert tuple(sorted(MODELS)) == options.MODEL_NAMES
+    assert tuple(sorted(STEP_MODELS)) == options.STEP_MODEL_NAMES
+    assert tuple(BENCH_DTYPES) == options.BENCH_DTYPE_NAMES
+    assert HostOpsSpec.bucket_numel == BUCKET_NUMEL
+    for name, _options, module in BENCHMARKS:
+        assert callable(_function(f"{module}:run")), name
+
+
 def test_every_command_answers_its_help_and_argument_errors_without_torch():
     """``TORCH_FREE`` holds ``--help`` and an argument error of every command; their options
     spell the checkpoint's export dtypes as ``checkpoint.config`` does."""

@@ -126,7 +126,8 @@ def _parser(load: Collection[str] | None = None) -> argparse.ArgumentParser:
     every command). [Note: the CLI answers at once] Only the command that runs is imported:
     ``flatzero --help``, an unknown command or a missing one import no torch, and the
     benchmark harness stays unimported unless ``bench`` runs (a flatzero without the
-    harness: ``flatzero bench`` says where it lives)."""
+    harness: ``flatzero bench`` says where it lives); ``bench`` takes its benchmarks'
+    torch-free options, a benchmark's module is imported when it runs."""
     parser = argparse.ArgumentParser(
         prog="flatzero",
         description="ZeRO-1/2 for PyTorch with initialization as fast as the hardware allows.",

@@ -59,16 +59,18 @@ from flatzero.models import build_model, count_params
 from flatzero.optim import ZeroOptimizer
 from flatzero.storage import image
 from flatzero.storage.checksum import DEFAULT_ALGORITHM
+from flatzero_bench.checkpoint.options import (
+    LOAD_METHODS,
+    SAVE_METHODS,
+    WRITER_METHODS,
+    add_arguments,
+)
 from flatzero_bench.common.results import emit, result_head
 from flatzero_bench.common.settings import BENCH_DTYPES, TrialsSpec, parse_methods, spec_from_args
 from flatzero_bench.common.trials import bracketed, median_interval, rotated, slowest_per_trial
 from flatzero_bench.init.init_bench import MODELS
 
 __all__ = ["LOAD_METHODS", "SAVE_METHODS", "CheckpointSpec", "add_arguments", "run"]
-
-LOAD_METHODS = ("verified", "unverified")
-WRITER_METHODS = ("sync", "async", "async_buffered")
-SAVE_METHODS = ("sync", "async", "dcp_async")
 
 
 @dataclass(frozen=True)
@@ -379,36 +381,6 @@ def _save_rows(ranks: list[dict[str, Any]], spec: CheckpointSpec) -> dict[str, A
         row["lost_bracketed_vs_sync"] = median / sync_lost if usable else None
         row["lost_bracketed_vs_sync_interval"] = ratios
     return {"step_s_median": statistics.median(steps), "rows": rows}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``flatzero bench checkpoint``."""
-    parser.add_argument(
-        "--model", default="llama-0.4b", choices=sorted(MODELS), help="the benchmark model"
-    )
-    parser.add_argument(
-        "--dtype", default="bf16", choices=sorted(BENCH_DTYPES), help="training dtype of the params"
-    )
-    parser.add_argument("--world-size", type=int, default=2, help="ranks")
-    parser.add_argument("--trials", type=int, default=5, help="timed trials per method")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed trials per method first")
-    parser.add_argument(
-        "--what", default="load", choices=("load", "save", "writer"), help="what to time"
-    )
-    parser.add_argument(
-        "--methods",
-        default=None,
-        help=f"load: {','.join(LOAD_METHODS)} (default); save: {','.join(SAVE_METHODS)}",
-    )
-    parser.add_argument("--steps", type=int, default=3, help="steps timed after each save")
-    parser.add_argument(
-        "--bucket-numel", type=int, default=2**24, help="flatten bucket size (elements)"
-    )
-    parser.add_argument("--seq", type=int, default=16, help="tokens of a training step")
-    parser.add_argument(
-        "--workdir", default=None, help="where to write the checkpoints (default: a temp dir)"
-    )
-    parser.add_argument("--out", default=None, help="write the JSON result to this file")
 
 
 def _head(args: argparse.Namespace, spec: CheckpointSpec, ranks: list[dict]) -> dict[str, Any]:

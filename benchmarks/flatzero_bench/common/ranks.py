@@ -9,7 +9,16 @@ from flatzero import accel
 from flatzero.devices import local_device_index
 from flatzero_bench.common.machine import usable_cores
 
-__all__ = ["backend_for", "rank_device", "sync", "threads_per_rank"]
+__all__ = ["backend_for", "device_or_default", "rank_device", "sync", "threads_per_rank"]
+
+
+def device_or_default(device: str | None, without_gpu: str) -> str:
+    """``device`` (a benchmark's ``--device``) when given, else ``"cuda"`` when torch sees a
+    GPU and ``without_gpu`` when not (decided here, when the benchmark runs: its options
+    import no torch)."""
+    if device is not None:
+        return device
+    return "cuda" if torch.cuda.is_available() else without_gpu
 
 
 def rank_device(kind: str) -> torch.device:

@@ -12,22 +12,21 @@ from typing import Any, TypeVar
 import torch
 
 from flatzero.dtypes import SHORT_DTYPES
-from flatzero.measure.settle import add_settle_argument
+from flatzero_bench.common.options import BENCH_DTYPE_NAMES
 
 __all__ = [
     "BENCH_DTYPES",
     "TrialsSpec",
-    "add_settle_argument",
     "parse_list",
     "parse_methods",
     "spec_from_args",
 ]
 
 BENCH_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
-    {name: SHORT_DTYPES[name] for name in ("bf16", "fp32")}
+    {name: SHORT_DTYPES[name] for name in BENCH_DTYPE_NAMES}
 )
-"""The params' dtypes the benchmarks run (``"bf16"``, ``"fp32"``): a view of
-``flatzero.dtypes.SHORT_DTYPES``."""
+"""The params' dtypes the benchmarks run (``options.BENCH_DTYPE_NAMES``: ``"bf16"``,
+``"fp32"``), a view of ``flatzero.dtypes.SHORT_DTYPES``."""
 
 
 @dataclass(frozen=True)

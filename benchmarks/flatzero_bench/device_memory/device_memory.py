@@ -42,12 +42,12 @@ from flatzero.flatten import flatten_parameters
 from flatzero.launch import run_ranks
 from flatzero.measure.baselines import flatten_torch_cat
 from flatzero.models import build_model, count_bytes, count_params
-from flatzero_bench.common.ranks import rank_device
+from flatzero_bench.common.ranks import device_or_default, rank_device
 from flatzero_bench.common.results import emit, result_head
 from flatzero_bench.common.settings import BENCH_DTYPES
 from flatzero_bench.init.init_bench import MODELS
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["run"]
 
 PLACEMENTS = ("device", "host")
 """Where the params are before init."""
@@ -188,34 +188,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``flatzero bench device-memory`` options."""
-    parser.add_argument(
-        "--model", default="tiny", choices=sorted(MODELS), help="the benchmark model"
-    )
-    parser.add_argument(
-        "--dtype", default="bf16", choices=sorted(BENCH_DTYPES), help="training dtype of the params"
-    )
-    parser.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1,2")
-    parser.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "emu",
-        help="accelerator type: emu (the emulated one, CPU memory) or cuda",
-    )
-    parser.add_argument(
-        "--bucket-numel",
-        type=int,
-        default=FlattenConfig().bucket_numel,
-        help="flatten bucket size (elements)",
-    )
-    parser.add_argument(
-        "--capacity-gib", type=float, default=64.0, help="emulated device memory per rank"
-    )
-    parser.add_argument("--json", help="also write the result JSON to this path")
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table and one JSON line."""
+    args.device = device_or_default(args.device, "emu")
     spec = MemorySpec(args.model, args.dtype, args.device, args.bucket_numel)
     if spec.device == "emu":
         from flatzero.testing.emulated import install

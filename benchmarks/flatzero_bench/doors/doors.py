@@ -60,7 +60,7 @@ from flatzero_bench.common.trials import rotated
 from flatzero_bench.doors.door_trial import DOORS, MARKER, door_config, must_write_bytes
 from flatzero_bench.doors.doors_report import header, plot, table
 from flatzero_bench.doors.doors_stats import loss_diff, slowest_rank, summarize_run, summarize_runs
-from flatzero_bench.init.init_bench import MODELS
+from flatzero_bench.doors.options import add_arguments
 
 __all__ = ["add_arguments", "compare_back_to_back", "run"]
 
@@ -204,55 +204,6 @@ def compare_back_to_back(
     doors, skipped = without_unavailable_deepspeed(DOORS)
     _, runs = _run_all(args, doors, [0.0], [world_size])
     return runs[(0.0, world_size)][0], skipped
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``flatzero bench doors`` options."""
-    parser.add_argument(
-        "--model", default="llama-0.4b", choices=sorted(MODELS), help="the benchmark model"
-    )
-    parser.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1,2")
-    parser.add_argument(
-        "--settle-s",
-        default="0,6",
-        help="modes, comma-separated: seconds to pause before every launch; 0 is back to "
-        "back, 6 lets the machine take freed memory back (default: 0,6, both modes)",
-    )
-    parser.add_argument("--runs", type=int, default=3, help="repeats of the whole alternation")
-    parser.add_argument("--trials", type=int, default=3, help="launches per door per run")
-    parser.add_argument(
-        "--warmup", type=int, default=1, help="untimed launches of each door per world size first"
-    )
-    parser.add_argument(
-        "--doors", default=",".join(DOORS), help="comma-separated of " + ", ".join(DOORS)
-    )
-    parser.add_argument("--stage", type=int, default=2, choices=[1, 2], help="ZeRO stage")
-    parser.add_argument(
-        "--bucket-numel",
-        type=int,
-        default=2**26,
-        help="reduce_bucket_size and allgather_bucket_size in the config, elements (even)",
-    )
-    parser.add_argument(
-        "--seq",
-        type=int,
-        default=2,
-        help="tokens in the first step's batch (default 2, one predicted token: a CPU without "
-        "AVX-512 runs bf16 matmuls in a slow fallback, and the forward and backward, the same "
-        "for both doors, would otherwise bury what the doors do differently)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="model init and batch seed")
-    parser.add_argument(
-        "--limit-repeats", type=int, default=2, help="first-touch passes per limit (best kept)"
-    )
-    parser.add_argument(
-        "--launch-timeout-s",
-        type=float,
-        default=1800,
-        help="seconds before a launch counts as hung",
-    )
-    parser.add_argument("--json", help="also write the result JSON to this path")
-    parser.add_argument("--plot", help="also draw the figures to this image (needs matplotlib)")
 
 
 def _checked(args: argparse.Namespace) -> tuple[list[int], list[float], tuple[str, ...]]:

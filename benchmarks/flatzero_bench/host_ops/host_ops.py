@@ -34,7 +34,7 @@ from flatzero.testing.host_ops import HostOpsSpec, count_all
 from flatzero_bench.common.machine import cpu_name, versions
 from flatzero_bench.common.results import emit, print_skipped, result_head
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["run"]
 
 
 def _methods_for(world_size: int, use_ds: bool) -> tuple[str, ...]:
@@ -87,24 +87,6 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{r['step_ops']:.0f} | {r['step_per_param']:.2f} |"
         )
     return "\n".join(lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``flatzero bench host-ops`` options."""
-    parser.add_argument("--world-sizes", default="1,2,3,4", help="comma-separated, e.g. 1,2")
-    parser.add_argument("--layers", default="50,200", help="comma-separated Linear layer counts")
-    parser.add_argument("--width", type=int, default=8, help="each layer's in/out features")
-    parser.add_argument("--steps", type=int, default=2, help="counted steps per method")
-    parser.add_argument(
-        "--bucket-numel",
-        type=int,
-        default=HostOpsSpec.bucket_numel,
-        help="flatzero's and DeepSpeed's bucket size in elements (even); the default holds "
-        "every param of 200 layers of width 8 in one bucket",
-    )
-    parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed")
-    parser.add_argument("--json", help="also write the result JSON to this path")
-    parser.add_argument("--markdown", help="also write the table (markdown) to this path")
 
 
 def run(args: argparse.Namespace) -> int:

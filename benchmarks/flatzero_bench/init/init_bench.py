@@ -48,23 +48,18 @@ from flatzero.models.bench_models import MODELS
 from flatzero.procmem import cpu_seconds, trim_host_memory
 from flatzero.testing.deepspeed import prepare_deepspeed, without_unavailable_deepspeed
 from flatzero_bench.common.deepspeed_init import time_deepspeed_initialize
-from flatzero_bench.common.ranks import backend_for, rank_device, sync
+from flatzero_bench.common.ranks import backend_for, device_or_default, rank_device, sync
 from flatzero_bench.common.results import emit, print_skipped, result_head
 from flatzero_bench.common.settings import (
     BENCH_DTYPES,
     TrialsSpec,
-    add_settle_argument,
     parse_methods,
     spec_from_args,
 )
 from flatzero_bench.common.trials import rotated, slowest_per_trial
+from flatzero_bench.init.options import METHODS
 
-__all__ = ["MODELS", "add_arguments", "run"]
-
-
-METHODS = ("flatzero", "flatzero_4k", "torch_cat", "legacy_cpu", "deepspeed")
-"""``flatzero_4k``: flatzero with ``FlattenConfig(host_huge_pages=False)``."""
-DEFAULT_METHODS = ("flatzero", "torch_cat", "legacy_cpu", "deepspeed")
+__all__ = ["MODELS", "run"]
 
 
 @dataclass(frozen=True)
@@ -300,57 +295,9 @@ def _table(rows: list[dict[str, Any]], limits_by_ws: dict[int, dict[str, Any]]) 
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``flatzero bench init`` options."""
-    parser.add_argument(
-        "--model", default="llama-0.4b", choices=sorted(MODELS), help="the benchmark model"
-    )
-    parser.add_argument(
-        "--dtype", default="bf16", choices=sorted(BENCH_DTYPES), help="training dtype of the params"
-    )
-    parser.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1,2")
-    parser.add_argument("--trials", type=int, default=3, help="timed trials per method")
-    parser.add_argument(
-        "--warmup",
-        type=int,
-        default=1,
-        help="untimed rounds of every method first (a VM backs fresh memory on first touch)",
-    )
-    parser.add_argument(
-        "--methods",
-        default=",".join(DEFAULT_METHODS),
-        help=f"comma-separated of {', '.join(METHODS)}",
-    )
-    parser.add_argument(
-        "--bucket-numel",
-        type=int,
-        default=FlattenConfig().bucket_numel,
-        help="flatten bucket size (elements)",
-    )
-    parser.add_argument("--tier", default="auto", help="flatzero's tier (default: auto)")
-    parser.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        choices=["cpu", "cuda"],
-        help="where the model lives (cuda when torch sees a GPU)",
-    )
-    parser.add_argument(
-        "--params-on",
-        default="host",
-        choices=["host", "pinned", "device"],
-        help="where the params are before init (device: on the GPU)",
-    )
-    parser.add_argument("--no-lm-head", action="store_true", help="base model only")
-    add_settle_argument(
-        parser,
-        "seconds to sleep before every trial so each starts from cold memory, as at a "
-        "job's start (10 on the development VM, docs/plan.md); default: back to back",
-    )
-    parser.add_argument("--json", help="also write the result JSON to this path")
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table and one JSON line."""
+    args.device = device_or_default(args.device, "cpu")
     methods = parse_methods(args.methods, METHODS)
     if args.settle_s < 0:
         raise SystemExit(f"--settle-s {args.settle_s} must be >= 0")

@@ -55,10 +55,9 @@ from flatzero_bench.common.results import result_head
 from flatzero_bench.common.settings import BENCH_DTYPES, TrialsSpec, parse_methods, spec_from_args
 from flatzero_bench.common.trials import rotated, slowest_per_trial
 from flatzero_bench.init.init_bench import MODELS
+from flatzero_bench.load.options import METHODS, add_arguments
 
 __all__ = ["METHODS", "LoadSpec", "add_arguments", "run"]
-
-METHODS = ("full", "direct", "direct_sharded")
 
 
 @dataclass(frozen=True)
@@ -182,32 +181,6 @@ def _summary(ranks: list[dict], spec: LoadSpec) -> list[dict[str, Any]]:
             }
         )
     return rows
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``flatzero bench load``."""
-    parser.add_argument(
-        "--model", default="llama-0.4b", choices=sorted(MODELS), help="the benchmark model"
-    )
-    parser.add_argument(
-        "--dtype", default="bf16", choices=sorted(BENCH_DTYPES), help="training dtype of the params"
-    )
-    parser.add_argument("--world-size", type=int, default=2, help="ranks")
-    parser.add_argument("--trials", type=int, default=3, help="timed trials per method")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed trials per method first")
-    parser.add_argument(
-        "--methods", default=",".join(METHODS), help="comma-separated methods to time"
-    )
-    parser.add_argument(
-        "--bucket-numel", type=int, default=2**24, help="flatten bucket size (elements)"
-    )
-    parser.add_argument(
-        "--master", action="store_true", help="also build the fp32 master shard in every method"
-    )
-    parser.add_argument(
-        "--workdir", default=None, help="where to write the checkpoint (default: a temp dir)"
-    )
-    parser.add_argument("--out", default=None, help="write the JSON result to this file")
 
 
 def _write_checkpoint(

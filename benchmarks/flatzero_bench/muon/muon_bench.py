@@ -40,7 +40,7 @@ from flatzero_bench.common.machine import cpu_name, versions
 from flatzero_bench.common.ranks import threads_per_rank
 from flatzero_bench.common.results import emit, print_skipped, result_head
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["run"]
 
 LR = 0.02
 SEQ = 32
@@ -161,20 +161,6 @@ def _rank_main(rank: int, world_size: int, method: str, args: argparse.Namespace
         "matrices": matrices,
         "loss": losses[-1],
     }
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-sizes", default="1,2,4", help="comma-separated ranks to run")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers")
-    parser.add_argument("--hidden", type=int, default=512, help="hidden size")
-    parser.add_argument("--vocab", type=int, default=2048, help="vocabulary size")
-    parser.add_argument("--batch", type=int, default=2, help="sequences per rank and step")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed first steps")
-    parser.add_argument(
-        "--methods", default="flatzero,deepspeed", help="comma-separated: flatzero, deepspeed"
-    )
-    parser.add_argument("--out", default=None, help="write the result as JSON here")
 
 
 def run(args: argparse.Namespace) -> None:

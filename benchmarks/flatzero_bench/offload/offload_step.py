@@ -35,9 +35,8 @@ from flatzero_bench.common.settings import BENCH_DTYPES
 from flatzero_bench.offload.offload_trial import ADAMW, offload_config
 from flatzero_bench.step.step_methods import StepMethod
 
-__all__ = ["BASELINE", "STEP_METHODS", "OffloadStepSpec", "rank_main", "summarize"]
+__all__ = ["BASELINE", "OffloadStepSpec", "rank_main", "summarize"]
 
-STEP_METHODS = ("flatzero-offload", "deepspeed-offload", "deepspeed-offload-torch", "flatzero")
 BASELINE = "deepspeed-offload"
 
 
@@ -48,7 +47,7 @@ class OffloadStepSpec:
     Attributes:
         model: a key of ``models.bench_models.STEP_MODELS``.
         dtype: the params' dtype, ``"bf16"`` or ``"fp32"``.
-        methods: of ``STEP_METHODS``.
+        methods: of ``options.STEP_METHODS``.
         stage: ZeRO stage.
         batch: sequences per rank and step.
         seq: tokens per sequence.

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flatzero.config import DEFAULT_BUCKET_NUMEL, FlattenConfig
+from flatzero.config import FlattenConfig
 from flatzero.cores import usable_cores
-from flatzero.dtypes import SHORT_DTYPES, dtype_name
+from flatzero.dtypes import dtype_name
 from flatzero.flatten import flatten_parameters
 from flatzero.launch import run_ranks
 from flatzero.measure.baselines import flatten_legacy_cpu, flatten_torch_cat
@@ -39,14 +39,11 @@ from flatzero.plan.model_source import resolve_model
 from flatzero.plan.planner import Plan, PlanSpec, make_plan, new_memory_sizes
 from flatzero.procmem import trim_host_memory
 from flatzero_bench.common.provenance import command_line, utc_timestamp
-from flatzero_bench.common.settings import add_settle_argument
+from flatzero_bench.common.settings import BENCH_DTYPES
+from flatzero_bench.plan.options import METHODS
 
-__all__ = ["METHODS", "add_arguments", "predict", "run"]
+__all__ = ["predict", "run"]
 
-METHODS = {"flatzero": "cpu", "torch_cat": "deepspeed_device", "legacy_cpu": "deepspeed_legacy"}
-"""Benchmark method -> the plan's method that predicts it."""
-
-_DTYPES = {name: SHORT_DTYPES[name] for name in ("bf16", "fp32")}
 TARGET = 0.25
 """flatzero's predicted time must be within this fraction of its measured time."""
 
@@ -83,7 +80,7 @@ def _plan(spec: PlanBenchSpec, world_size: int, calibration: Calibration | None)
             gpus_per_node=world_size,
             gpu=None,
             host=get_host("dgx-h100"),  # every figure the CPU tier uses is replaced
-            dtype=dtype_name(_DTYPES[spec.dtype]),
+            dtype=dtype_name(BENCH_DTYPES[spec.dtype]),
             bucket_numel=spec.bucket_numel,
             params_on="host",
             calibration=calibration,
@@ -132,7 +129,7 @@ def _time_one(
 def _rank_main(rank: int, ws: int, spec: PlanBenchSpec) -> list[dict[str, Any]]:
     """Every timed round of this rank: each method's (seconds, phases)."""
     config = resolve_model(spec.model).config
-    dtype = _DTYPES[spec.dtype]
+    dtype = BENCH_DTYPES[spec.dtype]
     rounds = []
     for trial in range(spec.warmup + spec.trials):
         times = {}
@@ -194,33 +191,6 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{f'{lo:.2f}-{hi:.2f}':>17}"
         )
     return "\n".join(lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``flatzero bench plan`` options."""
-    parser.add_argument("--model", default="llama-0.4b", help="a preset or benchmark model")
-    parser.add_argument(
-        "--dtype", default="bf16", choices=sorted(_DTYPES), help="training dtype of the params"
-    )
-    parser.add_argument(
-        "--bucket-numel",
-        type=int,
-        default=DEFAULT_BUCKET_NUMEL,
-        help="flatten bucket size (elements)",
-    )
-    parser.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1,2")
-    parser.add_argument("--trials", type=int, default=3, help="timed trials per method")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed trials per method first")
-    add_settle_argument(parser, "sleep before every trial (and calibration pass)")
-    parser.add_argument(
-        "--methods", default=",".join(METHODS), help="comma-separated methods to time"
-    )
-    parser.add_argument(
-        "--calibration",
-        help="use these measured rates (flatzero info --measure --json) at every world size "
-        "instead of measuring",
-    )
-    parser.add_argument("--json", help="also write the result JSON to this path")
 
 
 def run(args: argparse.Namespace) -> int:

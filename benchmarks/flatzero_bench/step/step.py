@@ -42,12 +42,17 @@ from flatzero.models import build_model, count_params
 from flatzero.models.bench_models import STEP_MODELS
 from flatzero.testing.deepspeed import without_unavailable_deepspeed
 from flatzero_bench.common.machine import device_name, versions
-from flatzero_bench.common.ranks import backend_for, rank_device, threads_per_rank
+from flatzero_bench.common.ranks import (
+    backend_for,
+    device_or_default,
+    rank_device,
+    threads_per_rank,
+)
 from flatzero_bench.common.results import emit, print_skipped, result_head
 from flatzero_bench.common.settings import BENCH_DTYPES, spec_from_args
 from flatzero_bench.step.step_methods import StepMethod, StepSpec, make_method, stage_of
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["run"]
 
 
 def _rank_main(rank: int, world_size: int, spec: StepSpec) -> dict[str, Any]:
@@ -176,37 +181,6 @@ def _methods_for(
     return (*ours, *(f"deepspeed-z{s}{v}" for s in stages for v in variants))
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``flatzero bench step`` options."""
-    parser.add_argument(
-        "--model", default="llama-22m", choices=sorted(STEP_MODELS), help="the benchmark model"
-    )
-    parser.add_argument("--dtypes", default="fp32", help="comma-separated of fp32, bf16")
-    parser.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1,2")
-    parser.add_argument("--stages", default="2", help="ZeRO stages to compare, e.g. 1,2")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank and step")
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per method")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per method")
-    parser.add_argument(
-        "--bucket-numel", type=int, default=2**22, help="reduce/all-gather bucket elements"
-    )
-    parser.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        choices=["cpu", "cuda"],
-        help="where the model lives (cuda when torch sees a GPU)",
-    )
-    parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed")
-    parser.add_argument(
-        "--no-fused-baselines",
-        action="store_true",
-        help="skip the baselines with torch's fused AdamW (flatzero uses it by default)",
-    )
-    parser.add_argument("--json", help="also write the result JSON to this path")
-    parser.add_argument("--markdown", help="also write the table (markdown) to this path")
-
-
 def _checked(args: argparse.Namespace) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The ZeRO stages and dtypes asked for, checked."""
     stages = tuple(int(s) for s in args.stages.split(","))
@@ -257,6 +231,7 @@ def _markdown(result: dict[str, Any], header: str, steps: int, table: str) -> st
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table and one JSON line."""
+    args.device = device_or_default(args.device, "cpu")
     stages, dtypes = _checked(args)
     kept, skipped = without_unavailable_deepspeed(() if args.no_deepspeed else ("deepspeed",))
     load_before = os.getloadavg()
