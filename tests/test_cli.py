@@ -197,11 +197,13 @@ def test_bench_and_demo_say_where_the_harness_lives_when_it_is_missing(monkeypat
 
 
 def _walk(parser, path=()):
-    """Every (command path, action) of ``parser`` and its subparsers, help actions aside."""
+    """Every (command path, action) of ``parser`` and its subparsers, help actions aside;
+    a subcommand's line in its parent's help is an action too."""
     import argparse
 
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
+            yield from ((path, line) for line in action._choices_actions)
             for name, sub in action.choices.items():
                 yield from _walk(sub, (*path, name))
         elif not isinstance(action, argparse._HelpAction):
