@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import io
+import re
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -214,6 +215,39 @@ def _shared_door(rank: int) -> dict:
     return out
 
 
+def _more_than_learnt(rank: int) -> dict:
+    """A block in one reentrant segment in the first backward pass, in two in the second:
+    its second delivery comes after its chunks were reduced, and no collective of a later
+    pass could tell the other ranks to reduce them again. The error every rank raises."""
+    torch.manual_seed(0)
+    first, block, out = nn.Linear(8, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 4)
+    model = nn.ModuleDict({"first": first, "block": block, "out": out})
+    opt = ZeroOptimizer(
+        model.named_parameters(),
+        torch.optim.SGD,
+        lr=LR,
+        flatten_config=FlattenConfig(device="cpu", progress=False, bucket_numel=512),
+    )
+
+    def loss(uses: int) -> torch.Tensor:
+        h = torch.tanh(first(_batch(0, rank)))
+        for _ in range(uses):
+            h = checkpoint(lambda t: torch.tanh(block(t)), h, use_reentrant=True)
+        return out(h).square().mean()
+
+    loss(1).backward()
+    opt.step()
+    opt.zero_grad()
+    try:
+        loss(2).backward()
+        error = "no error"
+    except RuntimeError as e:
+        error = str(e)
+    opt.zero_grad()
+    opt.close()
+    return {"error_text": error}
+
+
 def _guarded(fn: Callable[..., dict], *args: Any) -> dict:
     """``fn(*args)``, or ``{"error": traceback}``: one item failing fails its own test."""
     try:
@@ -231,6 +265,7 @@ def _shared_ranks(rank: int, world: int) -> bytes:
         "zero2_bf16": _guarded(_shared_zero, rank, 2, torch.bfloat16),
         "zero2_bf16_plain": _guarded(_shared_zero, rank, 2, torch.bfloat16, False),
         "door": _guarded(_shared_door, rank),
+        "more": _guarded(_more_than_learnt, rank),
     }
     buffer = io.BytesIO()
     torch.save(out, buffer)
@@ -275,7 +310,7 @@ def test_stage2_learns_which_params_are_delivered_more_than_once(shared: list[di
 
 
 def test_stage2_equals_stage1_with_params_delivered_more_than_once(shared: list[dict]) -> None:
-    want, moved = shared_reference(WORLD)
+    _, moved = shared_reference(WORLD)
     tol = 2 * ((SHARED_TERMS + 4) * U32 * moved + U32 * 2)
     for out in shared:
         assert _worst(out["zero2"]["masters"], out["zero1"]["masters"]) <= tol
@@ -297,3 +332,11 @@ def test_bf16_stage2_with_params_delivered_more_than_once(shared: list[dict]) ->
 
 def test_world_size_1_stage2_with_params_delivered_more_than_once() -> None:
     _check_fp32(_shared_zero(0, 2, torch.float32), 1)
+
+
+def test_more_deliveries_than_the_first_pass_showed_raise(shared: list[dict]) -> None:
+    for out in shared:
+        assert "error" not in out["more"], out["more"]["error"]
+        text = out["more"]["error_text"]
+        assert re.search(r"the gradient of block\.(weight|bias) arrived 2 times in this ", text)
+        assert "no backward pass before delivered it more than 1 time(s)" in text
