@@ -189,7 +189,9 @@ def _shared_zero(rank: int, stage: int, dtype: torch.dtype, reentrant: bool = Tr
         opt.step()
         opt.zero_grad()
     names = [s.spec.name for g in opt.flat.groups for s in g.layout.slots]
+    check = opt._reducer.check
     out = {"masters": _masters(opt), "names": names, "repeats": repeats}
+    out["verified"] = check.verified if check is not None else 0
     opt.close()
     return out
 
@@ -210,7 +212,7 @@ def _shared_door(rank: int) -> dict:
             x = _shared_batch(step, micro, rank)
             engine.backward(engine(x).square().mean())
             engine.step()
-    out = {"masters": _masters(opt)}
+    out = {"masters": _masters(opt), "verified": opt._reducer.check.verified}
     engine.destroy()
     return out
 
@@ -298,6 +300,7 @@ def _check_fp32(got: dict, world: int) -> None:
 def test_param_delivered_more_than_once_matches_fp64(shared: list[dict], item: str) -> None:
     for out in shared:
         _check_fp32(out[item], WORLD)
+        assert out[item]["verified"] == SHARED_STEPS  # the gradient check ran at every step
 
 
 def test_stage2_learns_which_params_are_delivered_more_than_once(shared: list[dict]) -> None:
