@@ -207,10 +207,13 @@ class BackwardPass:
         tentative: params the pass's graph does not reach at its start, in a pass that may
             still see a backward inside backward (the first): counted as zero only once a
             whole bucket's gradients wait behind them (``Stage2Reducer._pump``).
-        late: in the first pass, params counted as zero whose gradient arrived after some
-            of their chunks were reduced without it: the flat gradient and how many of its
-            chunks (the first, in launch order) went without it
+        late: in the first pass, gradients that arrived after some of their param's
+            chunks were reduced without them (a param counted as zero, or a gradient
+            delivered once more): per param, each such flat gradient and how many of the
+            param's chunks (the first, in launch order) went without it
             (``Stage2Reducer._reduce_late``).
+        deliveries: how often the gradient of each param delivered more than once, or
+            expected more than once (``Stage2Reducer.repeats``), arrived in this pass.
         missing: per bucket, its params whose gradient has not arrived.
         complete: buckets whose every gradient arrived, in arrival order.
         cursor: position of the next chunk to launch.
@@ -225,7 +228,8 @@ class BackwardPass:
     arrived: set[int] = field(default_factory=set)
     unused: set[int] = field(default_factory=set)
     tentative: set[int] = field(default_factory=set)
-    late: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    late: dict[int, list[tuple[torch.Tensor, int]]] = field(default_factory=dict)
+    deliveries: dict[int, int] = field(default_factory=dict)
     missing: list[int] = field(default_factory=list)
     complete: list[int] = field(default_factory=list)
     cursor: int = 0
@@ -239,11 +243,16 @@ class BackwardPass:
         self.held_bytes += grad.numel() * grad.element_size()
 
     def keep_late(self, param: int, grad: torch.Tensor, reduced: int, held: bool) -> None:
-        """Keep ``param``'s late gradient (see ``late``); ``held``: it is also in ``held``
-        (counted there)."""
-        self.late[param] = (grad, reduced)
+        """Keep a late gradient of ``param`` (see ``late``); ``held``: it is also in
+        ``held`` (counted there)."""
+        self.late.setdefault(param, []).append((grad, reduced))
         if not held:
             self.held_bytes += grad.numel() * grad.element_size()
+
+    def add_held(self, param: int, grad: torch.Tensor) -> None:
+        """Add another delivery of ``param``'s flat gradient to the one held (out of place:
+        the held one may be autograd's own tensor)."""
+        self.held[param] = self.held[param] + grad
 
     def release(self, param: int) -> None:
         """Drop ``param``'s gradient (all its chunks are staged), if it was held."""

@@ -83,12 +83,14 @@ def _remove_handles(handles: list[RemovableHandle]) -> None:
     handles.clear()
 
 
-TWICE = (
-    "a gradient arrived twice for one param in one backward pass: an earlier backward pass "
-    "did not finish (it raised?), or the param is used in two segments of reentrant "
-    "activation checkpointing (use_reentrant=True: each segment delivers its own gradient; "
-    "use use_reentrant=False or ZeRO stage 1). Call ZeroOptimizer.zero_grad() before the "
-    "next backward pass"
+AGAIN = (
+    "flatzero stage 2: the gradient of {name} arrived {count} times in this backward pass, "
+    "after some of its chunks were reduced without the last one; no backward pass before "
+    "delivered it more than {most} time(s). The first backward pass must show every reuse of "
+    "a param (one reentrant activation-checkpointing segment per use, use_reentrant=True): "
+    "run it with every segment that will ever share the param, or use use_reentrant=False "
+    "(one delivery per pass) or ZeRO stage 1. Or an earlier backward pass did not finish (it "
+    "raised?): call ZeroOptimizer.zero_grad() before the next backward pass"
 )
 UNFINISHED = (
     "a backward pass is still in progress or did not finish (it raised?); step() needs "

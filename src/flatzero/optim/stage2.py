@@ -19,7 +19,7 @@ from ..devices import collective_device
 from ..flatten.buffers import FlatParams
 from .buckets import BackwardPass, ReduceChunk
 from .config import ZeroConfig
-from .reducers import LATE, TWICE, UNFINISHED, GradReducer, WindowState
+from .reducers import AGAIN, LATE, UNFINISHED, GradReducer, WindowState
 
 __all__ = ["LocalStage2Reducer", "OrderState", "Stage2Reducer", "UnusedRule"]
 
@@ -69,7 +69,8 @@ class LocalStage2Reducer(GradReducer):
     """ZeRO stage 2 at world size 1: nothing to reduce and nothing to stage.
 
     Each hook writes its gradient straight into the fp32 gradient shard (copied in the
-    window's first backward pass, added afterwards) and frees ``.grad``; the end of the
+    window's first backward pass, added afterwards and when a param's gradient is delivered
+    again in one pass) and frees ``.grad``; the end of the
     window's first backward pass zero-fills the params that got no gradient.
     """
 
@@ -92,13 +93,11 @@ class LocalStage2Reducer(GradReducer):
         if not self.window.running:
             Variable._execution_engine.queue_callback(self._end_of_backward)
             self.window = self.window.begin()
-        if pid in self._arrived:
-            raise RuntimeError(TWICE)
-        self._arrived.add(pid)
-        if self.window.landed:
+        if self.window.landed or pid in self._arrived:  # a later pass, or delivered again
             self._views[pid].add_(grad)
         else:
             self._views[pid].copy_(grad)
+        self._arrived.add(pid)
         param.grad = None
 
     @property
@@ -152,7 +151,8 @@ class Stage2Reducer(GradReducer):
     gradient. Which chunks are launched, and their contents, are the same either way; only
     the moment differs, on each rank its own. In the first pass a gradient that arrives
     after its chunk was reduced without it is reduced again at the pass's end (see
-    ``_reduce_late``); in a later pass it raises ``RuntimeError``.
+    ``_reduce_late``); in a later pass it raises ``RuntimeError``. A param's gradient may
+    arrive more than once in a pass (see ``_again``).
     """
 
     def __init__(self, flat: FlatParams, grads: list[torch.Tensor], config: ZeroConfig) -> None:
@@ -176,6 +176,9 @@ class Stage2Reducer(GradReducer):
         self._last_arrival: dict[int, int] = {}
         self.recorded: list[int] = []
         self.unused_rule = UnusedRule.WATCHING
+        self.repeats: dict[int, int] = {}
+        """Params whose gradient some pass delivered more than once (reentrant checkpointed
+        segments sharing them), by param id: the most deliveries in one pass."""
         self.held_peak = 0
         """Most bytes of gradients held at once, waiting for their chunks."""
         self._own_chunks = [
@@ -214,10 +217,11 @@ class Stage2Reducer(GradReducer):
         elif torch._C._current_graph_task_id() != state.task:
             state.nested = True
             state.tentative.clear()  # a backward inside backward may still reach them
-        if pid in state.arrived:
-            raise RuntimeError(TWICE)
-        state.arrived.add(pid)
         param.grad = None
+        if pid in state.arrived:
+            self._again(state, pid, grad)
+            return
+        state.arrived.add(pid)
         positions = self._chunks_of[pid]
         if not positions:
             return
@@ -238,6 +242,8 @@ class Stage2Reducer(GradReducer):
             state.nested = True
             if reduced:
                 state.keep_late(pid, flat, reduced, held=reduced < len(positions))
+        elif pid in self.repeats:
+            state.deliveries[pid] = 1  # its chunks wait for its other deliveries (_again)
         else:
             for pos in positions:
                 state.pending[pos] -= 1
@@ -247,6 +253,53 @@ class Stage2Reducer(GradReducer):
         if self.order_state is OrderState.RECORDING:
             self._last_arrival[self._bucket_of[pid]] = len(state.arrived)
         self._pump(state)
+
+    def _again(self, state: BackwardPass, pid: int, grad: torch.Tensor) -> None:
+        """Another delivery of ``pid``'s gradient in this pass.
+
+        [Note: gradients delivered more than once] Autograd runs a param's
+        ``AccumulateGrad`` node, and so its post-accumulate-grad hook, once per graph task
+        that reaches it: once per backward pass however often the forward used the param
+        (a shared encoder called twice), but once per *segment* of reentrant activation
+        checkpointing (``use_reentrant=True``: each segment's backward is a graph task of
+        its own) that uses it, and once more if the outer graph uses it too. Each delivery
+        holds only what its task computed (the hook cleared ``.grad``). A delivery adds to
+        the gradient held for the chunks not staged yet (one out-of-place add). Chunks
+        already reduced without it: in the first pass its gradient is kept and reduced
+        once more at the pass's end (``_reduce_late``); a pass's end notes each param's
+        most deliveries in ``repeats``, and from then on such a param's chunks wait until
+        it got that many (or the pass ended), so they are reduced once, holding its whole
+        gradient (in its dtype) from the first delivery to the last, and the chunks behind
+        it in launch order wait too. More deliveries than any earlier pass had, after a
+        chunk was reduced, raise ``RuntimeError`` (``AGAIN``): a later pass has no
+        collective to tell the other ranks about another reduction.
+        """
+        positions = self._chunks_of[pid]
+        if not positions:
+            return
+        flat = grad if grad.dim() == 1 else grad.reshape(-1)
+        count = state.deliveries.get(pid, 1) + 1
+        state.deliveries[pid] = count
+        expected = self.repeats.get(pid, 1)
+        reduced = len(positions) - state.unstaged[pid]
+        if reduced:
+            if self.unused_rule is not UnusedRule.WATCHING:
+                raise RuntimeError(AGAIN.format(name=self._name(pid), count=count, most=expected))
+            state.keep_late(pid, flat, reduced, held=False)
+        if state.unstaged[pid]:
+            state.add_held(pid, flat)
+        if count == expected:
+            for pos in positions:
+                state.pending[pos] -= 1
+        self.held_peak = max(self.held_peak, state.held_bytes)
+        if self.order_state is OrderState.RECORDING:
+            self._last_arrival[self._bucket_of[pid]] = len(state.arrived)
+        self._pump(state)
+
+    def _name(self, pid: int) -> str:
+        """Param ``pid``'s name."""
+        group = next(g for g in range(len(self.flat.groups)) if self._first_param[g + 1] > pid)
+        return self.flat.groups[group].layout.slots[pid - self._first_param[group]].spec.name
 
     def _begin(self, state: BackwardPass) -> None:
         """The pass's first gradient: queue its end, note its graph task, and (unless a
@@ -348,6 +401,7 @@ class Stage2Reducer(GradReducer):
             self._reduce_late(state)
         if self.order_state is OrderState.RECORDING:
             self._learn_order()
+        self._learn_repeats(state)
         self.unused_rule = self.unused_rule.after(state.nested)
         self._pass = self._new_pass()
         self.window = self.window.end()
@@ -368,8 +422,8 @@ class Stage2Reducer(GradReducer):
         """
         device = collective_device(self.pg, self.flat.groups[0].device)
         late = [0] * len(self.buckets)
-        for pid, (_, reduced) in state.late.items():
-            for pos in self._chunks_of[pid][:reduced]:
+        for pid, kept in state.late.items():
+            for pos in self._chunks_of[pid][: max(reduced for _, reduced in kept)]:
                 late[self.chunks[pos].bucket] = 1
         flags = torch.tensor(late, dtype=torch.int32).to(device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
@@ -381,10 +435,17 @@ class Stage2Reducer(GradReducer):
             staged = slot[: chunk.numel]
             staged.zero_()
             for pid, first, offset, numel in chunk.params:
-                grad, reduced = state.late.get(pid, (None, 0))
-                if grad is not None and pos in self._chunks_of[pid][:reduced]:
-                    staged[offset : offset + numel].copy_(grad[first : first + numel])
+                for grad, reduced in state.late.get(pid, ()):
+                    if pos in self._chunks_of[pid][:reduced]:
+                        staged[offset : offset + numel].add_(grad[first : first + numel])
             self._reduce_chunk(chunk, slot, staged, True)
+
+    def _learn_repeats(self, state: BackwardPass) -> None:
+        """A pass's end: note the params whose gradient it delivered more often than any
+        pass before (``repeats``)."""
+        for pid, count in state.deliveries.items():
+            if count > self.repeats.get(pid, 1):
+                self.repeats[pid] = count
 
     def _queue_on_outer_backward(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
         """Post-hook of the node whose inner backward pass just ended: queue the end of the
