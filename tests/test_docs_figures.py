@@ -84,6 +84,12 @@ def test_the_door_bullets_are_the_doors_files():
     }
     assert f"init is {span(limit['flatzero'], '.2f')}x the first touch" in text
     assert f"DeepSpeed's is {span(limit['deepspeed'], '.1f')}x" in text
+    sync = statistics.median(
+        max(r["phase_seconds"]["sync"] for r in launch["ranks"])
+        for launch in load(DOORS["llama-0.4b"])["launches"]
+        if launch["door"] == "flatzero" and launch["world_size"] == 2
+    )
+    assert f"a second pass over every byte ({sync:.1f} s)" in text
     for name in (
         "doors_cpu_llama-0.4b_ws2_sharded.json",
         "doors_cpu_llama-0.4b_ws2_broadcast_all_gather.json",
