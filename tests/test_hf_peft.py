@@ -1,5 +1,5 @@
-"""A peft LoRA model through ``flatzero.initialize`` (optional dependency: skipped without
-peft, which no extra installs; docs/huggingface.md says which version ran it).
+"""A peft LoRA model through ``flatzero.initialize`` (the ``hf`` extra installs
+peft; skipped where it is missing; docs/huggingface.md says which version ran it).
 
 A tiny transformers Llama wrapped by ``peft.get_peft_model`` holds frozen base weights and
 trainable LoRA matrices. Through the DeepSpeed door at ZeRO-2, one rank, fp32, the LoRA
