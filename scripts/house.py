@@ -198,6 +198,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "layout",
                 "pickle",
                 "base_optimizer",
+                "muon_state",
                 "target",
                 "state",
                 "reader",
