@@ -201,42 +201,36 @@ def test_a_deepspeed_muon_checkpoint_round_trips_through_flatzero(runs, tmp_path
         assert torch.equal(*momentum)
 
 
-def _saved(tmp_path: Path, optimizer: Any, groups: Any, **options: Any) -> Path:
-    """A one-rank flatzero checkpoint of a small model stepped once by ``optimizer``."""
-    from flatzero import FlattenConfig, ZeroOptimizer
-    from flatzero.checkpoint import save_checkpoint
-
-    model = _llama(0)
-    opt = ZeroOptimizer(
-        groups(model), optimizer, flatten_config=FlattenConfig(progress=False), **options
-    )
-    ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(0))
-    model(ids, labels=ids).loss.backward()
-    opt.step()
-    save_checkpoint(tmp_path / "fz", opt, model=model)
-    opt.close()
-    return tmp_path / "fz"
-
-
-def test_torchs_muon_and_muon_with_offload_are_refused_saying_why(tmp_path):
+def test_torchs_muon_and_muon_with_offload_are_refused_saying_why(runs, tmp_path):
     """torch's Muon has no DeepSpeed ZeRO-1/2 form (DeepSpeed's flat 1-D partitions; its Muon
     is another update), even with ``any_optimizer``; DeepSpeed's Muon with optimizer offload
-    keeps another format."""
+    keeps another format. A config without ``gradient_clipping`` exports DeepSpeed's
+    default, 1.0 (the door clipped at it: a 0 would stop the resumed run's clipping)."""
+    from flatzero import FlattenConfig, ZeroOptimizer
+    from flatzero.checkpoint import save_checkpoint
+    from flatzero.deepspeed import pickle as ds_pickle
     from flatzero.deepspeed.convert import to_deepspeed
-    from flatzero.deepspeed.engine.muon_groups import muon_param_groups
-    from flatzero.optim.deepspeed_muon import DeepSpeedMuon
 
-    def matrices(model):
-        return [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n]
-
-    torch_muon = _saved(tmp_path / "torch", torch.optim.Muon, matrices, lr=0.02)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Linear(10, 3, bias=False))
+    opt = ZeroOptimizer(
+        [p for p in model.parameters() if p.ndim == 2],
+        torch.optim.Muon,
+        flatten_config=FlattenConfig(progress=False),
+        lr=0.02,
+    )
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path / "torch", opt, model=model)
+    opt.close()
     for any_optimizer in (False, True):
         with pytest.raises(ValueError, match=r"torch\.optim\.Muon: a DeepSpeed ZeRO-1/2 run"):
-            to_deepspeed(torch_muon, tmp_path / "out", world_size=1, any_optimizer=any_optimizer)
-    door = _saved(tmp_path / "door", DeepSpeedMuon, lambda m: muon_param_groups(m, None, {})[0])
-    config = _config(2) | {"train_batch_size": 1}
+            to_deepspeed(
+                tmp_path / "torch", tmp_path / "out", world_size=1, any_optimizer=any_optimizer
+            )
+    door, config = runs[0] / "zero2" / "fz", _config(2)
     config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     with pytest.raises(ValueError, match=r"Muon with zero_optimization\.offload_optimizer"):
-        to_deepspeed(door, tmp_path / "out", world_size=1, ds_config=config)
-    exported = to_deepspeed(door, tmp_path / "plain", world_size=1, progress=False)
-    assert exported is not None  # no config: DeepSpeed's Muon config is written with it
+        to_deepspeed(door, tmp_path / "out", world_size=2, ds_config=config)
+    result = to_deepspeed(door, tmp_path / "plain", world_size=2, ds_config=_config(2))
+    optim = ds_pickle.load(next(result.path.glob("zero_pp_rank_0_*")))["optimizer_state_dict"]
+    assert optim["clip_grad"] == 1.0
