@@ -128,7 +128,10 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
         ("api", ("api", "__init__")),
     ),
     "plan": (
-        ("figures", ("names", "hardware", "memory_model", "hf_model", "model_source", "decision")),
+        (
+            "figures",
+            ("names", "hardware", "memory_model", "hf_model", "model_source", "muon", "decision"),
+        ),
         ("rates", ("calibration", "traffic", "rates", "time_model")),
         ("planner", ("planner", "advice")),
         ("output", ("report", "options", "cli", "__init__")),
@@ -195,6 +198,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "layout",
                 "pickle",
                 "base_optimizer",
+                "muon_state",
                 "target",
                 "state",
                 "reader",

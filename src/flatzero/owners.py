@@ -26,12 +26,17 @@ def _round_up(value: int, multiple: int) -> int:
 
 def newton_schulz_cost(shape: Sequence[int]) -> int:
     """Relative cost of orthogonalizing a param of ``shape`` (multiply-adds of one
-    Newton-Schulz iteration, ~ ``m * n * min(m, n)``); a param that is not 2-D costs its
-    element count (an elementwise update)."""
-    if len(shape) == 2:
-        m, n = int(shape[0]), int(shape[1])
-        return m * n * min(m, n)
-    return math.prod(int(d) for d in shape)
+    Newton-Schulz iteration, ~ ``m * n * min(m, n)``). As DeepSpeed's Muon orthogonalizes
+    them: a 3-D param (fused MoE experts) is a batch of ``shape[0]`` matrices, a 4-D one
+    (a convolution) one ``shape[0]`` by ``prod(shape[1:])`` matrix; a param of another rank
+    costs its element count (an elementwise update)."""
+    dims = [int(d) for d in shape]
+    if len(dims) == 4:
+        dims = [dims[0], math.prod(dims[1:])]
+    if len(dims) in (2, 3):
+        m, n = dims[-2], dims[-1]
+        return math.prod(dims[:-2]) * m * n * min(m, n)
+    return math.prod(dims)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import torch
 __all__ = [
     "CPU_ADAM",
     "FUSED_ADAM",
+    "MUON",
     "BaseOptimizer",
     "configured_optimizer",
     "default_optimizer",
@@ -27,6 +28,10 @@ FUSED_ADAM = "FusedAdam"
 """``deepspeed.ops.adam.FusedAdam``: DeepSpeed's Adam/AdamW without ``torch_adam`` or offload."""
 CPU_ADAM = "DeepSpeedCPUAdam"
 """``deepspeed.ops.adam.DeepSpeedCPUAdam``: DeepSpeed's Adam/AdamW with optimizer offload."""
+
+MUON = "MuonWithAuxAdam"
+"""DeepSpeed's ``Muon`` config: Muon on the ``use_muon`` groups, FusedAdam on the others
+(``flatzero.deepspeed.muon_state``); flatzero's checkpoint records ``DeepSpeedMuon``."""
 
 _KERNEL_KEYS: dict[str, dict[str, Any]] = {
     FUSED_ADAM: {"bias_correction": True, "step": 0},
@@ -77,15 +82,25 @@ class BaseOptimizer:
         """Whether it is one of DeepSpeed's Adam kernels (not a ``torch.optim`` class)."""
         return self.name in _KERNEL_KEYS
 
+    @property
+    def muon(self) -> bool:
+        """Whether it is DeepSpeed's Muon (``MUON``), whose Adam groups are FusedAdam's."""
+        return self.name == MUON
+
     def describe(self) -> str:
         """Its name as a user reads it (``torch.optim.AdamW``, ``FusedAdam (AdamW)``)."""
         if self.kernel:
             return f"{self.name} ({self.torch_name})"
+        if self.muon:
+            return f"DeepSpeed's Muon ({self.name})"
         return f"torch.optim.{self.name}"
 
     def config_section(self) -> dict[str, Any]:
-        """A config ``optimizer`` section that makes DeepSpeed build this Adam kernel
-        without offload (stored as the export's ``ds_config`` when none is given)."""
+        """A config ``optimizer`` section that makes DeepSpeed build this Adam kernel (or
+        its Muon) without offload (stored as the export's ``ds_config`` when none is
+        given)."""
+        if self.muon:
+            return {"type": "Muon", "params": {}}
         params = {} if self.torch_name == "AdamW" else {"adam_w_mode": False}
         return {"type": self.torch_name, "params": params}
 
@@ -123,10 +138,13 @@ def configured_optimizer(config: Mapping[str, Any]) -> BaseOptimizer | None:
 def default_optimizer(recorded: str | None) -> BaseOptimizer | None:
     """DeepSpeed's default for the optimizer a flatzero checkpoint recorded: FusedAdam for
     Adam and AdamW (what a config ``optimizer`` section of that type builds without offload
-    or ``torch_adam``), the class itself for another; None when none is recorded (an
-    imported checkpoint: its state is written as it was read)."""
+    or ``torch_adam``), DeepSpeed's Muon for ``DeepSpeedMuon`` (the DeepSpeed door's
+    ``Muon``), the class itself for another; None when none is recorded (an imported
+    checkpoint: its state is written as it was read)."""
     if recorded is None:
         return None
+    if recorded == "DeepSpeedMuon":
+        return BaseOptimizer(MUON, recorded)
     if recorded in ("Adam", "AdamW"):
         return BaseOptimizer(FUSED_ADAM, recorded)
     return BaseOptimizer(recorded, recorded)

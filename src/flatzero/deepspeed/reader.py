@@ -20,6 +20,7 @@ from ..dtypes import dtype_name
 from ..layout import Layout, ParamSpec
 from . import pickle as ds_pickle
 from .layout import MODEL_STATES, deepspeed_layout
+from .muon_state import MOMENTUM, is_muon_group, momentum_to_partition
 
 __all__ = ["DeepSpeedCheckpoint", "read_deepspeed"]
 
@@ -93,8 +94,24 @@ class DeepSpeedCheckpoint:
                     "written by a DeepSpeed ZeRO stage 1 or 2 optimizer"
                 )
             self._check_partitions(rank, sd)
+            self._partition_muon(rank, sd)
             self._optim[rank] = sd
         return self._optim[rank]
+
+    def _partition_muon(self, rank: int, sd: dict[str, Any]) -> None:
+        """Give each Muon group's ``momentum_buffer`` (whole params, ``muon_state``) the
+        partition's length, as every other per-element state has."""
+        base = sd.get("base_optimizer_state")
+        if not isinstance(base, dict) or "state" not in base:
+            return
+        for gi, group in enumerate(base.get("param_groups") or []):
+            state = base["state"].get(gi) or {}
+            momentum = state.get(MOMENTUM)
+            if is_muon_group(group) and isinstance(momentum, torch.Tensor):
+                try:
+                    state[MOMENTUM] = momentum_to_partition(self.layout.groups[gi], rank, momentum)
+                except ValueError as error:
+                    raise ValueError(f"{self.optim_files[rank]}: {error}") from None
 
     def close_files(self) -> None:
         """Drop every rank's optimizer state read so far: their memory-mapped files close
@@ -269,6 +286,7 @@ def read_deepspeed(ds_dir: str | os.PathLike[str], tag: str | None = None) -> De
     layout = _layout(states, first, len(files))
     stage = _stage(path, states, first)
     ckpt = DeepSpeedCheckpoint(path, tag, len(files), stage, layout, states, files, {})
-    ckpt._optim[0] = first
     ckpt._check_partitions(0, first)
+    ckpt._partition_muon(0, first)
+    ckpt._optim[0] = first
     return ckpt

@@ -21,6 +21,7 @@ import torch
 from ..checkpoint.format import CheckpointMeta, decode_value
 from ..optim import ELEMENTWISE_OPTIMIZERS
 from .base_optimizer import (
+    MUON,
     BaseOptimizer,
     configured_optimizer,
     default_optimizer,
@@ -28,7 +29,7 @@ from .base_optimizer import (
     offloaded,
 )
 
-__all__ = ["DeepSpeedTarget", "deepspeed_target"]
+__all__ = ["GRADIENT_CLIPPING_DEFAULT", "DeepSpeedTarget", "deepspeed_target"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +41,15 @@ _DEEPSPEED_ONLY = (
     "muadam",
     "muadamw",
     "musgd",
-    "muon",
     "onebitadam",
     "zerooneadam",
     "onebitlamb",
 )
 """Config optimizer types DeepSpeed builds from its own kernels (not ``torch.optim``)."""
+
+GRADIENT_CLIPPING_DEFAULT = 1.0
+"""DeepSpeed's clipping when the config has no ``gradient_clipping`` key (its
+``GRADIENT_CLIPPING_DEFAULT``): the global gradient norm is clipped at 1.0; 0 turns it off."""
 
 _FP32_NAMES = ("fp32", "float32", "float", "torch.float32")
 """``data_types.grad_accum_dtype`` values DeepSpeed reads as fp32."""
@@ -103,7 +107,17 @@ def _check_groups(meta: CheckpointMeta) -> None:
 
 
 def _check_optimizer(name: str | None, any_optimizer: bool) -> None:
-    if name is None or name in _TORCH_OPTIMIZERS or any_optimizer:
+    if name == "Muon":  # torch's, not the DeepSpeed door's DeepSpeedMuon
+        raise ValueError(
+            "the checkpoint's optimizer is torch.optim.Muon: a DeepSpeed ZeRO-1/2 run cannot "
+            "continue it. DeepSpeed's base optimizer steps one flat 1-D partition per group, "
+            "which torch's Muon refuses (it steps 2-D params only), and DeepSpeed's own Muon "
+            "(optimizer type Muon, MuonWithAuxAdam) runs another update (Newton-Schulz in "
+            "fp16/fp32 with its Gram iteration, its own learning-rate scaling). Train with "
+            "the DeepSpeed door's Muon config (flatzero.initialize with optimizer.type "
+            "Muon), whose checkpoints export to DeepSpeed"
+        )
+    if name is None or name in _TORCH_OPTIMIZERS or name == "DeepSpeedMuon" or any_optimizer:
         return
     raise ValueError(
         f"the checkpoint's optimizer is {name!r}: DeepSpeed restores the base optimizer with "
@@ -126,6 +140,8 @@ def _config_optimizer(config: Mapping[str, Any]) -> BaseOptimizer | None:
         return built
     kind = str(section["type"])
     lower = kind.lower()
+    if lower == "muon":
+        return _muon_optimizer(config)
     if lower in _DEEPSPEED_ONLY or (lower == "adagrad" and offloaded(config)):
         raise ValueError(
             f"ds_config optimizer.type is {kind!r}, which DeepSpeed builds from its own "
@@ -134,6 +150,26 @@ def _config_optimizer(config: Mapping[str, Any]) -> BaseOptimizer | None:
         )
     name = "Adagrad" if lower == "adagrad" else kind
     return BaseOptimizer(name, name)
+
+
+def _muon_optimizer(config: Mapping[str, Any]) -> BaseOptimizer:
+    """DeepSpeed's Muon (``MuonWithAuxAdam``), when the config's run keeps its state in the
+    format the export writes (``flatzero.deepspeed.muon_state``)."""
+    params = (config.get("optimizer") or {}).get("params") or {}
+    if offloaded(config):
+        raise ValueError(
+            "ds_config has optimizer.type Muon with zero_optimization.offload_optimizer: "
+            "DeepSpeed then keeps Muon's momentum per flat partition and steps the Adam "
+            "groups with DeepSpeedCPUAdam, and flatzero (which trains Muon without "
+            "optimizer offload) does not write that format; drop offload_optimizer"
+        )
+    if params.get("per_head_muon", False):
+        raise ValueError(
+            "ds_config optimizer.params.per_head_muon is true: flatzero's Muon "
+            "orthogonalizes whole matrices, so its momentum does not continue a per-head "
+            "run; remove the key"
+        )
+    return BaseOptimizer(MUON, "DeepSpeedMuon")
 
 
 def _check_kernel(meta: CheckpointMeta, built: BaseOptimizer | None) -> None:
@@ -224,7 +260,7 @@ def _default_target(meta: CheckpointMeta, world_size: int, dtype: torch.dtype) -
         "bf16": {"enabled": dtype == torch.bfloat16},
         "fp16": {"enabled": dtype == torch.float16},
     }
-    if built is not None and built.kernel:
+    if built is not None and (built.kernel or built.muon):
         config["optimizer"] = built.config_section()
     fp16 = {} if dtype == torch.float16 else None
     return DeepSpeedTarget(world_size, stage, dtype, fp16, None, False, False, config, built)
@@ -289,7 +325,7 @@ def deepspeed_target(
         stage=int(stage),
         dtype=dtype,
         fp16=_concrete(ds_config.get("fp16")) if dtype == torch.float16 else None,
-        clip_grad=_clip_grad(ds_config.get("gradient_clipping", 0.0)),
+        clip_grad=_clip_grad(ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)),
         round_robin=bool(zero.get("round_robin_gradients", False)),
         parameter_alignment=bool(zero.get("parameter_alignment", False)),
         config=dict(ds_config),

@@ -20,13 +20,14 @@ from ..dtypes import SAFETENSORS_DTYPES
 from ..layout import Layout, ParamSpec
 from ..storage.tensorfile import open_safetensors
 from . import pickle as ds_pickle
-from .base_optimizer import BaseOptimizer, kernel_group, kernel_scalar
+from .base_optimizer import FUSED_ADAM, kernel_group, kernel_scalar
 from .layout import (
     alignment_paddings,
     deepspeed_layout,
     group_padding,
     round_robin_order,
 )
+from .muon_state import MOMENTUM, is_muon_group, momentum_pieces, muon_order
 from .pickle import FragmentAddress, StoredTensor, TorchZipWriter, ZeroStage
 from .state import deepspeed_loss_scaler
 from .target import DeepSpeedTarget
@@ -109,6 +110,8 @@ def plan_deepspeed(reader: CheckpointReader, target: DeepSpeedTarget) -> DeepSpe
         ]
         empty += [s.name for s in specs if s.numel == 0]
         specs = [s for s in specs if s.numel > 0]
+        if _muon_group(meta.groups[group.group_index].hyperparams, target):
+            specs = muon_order(specs)  # MuonWithAuxAdam sorts them before ZeRO flattens
         order.append(tuple(s.name for s in specs))
         if target.round_robin:
             specs = [specs[i] for i in round_robin_order(len(specs), target.world_size)]
@@ -127,6 +130,14 @@ def plan_deepspeed(reader: CheckpointReader, target: DeepSpeedTarget) -> DeepSpe
         rename={model: saved for saved, model in names.items()},
         empty=tuple(empty),
     )
+
+
+def _muon_group(hyperparams: Mapping[str, Any], target: DeepSpeedTarget) -> bool:
+    """Whether a group (its recorded hyperparameters) is written as a Muon group of
+    DeepSpeed's (``muon_state``): ``use_muon``, for a run of DeepSpeed's Muon or of the
+    optimizer the checkpoint holds (an imported one)."""
+    hyper = {k: decode_value(v) for k, v in hyperparams.items()}
+    return is_muon_group(hyper) and (target.optimizer is None or target.optimizer.muon)
 
 
 class _Pending:
@@ -266,19 +277,45 @@ def _read_partition(
     return produce
 
 
+def _momentum(
+    reader: CheckpointReader, plan: DeepSpeedPlan, gi: int, rank: int, pending: _Pending
+) -> StoredTensor:
+    """Rank ``rank``'s ``momentum_buffer`` of Muon group ``gi`` as DeepSpeed keeps it: the
+    whole momentum of every param in its partition, concatenated in flat order."""
+    group = plan.layout.groups[gi]
+    names = [group.slots[p.slot].spec.name for p in momentum_pieces(group, rank)]
+    numel = sum(group.slots[p.slot].numel for p in momentum_pieces(group, rank))
+
+    def produce() -> torch.Tensor:
+        parts = [reader.read_param(plan.rename.get(n, n), MOMENTUM).reshape(-1) for n in names]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    return pending.add(torch.float32, (numel,), produce)
+
+
 def _base_state(
     reader: CheckpointReader,
     read_plans: list[Any],
     pending: _Pending,
-    optimizer: BaseOptimizer | None,
+    plan: DeepSpeedPlan,
+    rank: int,
 ) -> dict[str, Any]:
     """The base optimizer's ``state_dict()`` over the rank's flat partitions: torch's, or
-    (``optimizer`` one of DeepSpeed's Adam kernels) in that class's format."""
+    (the run's optimizer one of DeepSpeed's Adam kernels) in that class's format, or
+    (DeepSpeed's Muon) Muon groups as ``muon_state`` says and the others FusedAdam's."""
+    optimizer = plan.target.optimizer
     kernel = optimizer.name if optimizer is not None and optimizer.kernel else None
+    if optimizer is not None and optimizer.muon:
+        kernel = FUSED_ADAM
     state: dict[int, dict[str, Any]] = {}
     groups = []
     for gi, (record, read_plan) in enumerate(zip(reader.meta.groups, read_plans, strict=True)):
         entry: dict[str, Any] = {}
+        if _muon_group(record.hyperparams, plan.target):
+            entry[MOMENTUM] = _momentum(reader, plan, gi, rank, pending)
+            groups.append({**_hyper(record), "params": [gi]})
+            state[gi] = entry
+            continue
         for name, value in record.scalars.items():
             scalar = decode_value(value)
             if kernel:
@@ -293,11 +330,16 @@ def _base_state(
             )
         if entry:
             state[gi] = entry
-        hyper = {k: decode_value(v) for k, v in record.hyperparams.items()}
+        hyper = _hyper(record)
         if kernel:
             hyper = kernel_group(hyper, kernel)
         groups.append({**hyper, "params": [gi]})
     return {"state": state, "param_groups": groups}
+
+
+def _hyper(record: Any) -> dict[str, Any]:
+    """A group record's hyperparameters, decoded."""
+    return {k: decode_value(v) for k, v in record.hyperparams.items()}
 
 
 def _slice_mappings(plan: DeepSpeedPlan, rank: int) -> list[OrderedDict[str, FragmentAddress]]:
@@ -340,7 +382,7 @@ def write_optim_states(
     read_plans = reader.plan(plan.layout, rank, rename=plan.rename, strict=False)
     scaler = deepspeed_loss_scaler(loss_scaler, target.fp16, steps)
     paddings = [group_padding(g, rank) for g in plan.layout.groups]
-    base = _base_state(reader, read_plans, pending, target.optimizer)
+    base = _base_state(reader, read_plans, pending, plan, rank)
     masters = []
     for read_plan, pad in zip(read_plans, paddings, strict=True):
         full = _read_partition(reader, read_plan, MASTER, torch.float32)

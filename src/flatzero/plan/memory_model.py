@@ -20,6 +20,7 @@ so padding, alignment, buckets and shards are exact. What each figure mirrors:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ from ..layout import GroupLayout, Layout
 from ..optim.buckets import staging_geometry
 from ..optim.config import DEFAULT_REDUCE_STAGING_BYTES
 from ..optim.offload import OffloadHostBytes, offload_host_bytes, state_floats
-from .names import OPTIMIZER_STATES
+from .names import OPTIMIZER_STATES, WHOLE_PARAM_OPTIMIZERS
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -40,11 +41,13 @@ __all__ = [
     "async_snapshot_bytes",
     "deepspeed_init_memory",
     "flatzero_init_memory",
+    "group_states",
     "held_gradient_bytes",
     "itemsize",
     "largest_gradient_bytes",
     "model_states",
     "offload_host_memory",
+    "optimizer_state_bytes",
     "staging_bytes",
 ]
 
@@ -54,6 +57,29 @@ _SCALAR_BYTES = 4  # a 0-dim float32 ``step`` tensor
 def itemsize(dtype: str) -> int:
     """Bytes per element of a dtype named like ``"bfloat16"``."""
     return getattr(torch, dtype).itemsize
+
+
+def group_states(optimizer: str, group: GroupLayout) -> tuple[int, int]:
+    """(fp32 tensors of the shard's size, 0-dim fp32 scalars) the state of ``optimizer`` (a
+    key of ``OPTIMIZER_STATES``) holds for ``group``: a whole-param optimizer's own counts in
+    its whole-params groups, its companion's (``WHOLE_PARAM_OPTIMIZERS``) in the others."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer {optimizer!r} must be one of {', '.join(OPTIMIZER_STATES)}")
+    if optimizer in WHOLE_PARAM_OPTIMIZERS and not group.whole:
+        optimizer = WHOLE_PARAM_OPTIMIZERS[optimizer]
+    return OPTIMIZER_STATES[optimizer]
+
+
+def optimizer_state_bytes(layout: Layout, optimizer: str) -> int:
+    """Bytes of the optimizer state one rank holds after the first step: per group, its
+    state tensors (``group_states``) of the group's shard length in fp32 (the same on every
+    rank, a whole-params group's too: each rank's slice of a bucket is as long as the fullest
+    rank's part, ``owners.place_whole``) and its 0-dim fp32 scalars."""
+    total = 0
+    for group in layout.groups:
+        tensors, scalars = group_states(optimizer, group)
+        total += tensors * group.shard_numel * 4 + scalars * _SCALAR_BYTES
+    return total
 
 
 def _bucket_bytes(group: GroupLayout) -> list[int]:
@@ -120,10 +146,7 @@ def async_snapshot_bytes(
     """
     from ..storage.image import PAGE, padded
 
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer {optimizer!r} must be one of {', '.join(OPTIMIZER_STATES)}")
-    tensors, _ = OPTIMIZER_STATES[optimizer]
-    shards = sum(g.shard_numel for g in layout.groups) * 4 * (1 + tensors)
+    shards = sum(g.shard_numel * 4 * (1 + group_states(optimizer, g)[0]) for g in layout.groups)
     return max(PAGE, padded(shards + rank_file_extra) + padded(rest_bytes))
 
 
@@ -202,14 +225,13 @@ def model_states(
         backward_passes=backward_passes,
         host_gloo=host_gloo,
     )
-    tensors, scalars = OPTIMIZER_STATES[optimizer]
     return ModelStates(
         params=sum(sum(_bucket_bytes(g)) for g in layout.groups),
         master=shard,
         grad_shards=shard,
         grad_flat=flat,
         grad_staging=staging,
-        optimizer=tensors * shard + scalars * _SCALAR_BYTES * len(layout.groups),
+        optimizer=optimizer_state_bytes(layout, optimizer),
     )
 
 
@@ -267,6 +289,10 @@ def offload_host_memory(layout: Layout, *, optimizer: str, pinned: bool) -> Offl
     element; page-locked with ``pinned``). That is the peak: the downloads of every bucket
     in flight land in the gradient shard itself and the upload is staged in its memory, so
     no other host staging exists. ``optimizer``: a key of ``OPTIMIZER_STATES``."""
+    if optimizer in WHOLE_PARAM_OPTIMIZERS:  # per group: its own state tensors
+        numels = [g.shard_numel for g in layout.groups]
+        state = sum(4 * group_states(optimizer, g)[0] * g.shard_numel for g in layout.groups)
+        return dataclasses.replace(offload_host_bytes(numels, 0, pinned=pinned), state=state)
     if optimizer not in _TORCH_OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r} must be one of {', '.join(_TORCH_OPTIMIZERS)}")
     name, options = _TORCH_OPTIMIZERS[optimizer]

@@ -32,6 +32,7 @@ __all__ = [
     "ModelSource",
     "config_from_hf",
     "group_dicts",
+    "meta_model",
     "param_groups",
     "resolve_model",
 ]
@@ -281,22 +282,26 @@ def param_groups(source: ModelSource, dtype: str, grouping: str = "one") -> list
     device in ``dtype``, grouped by ``grouping`` (see ``GROUPINGS``), tied params once."""
     if grouping not in GROUPINGS:
         raise ValueError(f"grouping {grouping!r} must be one of {', '.join(GROUPINGS)}")
+    model = meta_model(source, dtype)
+    return [g.specs() for g in collect_param_groups(group_dicts(model, grouping))]
+
+
+def meta_model(source: ModelSource, dtype: str) -> torch.nn.Module:
+    """``source``'s model on the meta device, its params in ``dtype``."""
     if source.hf_config is not None:
-        model = build_hf_model(
+        return build_hf_model(
             source.hf_config,
             dtype=getattr(torch, dtype),
             with_lm_head=source.with_lm_head,
             layers=source.layers,
         )
-    else:
-        model = build_model(
-            source.config,
-            device="meta",
-            dtype=getattr(torch, dtype),
-            with_lm_head=source.with_lm_head,
-            tie_embeddings=source.tie_embeddings,
-        )
-    return [g.specs() for g in collect_param_groups(group_dicts(model, grouping))]
+    return build_model(
+        source.config,
+        device="meta",
+        dtype=getattr(torch, dtype),
+        with_lm_head=source.with_lm_head,
+        tie_embeddings=source.tie_embeddings,
+    )
 
 
 def group_dicts(model: torch.nn.Module, grouping: str = "one") -> list[dict[str, Any]]:

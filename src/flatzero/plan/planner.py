@@ -31,7 +31,8 @@ from .memory_model import (
     offload_host_memory,
 )
 from .model_source import ModelSource, param_groups
-from .names import GROUPINGS, PARAMS_ON
+from .muon import MuonBalance, muon_balance, muon_param_groups
+from .names import GROUPINGS, PARAMS_ON, WHOLE_PARAM_OPTIMIZERS
 from .rates import Rates, node_rates
 from .time_model import (
     InitTime,
@@ -72,7 +73,8 @@ class PlanSpec:
         host: the host of each node.
         dtype: the params' dtype (``"bfloat16"``, ``"float16"``, ``"float32"``).
         stage: ZeRO stage, 1 or 2.
-        optimizer: a key of ``memory_model.OPTIMIZER_STATES``.
+        optimizer: a key of ``memory_model.OPTIMIZER_STATES``; ``muon`` splits every group
+            into a Muon half laid out whole-params and an AdamW half (``plan.muon``).
         bucket_numel: bucket size in elements (``FlattenConfig.bucket_numel``).
         alignment: param alignment in elements (``FlattenConfig.alignment``).
         params_on: one of ``PARAMS_ON``.
@@ -201,6 +203,8 @@ class Plan:
         largest_gradient: bytes of autograd's gradients backward holds at once beside
             ``states``, at least: the largest param's, and in stage 2 over several ranks the
             largest bucket's (``memory_model.held_gradient_bytes``).
+        muon: with an optimizer that steps whole matrices (``--optimizer muon``), how their
+            owners share the work (``muon.muon_balance``); else None.
     """
 
     spec: PlanSpec
@@ -217,6 +221,7 @@ class Plan:
     offload_host: OffloadHostBytes | None = None
     async_snapshot: int = 0
     largest_gradient: int = 0
+    muon: MuonBalance | None = None
 
 
 def tiers_for(spec: PlanSpec) -> tuple[str, ...]:
@@ -411,19 +416,31 @@ def new_memory_sizes(plan: Plan) -> dict[str, int]:
     return {"fill_bytes": max(buckets), "cast_bytes": _work(layout).master_bytes}
 
 
+def _layout(spec: PlanSpec) -> Layout:
+    """The model's layout at the job's world size; an optimizer that steps whole matrices
+    (``WHOLE_PARAM_OPTIMIZERS``) gets its groups whole-params, as ``ZeroOptimizer`` lays
+    them out (``muon.muon_param_groups``)."""
+    whole: bool | tuple[int, ...] = False
+    if spec.optimizer in WHOLE_PARAM_OPTIMIZERS:
+        groups, whole = muon_param_groups(spec.model, spec.dtype, spec.grouping)
+    else:
+        groups = param_groups(spec.model, spec.dtype, spec.grouping)
+    return plan_layout(
+        groups,
+        world_size=spec.world_size,
+        bucket_numel=spec.bucket_numel,
+        alignment=spec.alignment,
+        whole_params=whole,
+    )
+
+
 def make_plan(spec: PlanSpec) -> Plan:
     """The plan of ``spec`` (see ``Plan``).
 
     Raises:
         ValueError: a requested tier that cannot run the job, or a model it cannot build.
     """
-    groups = param_groups(spec.model, spec.dtype, spec.grouping)
-    layout = plan_layout(
-        groups,
-        world_size=spec.world_size,
-        bucket_numel=spec.bucket_numel,
-        alignment=spec.alignment,
-    )
+    layout = _layout(spec)
     states = model_states(
         layout,
         stage=spec.stage,
@@ -468,4 +485,5 @@ def make_plan(spec: PlanSpec) -> Plan:
         offload_host=offload_host,
         async_snapshot=async_snapshot_bytes(layout, optimizer=spec.optimizer),
         largest_gradient=held_gradient_bytes(layout, stage=spec.stage),
+        muon=muon_balance(layout),
     )

@@ -72,6 +72,24 @@ def _memory_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _muon_lines(plan: Plan) -> list[str]:
+    """With ``--optimizer muon``: the matrices' owners, their Newton-Schulz balance, and the
+    Muon groups' per-rank shards (equal on every rank) against the matrices each rank owns."""
+    m = plan.muon
+    if m is None:
+        return []
+    mean = sum(m.owned_numel) / len(m.owned_numel)
+    params = sum(m.owned_numel)
+    return [
+        f"  muon: {m.matrices} matrices whole on owner ranks, each orthogonalized once per "
+        f"step; Newton-Schulz work max/mean {m.balance:.3f} (rank {m.busiest_rank})",
+        f"  muon: momentum {_gib(m.shard_numel * 4)} GiB fp32 on every rank (shards padded to "
+        f"the fullest rank's part: padding {100 * m.padding_numel / max(1, params):.2f}%), "
+        f"of it the owned matrices' {_gib(min(m.owned_numel) * 4)}-"
+        f"{_gib(max(m.owned_numel) * 4)} GiB (max/mean {max(m.owned_numel) / max(1.0, mean):.3f})",
+    ]
+
+
 def _async_save_lines(plan: Plan) -> list[str]:
     """The host copy an asynchronous save keeps per rank: its bytes when configured, else
     what it would cost."""
@@ -207,6 +225,7 @@ def format_plan(plan: Plan) -> str:
             title,
             _model_line(plan),
             *_memory_lines(plan),
+            *_muon_lines(plan),
             *fit_advice_lines(plan),
             *_async_save_lines(plan),
             *_offload_lines(plan),
@@ -254,6 +273,9 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         },
         "async_save_snapshot_bytes": plan.async_snapshot,
         "largest_gradient_bytes": plan.largest_gradient,
+        "muon": None
+        if plan.muon is None
+        else dataclasses.asdict(plan.muon) | {"balance": plan.muon.balance},
         "free_bytes": plan.free_bytes,
         "auto": dataclasses.asdict(plan.decision),
         "deepspeed_019": {"path": plan.deepspeed_019[0], "reason": plan.deepspeed_019[1]},

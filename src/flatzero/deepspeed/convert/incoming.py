@@ -291,7 +291,8 @@ def from_deepspeed(
     """Convert a DeepSpeed ZeRO-1/2 checkpoint into a flatzero checkpoint.
 
     The result loads with ``load_checkpoint`` at any world size, optimizer states
-    included (fp32 masters, ``exp_avg``/``exp_avg_sq``/``step`` and the torch optimizer's
+    included (fp32 masters, ``exp_avg``/``exp_avg_sq``/``step``, DeepSpeed's Muon
+    ``momentum_buffer`` (``flatzero.deepspeed.muon_state``) and the torch optimizer's
     hyperparameters, loss scale, LR scheduler state). DeepSpeed's ``global_steps``,
     ``global_samples`` and ``skipped_steps`` land in the checkpoint's ``extra``
     (``LoadResult.extra["deepspeed"]``).

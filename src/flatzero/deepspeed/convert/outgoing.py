@@ -166,7 +166,8 @@ def to_deepspeed(
             ``gradient_clipping``, ``fp16`` loss-scaler keys, ``round_robin_gradients`` and
             ``parameter_alignment`` are written as DeepSpeed would, the optimizer state in
             the format of the base optimizer it makes DeepSpeed build (FusedAdam,
-            DeepSpeedCPUAdam or torch's: ``flatzero.deepspeed.base_optimizer``), and it is
+            DeepSpeedCPUAdam, torch's: ``flatzero.deepspeed.base_optimizer``; DeepSpeed's
+            Muon: ``flatzero.deepspeed.muon_state``), and it is
             stored as ``ds_config``. Without it ``clip_grad`` is left out (the run's own
             applies), an fp16 loss scaler takes DeepSpeed's default window and hysteresis,
             and the optimizer state is written for DeepSpeed's default optimizer for the

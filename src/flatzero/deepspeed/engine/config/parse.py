@@ -10,6 +10,7 @@ import torch
 from ....config import FlattenConfig
 from ....dtypes import SHORT_DTYPES, dtype_name
 from ....optim import LossScaleConfig, ZeroConfig
+from ...target import GRADIENT_CLIPPING_DEFAULT
 from .flatzero_section import read_flatzero
 from .keys import TOP_NO_EFFECT, TOP_REFUSED
 from .optimizer import parse_optimizer, parse_scheduler
@@ -19,9 +20,6 @@ from .sections import parse_batch, parse_data_types, parse_precision, parse_zero
 
 __all__ = ["parse_config"]
 
-GRADIENT_CLIPPING_DEFAULT = 1.0
-"""DeepSpeed's clipping when the config has no ``gradient_clipping`` key (its
-``GRADIENT_CLIPPING_DEFAULT``): the global gradient norm is clipped at 1.0; 0 turns it off."""
 
 _COMM_DTYPES = {**SHORT_DTYPES, "bfp16": SHORT_DTYPES["bf16"]}
 """``communication_data_type`` choices (``bfp16`` is DeepSpeed's other name of bf16)."""
