@@ -132,7 +132,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
             "figures",
             ("names", "hardware", "memory_model", "hf_model", "model_source", "muon", "decision"),
         ),
-        ("rates", ("calibration", "traffic", "rates", "time_model")),
+        ("rates", ("calibration", "traffic", "rates", "time_model", "comm_estimate")),
         ("planner", ("planner", "advice")),
         ("output", ("report", "options", "cli", "__init__")),
     ),

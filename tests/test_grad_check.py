@@ -79,9 +79,17 @@ def _restore() -> None:
     reducers_module.GradReducer._finish, dist.reduce = _ORIGINAL
 
 
-def _train(rank: int, world: int, stage: int, fault: str, steps: int, dtype: str) -> str:
+def _train(
+    rank: int, world: int, stage: int, fault: str, steps: int, dtype: str, clip: bool
+) -> str:
+    """``clip``: a gradient norm is all-reduced every step and the check rides on it."""
     model = _model(getattr(torch, dtype))
-    config = ZeroConfig(stage=stage, check_gradients=True, reduce_staging_bytes=4096)
+    config = ZeroConfig(
+        stage=stage,
+        check_gradients=True,
+        reduce_staging_bytes=4096,
+        max_grad_norm=1.0 if clip else None,
+    )
     flatten = FlattenConfig(device="cpu", progress=False, bucket_numel=256)
     _inject(fault, rank)  # before the optimizer: its staging pool binds _finish
     opt = ZeroOptimizer(model, lr=1e-2, config=config, flatten_config=flatten)
@@ -100,13 +108,14 @@ def _train(rank: int, world: int, stage: int, fault: str, steps: int, dtype: str
     return f"quiet after {opt._reducer.check.verified} checks"
 
 
-def _every_fault(rank: int, world: int, stage: int) -> list[str]:
-    return [_train(rank, world, stage, fault, 3, "float32") for fault in FAULTS]
+def _every_fault(rank: int, world: int, stage: int, clip: bool) -> list[str]:
+    return [_train(rank, world, stage, fault, 3, "float32", clip) for fault in FAULTS]
 
 
-@pytest.mark.parametrize(("stage", "world"), [(2, 3), (1, 2)])
-def test_every_fault_is_detected(stage: int, world: int) -> None:
-    per_rank = run_ranks(_every_fault, world, stage)
+@pytest.mark.parametrize(("stage", "world", "clip"), [(2, 3, True), (1, 2, False)])
+def test_every_fault_is_detected(stage: int, world: int, clip: bool) -> None:
+    """With clipping the check's all-reduce is the norm's; without, its own."""
+    per_rank = run_ranks(_every_fault, world, stage, clip)
     for fault, out in zip(FAULTS, zip(*per_rank, strict=True), strict=True):
         if fault == "none":
             assert out == ("quiet after 3 checks",) * world
@@ -121,8 +130,50 @@ def test_every_fault_is_detected(stage: int, world: int) -> None:
 
 
 def test_no_false_alarm_over_many_bf16_steps() -> None:
-    out = run_ranks(_train, 2, 2, "none", 1000, "bfloat16")
+    out = run_ranks(_train, 2, 2, "none", 1000, "bfloat16", True)
     assert out == ["quiet after 1000 checks"] * 2
+
+
+def _collectives_per_step(rank: int, world: int) -> dict[str, list[int]]:
+    counted: dict[str, int] = {}
+    originals = {n: getattr(dist, n) for n in ("all_reduce", "reduce", "broadcast")}
+
+    def counting(name, fn):
+        def call(*args, **kwargs):
+            counted[name] = counted.get(name, 0) + 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    out: dict[str, list[int]] = {}
+    for check in (False, True):
+        model = _model(torch.float32)
+        config = ZeroConfig(check_gradients=check, max_grad_norm=1.0)
+        flatten = FlattenConfig(device="cpu", progress=False, bucket_numel=256)
+        opt = ZeroOptimizer(model, lr=1e-2, config=config, flatten_config=flatten)
+        model(torch.randn(4, 16)).square().mean().backward()
+        opt.step()  # the first step agrees on the order: not counted
+        counted.clear()
+        for name, fn in originals.items():
+            setattr(dist, name, counting(name, fn))
+        try:
+            model(torch.randn(4, 16)).square().mean().backward()
+            opt.step()
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+        verified = opt._reducer.check.verified if check else 0
+        out[str(check)] = [counted.get(n, 0) for n in originals] + [verified]
+        opt.close()
+    return out
+
+
+def test_with_clipping_the_check_adds_no_collective() -> None:
+    """The check's scalars ride on the norm's all-reduce ([Note: the check rides on the
+    norm]): a checked step makes exactly the collectives of an unchecked one."""
+    for out in run_ranks(_collectives_per_step, 2):
+        assert out["True"][:3] == out["False"][:3], out
+        assert out["True"][0] == 1 and out["True"][3] == 2, out  # the norm's; both checked
 
 
 def test_the_deepspeed_door_key_turns_it_on() -> None:

@@ -262,3 +262,48 @@ def _guarded():
         ema = torch.clone(model.layers[0].weight.data)  # after the wait: allowed
     opt.close()
     return caught, bool(torch.isfinite(ema).all())
+
+
+def _reads_between_step_and_forward(rank: int, world: int):
+    torch.manual_seed(0)
+    model = _Shuffled()
+    opt = ZeroOptimizer(
+        model,
+        lr=1e-2,
+        config=ZeroConfig(overlap_param_gather=True),
+        flatten_config=FlattenConfig(device="cpu", bucket_numel=300),
+    )
+    model(torch.randn(8, 16)).backward()  # the learning forward
+    opt.step()
+    model(torch.randn(8, 16)).backward()
+    weight = model.layers[0].weight
+    with slow_link(2e5):
+        opt.step()
+        launched = opt._gather.outstanding
+        ema = torch.zeros(16, 16)
+        ema.add_(weight.data)  # an EMA update: no hook sees it, the mode waits for its bucket
+        waited = launched - opt._gather.outstanding
+        model(torch.randn(8, 16))  # the forward turns the mode off (its pre-hooks wait)
+        mode_after_forward = opt._gather._mode is not None
+        opt.wait_for_params()
+    expected = opt.full_params()["layers.0.weight"]
+    model(torch.randn(8, 16)).backward()
+    with slow_link(2e5):
+        opt.step()
+        with torch.device("cpu"):  # a mode entered after flatzero's, still on top
+            model(torch.randn(8, 16))
+        opt.wait_for_params()
+    stack_clean = torch.overrides._get_current_function_mode() is None
+    opt.close()
+    return launched, waited, mode_after_forward, bool(torch.equal(ema, expected)), stack_clean
+
+
+def test_a_read_between_step_and_forward_waits_for_its_bucket_only():
+    """[Note: reads between step and forward]: an EMA copy right after ``step()`` sees the
+    gathered values, having waited for its own bucket's gather and no other."""
+    for out in run_ranks(_reads_between_step_and_forward, 2):
+        launched, waited, mode_after_forward, equal, stack_clean = out
+        assert launched > 2 and waited == 1
+        assert not mode_after_forward
+        assert equal
+        assert stack_clean  # a user's mode above flatzero's: both left the stack in turn

@@ -196,9 +196,13 @@ class ZeroConfig:
             params runs (``optim/overlap.py``). Needs the model (``ZeroOptimizer(model)``
             or ``ZeroOptimizer.overlap_with(model)``) and no optimizer offload. ``None``
             (the default): off; ``True``: on (an error without the model); ``False``: off.
+            Torch ops of the training thread that read params between ``step()`` and the
+            next forward wait for their buckets' gathers ([Note: reads between step and
+            forward]).
         overlap_guard: debug mode of ``overlap_param_gather``: from ``step()`` until every
             gather was waited for, any torch op reading a param whose gather is still
-            running raises ``RuntimeError`` (costs a check per op meanwhile).
+            running raises ``RuntimeError`` instead of waiting (costs a check per op
+            meanwhile).
     """
 
     stage: int = 2

@@ -107,6 +107,8 @@ class GradCheck:
         self.window = 0
         """Windows ended so far (the vectors' offsets change with it)."""
         self._dirty = False
+        self._table: torch.Tensor | None = None
+        """This rank's table waiting for its all-reduce (``land``)."""
         self.verified = 0
         """Verifications that compared at least one chunk."""
 
@@ -115,7 +117,7 @@ class GradCheck:
         vector it is projected on."""
         rows = t.view(-1, BLOCK)
         step = min(STRIDE, rows.shape[0])
-        sample = rows[(self.window + index) % step :: step].reshape(-1).float()
+        sample = rows[(self.window + index) % step :: step].float().reshape(-1)  # one copy
         if self._vector is None:
             gen = torch.Generator().manual_seed(SEED)
             most = (self.chunk_numel // BLOCK // STRIDE + 1) * BLOCK
@@ -141,20 +143,24 @@ class GradCheck:
         self._dirty = True
 
     def reset(self) -> None:
-        """A new accumulation window: what was staged so far counts no more."""
+        """A new accumulation window: what was staged so far counts no more (a table still
+        waiting is compared first: collective)."""
+        self.settle()
         self._local.clear()
         self._dirty = False
         self.window += 1
 
-    def verify(self) -> None:
-        """Compare every chunk reduced in the window with what landed (collective: after
-        the reducer's ``finish``, on every rank). Raises ``GradientMismatch``."""
+    def land(self) -> None:
+        """Project what landed of every chunk reduced in the window into this rank's table
+        (after the reducer's ``finish``; local work). The table waits for its all-reduce:
+        ``take`` hands it to a collective the step makes anyway (the gradient norm's), else
+        ``settle`` makes one; a table still waiting is settled first."""
         if not self._dirty:
             return
+        self.settle()
         self._dirty = False
         n, w = len(self.chunks), self.world_size
         shard = self.buckets[0].shard_view
-        device = collective_device(self.pg, shard.device)
         passes = max(len(e[0]) for e in self._local.values())  # the same on every rank
         rows = []
         for index, (projs, norm) in self._local.items():
@@ -170,10 +176,28 @@ class GradCheck:
         table = torch.zeros(w, n, 2 + passes, dtype=torch.float64, device=shard.device)
         keys = torch.tensor(list(self._local), device=shard.device)
         table[self.rank].index_copy_(0, keys, torch.stack(rows).double())
-        table = table.to(device)
-        dist.all_reduce(table, group=self.pg)
-        self._compare(table.cpu())
+        self._table = table
+
+    def take(self) -> torch.Tensor | None:
+        """The table waiting for its all-reduce (float64, on the gradient shards' device),
+        or None; the caller sums it over ranks and passes the sum to ``compare``."""
+        table, self._table = self._table, None
+        return table
+
+    def compare(self, summed: torch.Tensor) -> None:
+        """Compare a table summed over ranks (``take``'s, all-reduced). Raises
+        ``GradientMismatch``, the same on every rank."""
+        self._compare(summed.cpu())
         self.verified += 1
+
+    def settle(self) -> None:
+        """All-reduce a waiting table on its own and compare it (collective)."""
+        table = self.take()
+        if table is None:
+            return
+        table = table.to(collective_device(self.pg, table.device))
+        dist.all_reduce(table, group=self.pg)
+        self.compare(table)
 
     def tolerance(self, norms: torch.Tensor, passes: int) -> torch.Tensor:
         """How far apart each chunk's two sums may be (see the tolerance note): ``norms``

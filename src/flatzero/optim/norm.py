@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from ..comm import world_size_of
 
-__all__ = ["global_sq_norm"]
+__all__ = ["global_sq_norm", "global_sq_norm_with"]
 
 
 def global_sq_norm(shards: list[torch.Tensor], group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -21,8 +21,29 @@ def global_sq_norm(shards: list[torch.Tensor], group: dist.ProcessGroup | None) 
     reduces the gradients themselves (NCCL for GPU shards of a ``cpu:gloo,cuda:nccl``
     group): one collective, no copy to the host and no host sync.
     """
+    return global_sq_norm_with(shards, group, None)[0]
+
+
+def global_sq_norm_with(
+    shards: list[torch.Tensor], group: dist.ProcessGroup | None, rider: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``global_sq_norm``, and ``rider`` (float64 values on the shards' device, or None)
+    summed over ranks in the same all-reduce: the gradient check's projections ride on the
+    norm's collective instead of waiting for one of their own. Each element of an
+    all-reduce is summed on its own, so packing leaves the norm's value as it was (at 3 or
+    more ranks the backend may pick another algorithm for the longer tensor, and so
+    another order of the ranks' float64 terms).
+
+    Returns:
+        (the squared norm, ``rider`` summed over ranks, shaped as given; None without one).
+    """
     norms = torch._foreach_norm(shards)
     sq = torch.stack(norms).to(torch.float64).square().sum()
+    if rider is None:
+        if world_size_of(group) > 1:
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+        return sq, None
+    packed = torch.cat([sq.reshape(1), rider.reshape(-1).to(sq.device)])
     if world_size_of(group) > 1:
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
-    return sq
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    return packed[0], packed[1:].view(rider.shape)

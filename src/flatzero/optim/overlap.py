@@ -15,10 +15,21 @@ the same collectives in the same order). During those passes a torch-function mo
 watches every op of the root module's forward: an op that reads a bucket no pre-hook has
 waited for yet (a parent reading a child's param, ``F.linear(x, self.child.weight)``)
 makes overlap unsafe for this model; all ranks then agree to wait for every gather in
-``step()`` as before (one warning). Code that reads ``p.data`` between ``step()`` and the
-next forward (an EMA copy) must call ``ZeroOptimizer.wait_for_params()`` first; the
-debug guard (``ZeroConfig.overlap_guard``) keeps the mode on from ``step()`` until every
-gather was waited for and raises on any op that reads a bucket still being gathered.
+``step()`` as before (one warning).
+
+[Note: reads between step and forward] Code that reads the params between ``step()``
+and the next forward (an EMA copy, a reference model's sync, a weight-norm log line) is
+seen by no hook. From ``step()`` until the next forward starts (the root module's
+pre-hook), and again after a forward while gathers are still outstanding (buckets it did
+not read), a torch-function mode waits for the gathers of any bucket an op of this thread
+reads, then lets the op run: such a reader gets the gathered values and pays only for
+what it reads. Inside the forward the mode is off (the pre-hooks wait; the first forward
+proved they cover every read), so the forward pays nothing per op. What no mode sees: a
+read from another thread (modes are per thread) or from outside torch (a C++ extension
+given ``data_ptr()``); those must call ``ZeroOptimizer.wait_for_params()`` first. The
+debug guard (``ZeroConfig.overlap_guard``) instead keeps the mode on from ``step()`` until
+every gather was waited for and raises on any op that reads a bucket still being
+gathered, to find such readers.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode
 from torch.utils._pytree import tree_leaves
 
 from ..comm import all_gather_into
@@ -130,15 +141,25 @@ class ParamGather:
         if self._learning and self._mode is None:
             self._mode = _BucketReads(self._storages, self._check_learning)
             self._mode.__enter__()
+        elif not self._learning and not self._guard:
+            self._end_mode()  # the pre-hooks wait inside the forward
 
     def _watch_exit(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._learning and self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
+        elif not self._learning:
+            self._start_mode()  # buckets the forward did not read: still gathering
 
     def _check_learning(self, func: Any, buckets: list[int]) -> None:
         if self._unsafe is None and any(b not in self._seen for b in buckets):
             self._unsafe = getattr(func, "__name__", repr(func))
+
+    def _wait_for_read(self, func: Any, buckets: list[int]) -> None:
+        for b in buckets:  # the mode stays (it is running this): ended by the next forward
+            work = self._works.pop(b, None)
+            if work is not None:
+                work.wait()
 
     def _check_guard(self, func: Any, buckets: list[int]) -> None:
         pending = [b for b in buckets if b in self._works]
@@ -190,8 +211,14 @@ class ParamGather:
                 self._works[b] = work
         if not self.enabled:
             self.wait_all()
-        elif self._guard and self._works and self._mode is None:
-            self._mode = _BucketReads(self._storages, self._check_guard)
+        self._start_mode()
+
+    def _start_mode(self) -> None:
+        """While gathers are outstanding: the guard, else the waiting reads (see the
+        note on reads between step and forward)."""
+        if self._works and self._mode is None and self.enabled:
+            on_read = self._check_guard if self._guard else self._wait_for_read
+            self._mode = _BucketReads(self._storages, on_read)
             self._mode.__enter__()
 
     def wait(self, b: int) -> None:
@@ -200,21 +227,26 @@ class ParamGather:
         if work is not None:
             work.wait()
         if not self._works:
-            self._end_guard()
+            self._end_mode()
 
     def wait_all(self) -> None:
         """Wait for every outstanding gather, in launch order."""
         for b in list(self._works):
             self.wait(b)
-        self._end_guard()
+        self._end_mode()
 
     @property
     def outstanding(self) -> int:
         """Gathers launched and not waited for yet."""
         return len(self._works)
 
-    def _end_guard(self) -> None:
+    def _end_mode(self) -> None:
+        """End the waiting mode (or the guard), unless a mode entered after it is still
+        on top of the thread's stack (``with torch.device(...)`` around a forward): a mode
+        leaves by popping the top, so this one waits for a later call (the next wait)."""
         if self._mode is not None and not self._learning:
+            if _get_current_function_mode() is not self._mode:
+                return
             self._mode.__exit__(None, None, None)
             self._mode = None
 

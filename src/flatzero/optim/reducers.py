@@ -42,6 +42,7 @@ from .buckets import (
 )
 from .config import ZeroConfig
 from .grad_check import GradCheck
+from .norm import global_sq_norm_with
 
 __all__ = ["GradReducer", "WindowState", "check_unclaimed"]
 
@@ -222,9 +223,30 @@ class GradReducer:
         )
 
     def _check_landed(self) -> None:
-        """Verify the window's reductions so far (collective; after they all landed)."""
+        """Project the window's reductions so far (after they all landed); the comparison
+        waits for the step's norm all-reduce or ``settle_check``."""
         if self.check is not None:
-            self.check.verify()
+            self.check.land()
+
+    # [Note: the check rides on the norm] The check's table (a few float64 scalars per
+    # chunk and rank) needs one all-reduce per step. When the step computes the gradient
+    # norm anyway (clipping, fp16's inf/nan verdict, the DeepSpeed door's norm), the table
+    # is packed into the norm's float64 all-reduce: no collective of its own, no extra
+    # wait. Without one, ``settle_check`` makes it before the update.
+    def sq_norm(self, grads: list[torch.Tensor], pg: dist.ProcessGroup | None) -> torch.Tensor:
+        """``norm.global_sq_norm`` of ``grads``, the check's waiting table riding in the same
+        all-reduce and compared (raises ``GradientMismatch``)."""
+        check = self.check
+        sq, summed = global_sq_norm_with(grads, pg, None if check is None else check.take())
+        if summed is not None and check is not None:
+            check.compare(summed)
+        return sq
+
+    def settle_check(self) -> None:
+        """Compare what the gradient check still holds, with an all-reduce of its own
+        (collective; nothing to do when the norm's all-reduce carried it)."""
+        if self.check is not None:
+            self.check.settle()
 
     def _check_reset(self) -> None:
         """A new window for the gradient check."""

@@ -37,7 +37,6 @@ from .inner import (
     optimizer_class_of,
     with_fused_default,
 )
-from .norm import global_sq_norm
 from .offload import OffloadHostBytes
 from .overlap import ParamGather, param_gather_for
 from .prepare import (
@@ -329,7 +328,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         key = self._reducer.generation
         if self._norm_cache is not None and self._norm_cache[0] == key:
             return self._norm_cache[1]
-        sq = global_sq_norm(self._grads, self._pg)
+        sq = self._reducer.sq_norm(self._grads, self._pg)
         norm = sq.sqrt() / (self._world_size * self.loss_scale)
         self._norm_cache = (key, norm)
         return norm
@@ -407,6 +406,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if max_norm is not None:
                 clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)
                 coef = (clip * inv).to(device=self._grads[0].device, dtype=torch.float32)
+        reducer.settle_check()  # before the update; no-op when the norm carried it
         self.flat.before_state_changes()  # a pending snapshot's copies
         self._stepper.step(self.inner, coef)
         if self._scaler is not None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..words import plural
 from .advice import fit_advice, fit_advice_lines
+from .comm_estimate import ExposedComm, plan_exposed_comm
 from .memory_model import itemsize
 from .planner import MethodPlan, Plan, huge_pages_advice
 
@@ -191,13 +192,29 @@ def _host_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _exposed(plan: Plan) -> ExposedComm:
+    spec = plan.spec
+    return plan_exposed_comm(
+        plan.layout,
+        reduce_dtype=spec.reduce_dtype,
+        stage=spec.stage,
+        grad_accum=spec.grad_accum,
+        rates=plan.rates,
+    )
+
+
 def _step_and_rates(plan: Plan) -> list[str]:
     st = plan.step
     r = plan.rates
+    ex = _exposed(plan)
     lines = [
         f"per step, per rank: reduce-scatter {_gib(st.reduce_scatter_bytes)} GiB + all-gather "
         f"{_gib(st.all_gather_bytes)} GiB received, {_gib(st.network_bytes)} GiB per NIC; "
-        f"{st.seconds:.3f} s at {r.collective_gbps:.0f} GB/s bus bandwidth"
+        f"{st.seconds:.3f} s at {r.collective_gbps:.0f} GB/s bus bandwidth",
+        f"exposed communication per step: {1e3 * ex.without_overlap_s:.1f} ms without "
+        f"overlap (all {ex.buckets} buckets' all-gathers and reductions), "
+        f"{1e3 * ex.with_overlap_s:.1f} ms with overlap (one bucket's all-gather + one "
+        "reduction)",
     ]
     fields = [
         (f.name.removesuffix("_gbps"), getattr(r, f.name))
@@ -296,6 +313,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         if plan.offload_host is None
         else dataclasses.asdict(plan.offload_host) | {"total": plan.offload_host.total},
         "step": dataclasses.asdict(plan.step),
+        "exposed_comm": dataclasses.asdict(_exposed(plan)),
         "rates": dataclasses.asdict(plan.rates),
         "calibration": None if spec.calibration is None else spec.calibration.to_dict(),
         "huge_pages_advice": huge_pages_advice(plan),

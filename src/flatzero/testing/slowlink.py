@@ -2,19 +2,24 @@
 sooner than a link of a given bandwidth would let it.
 
 ``slow_link(bytes_per_s)`` wraps ``torch.distributed``'s collectives (``broadcast``,
-``all_reduce``, ``reduce``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``) while
-it is entered. The link carries one collective at a time, in the order they are issued:
-collective ``k`` of ``n`` bytes (its first tensor) is done at
-``max(issued_k, done_{k-1}) + n / bytes_per_s``. A synchronous call returns then; an
-asynchronous one returns at once with a work whose ``wait()`` returns then (and after the
-real collective). So a wait that comes late costs nothing: what overlap hides is visible
-in wall time on a CPU machine.
+``all_reduce``, ``reduce``, ``all_gather``, ``all_gather_into_tensor``, ``reduce_scatter``,
+``reduce_scatter_tensor``) while it is entered, and the two that DeepSpeed's communication
+backend keeps from its start (``deepspeed.comm``'s ``all_gather_function`` and
+``reduce_scatter_function``) when DeepSpeed has one: both libraries' collectives go
+through the same link. The link carries one collective at a time, in the order they are
+issued: collective ``k`` of ``n`` bytes (its largest buffer: an all-gather's output, a
+reduce-scatter's input, the tensor of an all-reduce, reduce or broadcast; a list counts
+as its sum) is done at ``max(issued_k, done_{k-1}) + n / bytes_per_s``. A synchronous call
+returns then; an asynchronous one returns at once with a work whose ``wait()`` returns then
+(and after the real collective). So a wait that comes late costs nothing: what overlap
+hides is visible in wall time on a CPU machine.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,9 +34,30 @@ _WRAPPED = (
     "broadcast",
     "all_reduce",
     "reduce",
+    "all_gather",
     "all_gather_into_tensor",
+    "reduce_scatter",
     "reduce_scatter_tensor",
 )
+_DEEPSPEED_CACHED = {
+    "all_gather_function": "all_gather_into_tensor",
+    "reduce_scatter_function": "reduce_scatter_tensor",
+}
+"""Attributes of DeepSpeed's ``TorchBackend`` holding a ``torch.distributed`` collective,
+and the collective each holds."""
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _payload_bytes(args: tuple, kwargs: dict[str, Any]) -> int:
+    """The largest buffer among a collective's arguments, in bytes."""
+    return max((_nbytes(v) for v in (*args, *kwargs.values())), default=0)
 
 
 class _LateWork:
@@ -61,18 +87,21 @@ class SlowLink:
         bytes_per_s: the link's bandwidth (bytes per second).
         calls: collectives issued through it.
         waited_s: seconds callers spent sleeping for the link (beyond the real collective).
+        bytes_by_name: bytes booked per collective name (``"all_reduce"``, ...).
     """
 
     def __init__(self, bytes_per_s: float) -> None:
         self.bytes_per_s = float(bytes_per_s)
         self.calls = 0
         self.waited_s = 0.0
+        self.bytes_by_name: dict[str, int] = {}
         self._busy_until = 0.0
         self._lock = threading.Lock()
 
-    def book(self, nbytes: int) -> float:
+    def book(self, nbytes: int, name: str = "") -> float:
         """Reserve the link for ``nbytes``; returns when they are through."""
         with self._lock:
+            self.bytes_by_name[name] = self.bytes_by_name.get(name, 0) + nbytes
             start = max(time.perf_counter(), self._busy_until)
             self._busy_until = start + nbytes / self.bytes_per_s
             self.calls += 1
@@ -85,13 +114,13 @@ class SlowLink:
             time.sleep(left)
             self.waited_s += left
 
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` (a collective) slowed by this link."""
+    def wrap(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        """``fn`` (the collective ``name``) slowed by this link."""
 
         @functools.wraps(fn)
-        def slowed(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            done_at = self.book(tensor.numel() * tensor.element_size())
-            work = fn(tensor, *args, **kwargs)
+        def slowed(*args: Any, **kwargs: Any) -> Any:
+            done_at = self.book(_payload_bytes(args, kwargs), name)
+            work = fn(*args, **kwargs)
             if kwargs.get("async_op", False):
                 return _LateWork(work, done_at, self)
             self.sleep_until(done_at)
@@ -104,11 +133,17 @@ class SlowLink:
 def slow_link(bytes_per_s: float) -> Iterator[SlowLink]:
     """Slow every collective of this process to ``bytes_per_s`` while entered."""
     link = SlowLink(bytes_per_s)
-    saved = {name: getattr(dist, name) for name in _WRAPPED}
-    for name, fn in saved.items():
-        setattr(dist, name, link.wrap(fn))
+    targets: list[tuple[Any, str, str]] = [(dist, name, name) for name in _WRAPPED]
+    backend = getattr(sys.modules.get("deepspeed.comm.comm"), "cdb", None)
+    if backend is not None:
+        targets += [
+            (backend, a, n) for a, n in _DEEPSPEED_CACHED.items() if getattr(backend, a, None)
+        ]
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in targets]
+    for (owner, attr, fn), (_, _, label) in zip(saved, targets, strict=True):
+        setattr(owner, attr, link.wrap(fn, label))
     try:
         yield link
     finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
