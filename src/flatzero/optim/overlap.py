@@ -54,6 +54,9 @@ __all__ = ["ParamGather", "param_gather_for"]
 logger = logging.getLogger(__name__)
 
 
+_REAL = (torch.Tensor, nn.Parameter)
+
+
 class _BucketReads(TorchFunctionMode):
     """Calls ``on_read(func, buckets)`` for every torch function whose tensor arguments
     live in flattened buckets (matched by storage)."""
@@ -66,7 +69,8 @@ class _BucketReads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         for leaf in tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor):
+            # Only real tensors: dynamo's fake ones have no storage to match.
+            if type(leaf) in _REAL:
                 buckets = self._storages.get(leaf.untyped_storage().data_ptr())
                 if buckets:
                     self._on_read(func, buckets)
@@ -138,6 +142,13 @@ class ParamGather:
 
     # ------------------------------------------------------------ first-forward watch
     def _watch_enter(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            # [Note: compiled forward] dynamo traces these hooks into the graph, where
+            # neither a mode nor a wait on a gather can live: overlap is off for a model
+            # compiled before its first step (agree() tells every rank).
+            if self._learning:
+                self._unsafe = "its forward is compiled by torch.compile"
+            return
         if self._learning and self._mode is None:
             self._mode = _BucketReads(self._storages, self._check_learning)
             self._mode.__enter__()
@@ -153,7 +164,10 @@ class ParamGather:
 
     def _check_learning(self, func: Any, buckets: list[int]) -> None:
         if self._unsafe is None and any(b not in self._seen for b in buckets):
-            self._unsafe = getattr(func, "__name__", repr(func))
+            name = getattr(func, "__name__", repr(func))
+            self._unsafe = (
+                f"its forward reads flattened params outside the modules that own them ({name})"
+            )
 
     def _wait_for_read(self, func: Any, buckets: list[int]) -> None:
         for b in buckets:  # the mode stays (it is running this): ended by the next forward
@@ -194,10 +208,9 @@ class ParamGather:
         if int(unsafe.item()):
             self.enabled = False
             logger.warning(
-                "flatzero: overlap_param_gather is off for this model: its forward reads "
-                "flattened params outside the modules that own them (first seen: %s on some "
-                "rank); step() waits for the parameter all-gathers itself",
-                self._unsafe or "on another rank",
+                "flatzero: overlap_param_gather is off for this model: %s; step() waits "
+                "for the parameter all-gathers itself",
+                self._unsafe or "another rank saw a read no module hook covers",
             )
 
     def launch(self) -> None:
