@@ -215,9 +215,11 @@ def _versions() -> dict[str, str]:
     return {"torch": out[0], "deepspeed": out[1]} if len(out) == 2 else {}
 
 
-def write_results(routes: dict, seconds: dict, commands: dict, out: Path, argv: list[str]) -> None:
-    """The JSON file: per test, each route's outcome, and why flatzero fails where DeepSpeed
-    passes (``reasons.json``)."""
+def write_results(
+    routes: dict, seconds: dict, commands: dict, out: Path, argv: list[str], reruns: list[dict]
+) -> None:
+    """The JSON file: per test, each route's outcome, why flatzero fails where DeepSpeed
+    passes (``reasons.json``), and the files that ran tests again (``reruns``)."""
     reasons = json.loads(REASONS.read_text()) if REASONS.exists() else {}
     tests = sorted(set().union(*routes.values()))
     table = {
@@ -246,6 +248,8 @@ def write_results(routes: dict, seconds: dict, commands: dict, out: Path, argv: 
         "summary": summary,
         "tests": table,
     }
+    if reruns:
+        result["reruns"] = reruns
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
 
@@ -271,21 +275,32 @@ def main(argv: list[str] | None = None) -> int:
     routes: dict = {}
     seconds: dict = {}
     commands: dict = {}
-    if args.merge:
-        for path in args.merge:
-            data = json.loads(path.read_text())
-            for route in data["seconds"]:  # a route in two files: their tests together
-                rows = {t: row[route] for t, row in data["tests"].items() if route in row}
-                routes.setdefault(route, {}).update(rows)
-                seconds[route] = seconds.get(route, 0.0) + data["seconds"][route]
-                command = data["pytest_commands"][route]
-                commands[route] = f"{commands[route]}; {command}" if route in commands else command
+    reruns: list[dict] = []
+    for path in args.merge or []:
+        _merge(json.loads(path.read_text()), routes, seconds, commands, reruns)
     for route in [] if args.merge else args.routes:
         outcome = run_route(route, args.files, args.keyword, args.out, args.timeout)
         routes[route], seconds[route], command = outcome
         commands[route] = " ".join(command[1:])
-    write_results(routes, seconds, commands, args.out, argv)
+    write_results(routes, seconds, commands, args.out, argv, reruns)
     return 0
+
+
+def _merge(data: dict, routes: dict, seconds: dict, commands: dict, reruns: list[dict]) -> None:
+    """Add one result file's routes: a route's tests from several files together; a file
+    that only runs again tests an earlier file ran (after a fix) replaces their outcomes and
+    is listed in ``reruns`` (its command, date, seconds and tests), not added to the time."""
+    for route in data["seconds"]:
+        rows = {t: row[route] for t, row in data["tests"].items() if route in row}
+        if rows and set(rows) <= set(routes.get(route, {})):
+            rerun = {"route": route, "command": data["command"], "date": data["date"]}
+            reruns.append({**rerun, "seconds": data["seconds"][route], "replaces": sorted(rows)})
+            routes[route].update(rows)
+            continue
+        routes.setdefault(route, {}).update(rows)
+        seconds[route] = seconds.get(route, 0.0) + data["seconds"][route]
+        command = data["pytest_commands"][route]
+        commands[route] = f"{commands[route]}; {command}" if route in commands else command
 
 
 if __name__ == "__main__":
