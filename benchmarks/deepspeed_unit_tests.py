@@ -44,17 +44,43 @@ FILES = (
     "unit/checkpoint/test_tag_validation.py",
     "unit/checkpoint/test_lr_scheduler.py",
     "unit/checkpoint/test_other_optimizer.py",
+    "unit/checkpoint/test_zero_optimizer.py::TestZeROCheckpoint",
+    "unit/checkpoint/test_zero_optimizer.py::TestZeROSaveLoadEdgeCase",
     "unit/runtime/zero/test_ignore_unused_parameters.py",
     "unit/runtime/zero/test_zero_grad_clip.py",
     "unit/runtime/zero/test_unwrap_model.py",
     "unit/runtime/zero/test_zero_tensor_fragment.py",
+    "unit/runtime/half_precision/test_dynamic_loss_scale.py",
+    "unit/v1/half_precision/test_bf16.py::TestAdamBF16ZeroOneCycleCompatibility",
+    "unit/v1/half_precision/test_bf16.py::TestZeroAllowUntestedOptimizer",
+    "unit/v1/half_precision/test_bf16.py::TestZeroEmptyPartition",
+    "unit/v1/half_precision/test_bf16.py::TestZeroSupportedClientOptimizer",
+    "unit/v1/half_precision/test_bf16.py::TestZero2ReduceScatterOff",
+    "unit/v1/half_precision/test_bf16.py::TestZeroEmptyGrad",
+    "unit/v1/zero/test_zero.py::TestZeroUnbalancedGradients",
+    "unit/v1/zero/test_zero.py::TestZeroToFP32",
+    "unit/v1/zero/test_zero.py::TestIncorectAllgatherBucketSize",
+    "unit/v1/zero/test_zero.py::TestPartitionNcclAlignment",
+    "unit/v1/zero/test_zero.py::TestZeroOffloadStage1",
+    "unit/v1/zero/test_zero.py::TestZeroAdamOptimizerStepCount",
+    "unit/v1/zero/test_zero.py::TestZeroFrozenWeights",
+    "unit/v1/zero/test_zero.py::TestZeroOffloadOptim",
+    "unit/v1/zero/test_zero.py::TestBF16OptimizerGradReduction",
+    "unit/v1/zero/test_zero_cpu_offload_grad_accum.py",
+    "unit/v1/zero/test_zero_user_backward.py::TestZeroUserBackwardBasic",
+    "unit/v1/zero/test_zero_user_backward.py::TestZeroUserBackwardGradAccumulation",
 )
-"""The files run by default: checkpoints (latest, tags, LR scheduler, other optimizers),
-unused parameters, gradient clipping, unwrapping, and the tensor-fragment API (a subset of
-DeepSpeed's ZeRO-1/2 tests that fits a 2-core machine in minutes; any other file is one
-``--files`` away)."""
+"""The tests run by default (files, or ``file::Class``; one pytest process per file):
+checkpoints (latest, tags, LR scheduler, other optimizers, ZeRO optimizer state and its
+edge cases), unused parameters, gradient clipping, unwrapping, the tensor-fragment API, fp16
+dynamic loss scaling, bf16, the stage-1/2 classes of ``test_zero.py``, offloaded gradient
+accumulation and a plain ``loss.backward()``: the ZeRO-0/1/2 part of DeepSpeed's tests that
+fits a 2-core machine in about half an hour a route. Classes that only run stage 3
+(``TestZero3*``, ``TestEmptyParameterGroup``, ``TestZeroPartitionCache``, ZeRO++), the
+world-size-4 elastic checkpoints and the rest of ``test_zero_user_backward.py`` are left out;
+any other test is one ``--files`` away."""
 
-KEYWORD = "not local and not nvme and not cpu"
+KEYWORD = "not (tensor_fragment and (local or nvme or cpu))"
 """The default ``-k``: the tensor-fragment tests' ZeRO-3-only local API and offload cases out."""
 
 
@@ -129,17 +155,18 @@ def _pytest(command: list[str], env: dict, log: Path, idle_s: float) -> bool:
 
 
 def run_file(
-    route: str, file: str, keyword: str | None, junit: Path, log: Path, idle_s: float
+    route: str, targets: list[str], keyword: str | None, junit: Path, log: Path, idle_s: float
 ) -> dict[str, dict[str, str]]:
-    """Outcomes of one test file on ``route``. A test that prints nothing for ``idle_s``
-    seconds, or that ends the session unfinished (DeepSpeed's harness calls ``pytest.exit``
-    when a test outlives ``DS_UNITTEST_TIMEOUT``), is recorded as ``timeout`` and the file is
-    run again without it and the tests already done, so one hang costs minutes, not the run."""
+    """Outcomes of one test file's ``targets`` (the file, or classes in it) on ``route``. A
+    test that prints nothing for ``idle_s`` seconds, or that ends the session unfinished
+    (DeepSpeed's harness calls ``pytest.exit`` when a test outlives ``DS_UNITTEST_TIMEOUT``),
+    is recorded as ``timeout`` and the file is run again without it and the tests already
+    done, so one hang costs minutes, not the run."""
     outcomes: dict[str, dict[str, str]] = {}
     skip: list[str] = []
     while True:
         command = [sys.executable, "-m", "pytest", "-p", "stages12", "-p", "no:cacheprovider",
-                   "--color=no", f"--junitxml={junit}", "-v", "-rA", file]  # fmt: skip
+                   "--color=no", f"--junitxml={junit}", "-v", "-rA", *targets]  # fmt: skip
         command += ["-k", keyword] if keyword else []
         command += [f"--deselect={t}" for t in skip]
         before = log.stat().st_size if log.exists() else 0
@@ -171,8 +198,11 @@ def run_route(
     log.unlink(missing_ok=True)
     outcomes: dict[str, dict[str, str]] = {}
     start = time.perf_counter()
-    for file in files:
-        outcomes.update(run_file(route, file, keyword, junit, log, idle_s))
+    by_file: dict[str, list[str]] = {}  # one pytest process per file, its classes together
+    for target in files:
+        by_file.setdefault(target.split("::")[0], []).append(target)
+    for targets in by_file.values():
+        outcomes.update(run_file(route, targets, keyword, junit, log, idle_s))
     command = ["python", "-m", "pytest", "-p", "stages12", "-p", "no:cacheprovider", "--color=no",
                "-v", "-rA", "<file>"] + (["-k", keyword] if keyword else [])  # fmt: skip
     return outcomes, time.perf_counter() - start, command
@@ -185,9 +215,11 @@ def _versions() -> dict[str, str]:
     return {"torch": out[0], "deepspeed": out[1]} if len(out) == 2 else {}
 
 
-def write_results(routes: dict, seconds: dict, commands: dict, out: Path, argv: list[str]) -> None:
-    """The JSON file: per test, each route's outcome, and why flatzero fails where DeepSpeed
-    passes (``reasons.json``)."""
+def write_results(
+    routes: dict, seconds: dict, commands: dict, out: Path, argv: list[str], reruns: list[dict]
+) -> None:
+    """The JSON file: per test, each route's outcome, why flatzero fails where DeepSpeed
+    passes (``reasons.json``), and the files that ran tests again (``reruns``)."""
     reasons = json.loads(REASONS.read_text()) if REASONS.exists() else {}
     tests = sorted(set().union(*routes.values()))
     table = {
@@ -216,6 +248,8 @@ def write_results(routes: dict, seconds: dict, commands: dict, out: Path, argv: 
         "summary": summary,
         "tests": table,
     }
+    if reruns:
+        result["reruns"] = reruns
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
 
@@ -223,7 +257,9 @@ def write_results(routes: dict, seconds: dict, commands: dict, out: Path, argv: 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--files", nargs="+", default=list(FILES), help="test files (under tests/)")
+    parser.add_argument(
+        "--files", nargs="+", default=list(FILES), help="test files or file::Class (under tests/)"
+    )
     parser.add_argument("-k", dest="keyword", default=KEYWORD, help="pytest -k expression")
     parser.add_argument("--routes", nargs="+", default=["deepspeed", "flatzero"])
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -239,21 +275,32 @@ def main(argv: list[str] | None = None) -> int:
     routes: dict = {}
     seconds: dict = {}
     commands: dict = {}
-    if args.merge:
-        for path in args.merge:
-            data = json.loads(path.read_text())
-            for route in data["seconds"]:  # a route in two files: their tests together
-                rows = {t: row[route] for t, row in data["tests"].items() if route in row}
-                routes.setdefault(route, {}).update(rows)
-                seconds[route] = seconds.get(route, 0.0) + data["seconds"][route]
-                command = data["pytest_commands"][route]
-                commands[route] = f"{commands[route]}; {command}" if route in commands else command
+    reruns: list[dict] = []
+    for path in args.merge or []:
+        _merge(json.loads(path.read_text()), routes, seconds, commands, reruns)
     for route in [] if args.merge else args.routes:
         outcome = run_route(route, args.files, args.keyword, args.out, args.timeout)
         routes[route], seconds[route], command = outcome
         commands[route] = " ".join(command[1:])
-    write_results(routes, seconds, commands, args.out, argv)
+    write_results(routes, seconds, commands, args.out, argv, reruns)
     return 0
+
+
+def _merge(data: dict, routes: dict, seconds: dict, commands: dict, reruns: list[dict]) -> None:
+    """Add one result file's routes: a route's tests from several files together; a file
+    that only runs again tests an earlier file ran (after a fix) replaces their outcomes and
+    is listed in ``reruns`` (its command, date, seconds and tests), not added to the time."""
+    for route in data["seconds"]:
+        rows = {t: row[route] for t, row in data["tests"].items() if route in row}
+        if rows and set(rows) <= set(routes.get(route, {})):
+            rerun = {"route": route, "command": data["command"], "date": data["date"]}
+            reruns.append({**rerun, "seconds": data["seconds"][route], "replaces": sorted(rows)})
+            routes[route].update(rows)
+            continue
+        routes.setdefault(route, {}).update(rows)
+        seconds[route] = seconds.get(route, 0.0) + data["seconds"][route]
+        command = data["pytest_commands"][route]
+        commands[route] = f"{commands[route]}; {command}" if route in commands else command
 
 
 if __name__ == "__main__":

@@ -246,6 +246,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "engine.unused_check",
                 "engine.engine",
                 "engine.deepspeed_compat",
+                "engine.live",
                 "engine.initialize",
                 "engine",
             ),

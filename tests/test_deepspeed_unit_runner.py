@@ -38,3 +38,23 @@ def test_the_summaries_after_the_tests_name_no_hung_test():
 
 def test_junit_ids_match_the_junit_files_form():
     assert runner._junit_id(B) == "unit.runtime.zero.test_a.TestA::test[True]"
+
+
+def _result(route: str, seconds: float, tests: dict[str, str]) -> dict:
+    return {
+        "command": f"run {route} {sorted(tests)}",
+        "date": "today",
+        "seconds": {route: seconds},
+        "pytest_commands": {route: "pytest"},
+        "tests": {t: {route: {"outcome": o, "message": ""}} for t, o in tests.items()},
+    }
+
+
+def test_a_merged_rerun_replaces_outcomes_and_is_listed_apart():
+    routes, seconds, commands, reruns = {}, {}, {}, []
+    runner._merge(_result("flatzero", 10.0, {A: "failed"}), routes, seconds, commands, reruns)
+    runner._merge(_result("flatzero", 5.0, {B: "passed"}), routes, seconds, commands, reruns)
+    runner._merge(_result("flatzero", 3.0, {A: "passed"}), routes, seconds, commands, reruns)
+    assert {t: o["outcome"] for t, o in routes["flatzero"].items()} == {A: "passed", B: "passed"}
+    assert seconds == {"flatzero": 15.0}  # a part adds its time, a rerun does not
+    assert [r["replaces"] for r in reruns] == [[A]] and reruns[0]["seconds"] == 3.0

@@ -54,6 +54,7 @@ from .door_optimizer import DoorOptimizer
 from .engine import Engine
 from .errors import UnsupportedFeatureError
 from .full_values import register
+from .live import release_engines_over, track
 from .lr_scheduler import build_scheduler, check_client_scheduler, probe_scheduler
 from .optimizer_choice import OptimizerChoice, choose_optimizer
 from .param_sync import place_rest, sync_params
@@ -423,6 +424,7 @@ def initialize(
         choice, groups = _optimizer_and_groups(
             optimizer, cfg, model, model_parameters, lr_scheduler, checkpoint
         )
+    release_engines_over(model)  # a live engine over the same params: destroyed (see live.py)
     with phases("flatten"):
         weights = get_weights(
             model,
@@ -456,6 +458,7 @@ def initialize(
         model, zero_opt, scheduler, cfg, report, process_group=None,
         training_dataloader=dataloader, client_optimizer=choice.client,
     )  # fmt: skip
+    track(engine)
     if not cfg.replicated:  # deepspeed.utils.safe_get_full_* answer for its params
         register(zero_opt)
     if "deepspeed" in sys.modules:
