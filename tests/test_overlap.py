@@ -307,3 +307,55 @@ def test_a_read_between_step_and_forward_waits_for_its_bucket_only():
         assert not mode_after_forward
         assert equal
         assert stack_clean  # a user's mode above flatzero's: both left the stack in turn
+
+
+class _OpCounter(torch.overrides.TorchFunctionMode):
+    """A user's torch-function mode (an op counter, a profiler)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _user_mode_around_step(rank: int, world: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
+    opt = ZeroOptimizer(
+        model,
+        lr=1e-2,
+        config=ZeroConfig(overlap_param_gather=True),
+        flatten_config=FlattenConfig(device="cpu", bucket_numel=300),
+    )
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    model(torch.randn(4, 16)).sum().backward()
+    with slow_link(2e5):
+        counter = _OpCounter()
+        with counter:  # entered before step(), left after it: flatzero's mode came later
+            opt.step()
+        stack = [type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()]
+        launched = opt._gather.outstanding
+        model[0].weight.detach().clone()  # an EMA copy after the user's block
+        waited = launched - opt._gather.outstanding
+        before = counter.ops
+        torch.zeros(1)
+        counted_after_exit = counter.ops - before
+        opt.wait_for_params()
+    model(torch.randn(4, 16))
+    clean = torch.overrides._get_current_function_mode() is None
+    opt.close()
+    return stack, waited, counted_after_exit, clean
+
+
+def test_a_user_mode_around_step_leaves_the_stack_and_reads_still_wait():
+    """[Note: the waiting mode's place on the stack]: a user's mode entered before
+    ``step()`` and left after it is the one that leaves; flatzero's still waits."""
+    for stack, waited, counted_after_exit, clean in run_ranks(_user_mode_around_step, 2):
+        assert "_OpCounter" not in stack  # was: the user's mode stayed on for good
+        assert waited == 1  # was 0: flatzero's mode had been popped in its place
+        assert counted_after_exit == 0
+        assert clean

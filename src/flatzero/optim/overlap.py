@@ -35,13 +35,16 @@ gathered, to find such readers.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.overrides import TorchFunctionMode, _get_current_function_mode
+from torch._C import _len_torch_function_stack
+from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
+from torch.utils._device import DeviceContext
 from torch.utils._pytree import tree_leaves
 
 from ..comm import all_gather_into
@@ -55,6 +58,32 @@ logger = logging.getLogger(__name__)
 
 
 _REAL = (torch.Tensor, nn.Parameter)
+
+
+# [Note: the waiting mode's place on the stack] The waiting mode lives from ``step()`` to
+# the next forward, across the user's own ``with SomeMode():`` blocks, and a mode leaves by
+# popping the top of its thread's stack. Pushed on top, it would be the one popped when a
+# block that began before ``step()`` ends (``with OpCounter(): ...; opt.step()``): the
+# user's mode would stay on for good and reads would no longer wait. So it goes in at the
+# bottom (above a ``torch.device`` context, which keeps itself there) and is taken out
+# from wherever it is.
+def _push_below(mode: TorchFunctionMode) -> None:
+    """Push ``mode`` under this thread's other torch-function modes (a bottom
+    ``DeviceContext`` stays at the bottom)."""
+    above = [_pop_mode() for _ in range(_len_torch_function_stack())]  # top first
+    if above and isinstance(above[-1], DeviceContext):
+        _push_mode(above.pop())
+    _push_mode(mode)
+    for other in reversed(above):
+        _push_mode(other)
+
+
+def _take_out(mode: TorchFunctionMode) -> None:
+    """Remove ``mode`` from this thread's torch-function mode stack, wherever it is."""
+    stack = [_pop_mode() for _ in range(_len_torch_function_stack())]  # top first
+    for other in reversed(stack):
+        if other is not mode:
+            _push_mode(other)
 
 
 class _BucketReads(TorchFunctionMode):
@@ -110,6 +139,8 @@ class ParamGather:
         self._works: dict[int, Any] = {}
         self._guard = guard
         self._mode: _BucketReads | None = None
+        self._mode_thread = 0
+        """The thread the waiting mode (or the guard) was pushed on."""
         self._learning = True
         self._seen: list[int] = []
         self._unsafe: str | None = None
@@ -232,7 +263,8 @@ class ParamGather:
         if self._works and self._mode is None and self.enabled:
             on_read = self._check_guard if self._guard else self._wait_for_read
             self._mode = _BucketReads(self._storages, on_read)
-            self._mode.__enter__()
+            self._mode_thread = threading.get_ident()
+            _push_below(self._mode)
 
     def wait(self, b: int) -> None:
         """Wait for bucket ``b``'s gather, if it is still outstanding."""
@@ -254,13 +286,12 @@ class ParamGather:
         return len(self._works)
 
     def _end_mode(self) -> None:
-        """End the waiting mode (or the guard), unless a mode entered after it is still
-        on top of the thread's stack (``with torch.device(...)`` around a forward): a mode
-        leaves by popping the top, so this one waits for a later call (the next wait)."""
+        """End the waiting mode (or the guard), from the thread it was pushed on (see the
+        note on the waiting mode's place on the stack); another thread's call leaves it."""
         if self._mode is not None and not self._learning:
-            if _get_current_function_mode() is not self._mode:
+            if threading.get_ident() != self._mode_thread:
                 return
-            self._mode.__exit__(None, None, None)
+            _take_out(self._mode)
             self._mode = None
 
     def close(self) -> None:

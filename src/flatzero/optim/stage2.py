@@ -425,9 +425,19 @@ class Stage2Reducer(GradReducer):
         for pid, kept in state.late.items():
             for pos in self._chunks_of[pid][: max(reduced for _, reduced in kept)]:
                 late[self.chunks[pos].bucket] = 1
-        flags = torch.tensor(late, dtype=torch.int32).to(device)
+        counts = [0] * len(self._nodes)
+        for pid, count in state.deliveries.items():
+            counts[pid] = count
+        flags = torch.tensor(late + counts, dtype=torch.int32).to(device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
-        buckets = flags.tolist()
+        agreed = flags.tolist()
+        buckets = agreed[: len(self.buckets)]
+        # Every rank learns the most deliveries any rank saw (``_learn_repeats``): a rank
+        # that saw fewer (data-dependent reuse) would otherwise reduce after the first
+        # delivery and raise alone in a later pass, leaving the others in a collective.
+        state.deliveries = {
+            pid: count for pid, count in enumerate(agreed[len(self.buckets) :]) if count > 1
+        }
         for pos, chunk in enumerate(self.chunks):
             if not buckets[chunk.bucket]:
                 continue
