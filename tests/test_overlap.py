@@ -264,6 +264,17 @@ def _guarded():
     return caught, bool(torch.isfinite(ema).all())
 
 
+class _CountedWork:
+    """A gather's Work that counts its waits."""
+
+    def __init__(self, work) -> None:
+        self.work, self.waits = work, 0
+
+    def wait(self) -> None:
+        self.waits += 1
+        self.work.wait()
+
+
 def _reads_between_step_and_forward(rank: int, world: int):
     torch.manual_seed(0)
     model = _Shuffled()
@@ -280,9 +291,14 @@ def _reads_between_step_and_forward(rank: int, world: int):
     with slow_link(2e5):
         opt.step()
         launched = opt._gather.outstanding
+        works = opt._gather._works
+        counted = {b: _CountedWork(w) for b, w in works.items()}
+        works.update(counted)
         ema = torch.zeros(16, 16)
         ema.add_(weight.data)  # an EMA update: no hook sees it, the mode waits for its bucket
-        waited = launched - opt._gather.outstanding
+        waited = sum(w.waits > 0 for w in counted.values())
+        # the Work stays for the forward's own wait (on NCCL each wait orders one stream)
+        assert opt._gather.outstanding == launched
         model(torch.randn(8, 16))  # the forward turns the mode off (its pre-hooks wait)
         mode_after_forward = opt._gather._mode is not None
         opt.wait_for_params()
@@ -338,9 +354,10 @@ def _user_mode_around_step(rank: int, world: int):
         with counter:  # entered before step(), left after it: flatzero's mode came later
             opt.step()
         stack = [type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()]
-        launched = opt._gather.outstanding
+        counted = {b: _CountedWork(w) for b, w in opt._gather._works.items()}
+        opt._gather._works.update(counted)
         model[0].weight.detach().clone()  # an EMA copy after the user's block
-        waited = launched - opt._gather.outstanding
+        waited = sum(w.waits > 0 for w in counted.values())
         before = counter.ops
         torch.zeros(1)
         counted_after_exit = counter.ops - before

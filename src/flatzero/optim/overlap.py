@@ -201,8 +201,11 @@ class ParamGather:
             )
 
     def _wait_for_read(self, func: Any, buckets: list[int]) -> None:
-        for b in buckets:  # the mode stays (it is running this): ended by the next forward
-            work = self._works.pop(b, None)
+        # The mode stays (it is running this): ended by the next forward. The Work stays
+        # too: on NCCL wait() orders only the current stream, so a reader on a side stream
+        # must not spare the forward's own wait on the default one.
+        for b in buckets:
+            work = self._works.get(b)
             if work is not None:
                 work.wait()
 
