@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import world_size_of
+from ..roll_call import raise_naming_ranks
 
 __all__ = ["global_sq_norm"]
 
@@ -24,5 +25,8 @@ def global_sq_norm(shards: list[torch.Tensor], group: dist.ProcessGroup | None) 
     norms = torch._foreach_norm(shards)
     sq = torch.stack(norms).to(torch.float64).square().sum()
     if world_size_of(group) > 1:
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+        try:
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+        except RuntimeError as error:  # [Note: nothing on the happy path] (roll_call.py)
+            raise_naming_ranks(error, group, "all-reducing the gradient norm at the step")
     return sq
