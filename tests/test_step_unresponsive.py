@@ -5,7 +5,8 @@ while the others go on into the step's collectives. gloo alone says "Timed out w
 3000ms for send operation to complete" or "Connection reset by peer", naming no rank; every
 other rank must raise an error naming rank 1 and what the ranks were doing, within the
 job's timeout (``FLATZERO_TIMEOUT``, shortened to a few seconds) plus slack, and at once
-when rank 1 died. Rank 0 SIGKILLs a stopped rank 1 once it has its error.
+when rank 1 died. Rank 0 SIGKILLs a stopped rank 1 once it has its error. Under real
+``torchrun``, a job one of whose ranks is killed mid-training ends, non-zero, promptly.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +29,7 @@ from torch import nn
 
 from flatzero import FlattenConfig
 from flatzero.launch import run_ranks
+from gloo_abort import GLOO_ABORT, GLOO_ABORT_RETRIES
 
 _TIMEOUT_S = 3.0
 """``FLATZERO_TIMEOUT`` of these tests (seconds)."""
@@ -174,3 +179,51 @@ def test_a_rank_killed_in_a_step_is_named_at_once(tmp_path):
     for seconds, text in errors.values():
         assert "rank 1 is dead: its process (pid " in text, text
         assert seconds < _TIMEOUT_S, (seconds, text)  # no timeout waited for
+
+
+_SCRIPT = Path(__file__).resolve().parent / "launcher_scripts" / "train_until_killed.py"
+_SRC = Path(__file__).resolve().parents[1] / "src"
+_JOB_END_S = 20.0
+"""The most seconds torchrun may take to exit after a rank's kill (measured: see
+docs/checkpoints.md; DeepSpeed's launcher: ~1.3 s)."""
+
+
+def _torchrun_training(out: Path, log: Path) -> tuple[subprocess.Popen, list[int]]:
+    """torchrun with 3 ranks of ``_SCRIPT``, once every rank trains: (torchrun, the ranks'
+    pids). Launches again after gloo's connect-time abort (``gloo_abort.py``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_", "LOCAL_"))}
+    env.update(PYTHONPATH=str(_SRC), FLATZERO_TIMEOUT=str(_TIMEOUT_S), OMP_NUM_THREADS="1")
+    agent = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=0"]
+    cmd = [*agent, "--nproc-per-node=3", str(_SCRIPT), "--out", str(out), "--seconds", "120"]
+    for _ in range(GLOO_ABORT_RETRIES + 1):
+        for pid_file in out.glob("rank*.pid"):
+            pid_file.unlink()
+        with log.open("w") as f:
+            proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            pids = sorted(out.glob("rank*.pid"))
+            if len(pids) == 3:
+                return proc, [int(p.read_text()) for p in pids]
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait()
+        if GLOO_ABORT not in log.read_text():
+            break
+    raise AssertionError(f"the ranks did not start training: {log.read_text()[-3000:]}")
+
+
+def test_torchrun_ends_promptly_after_a_rank_is_killed_mid_training(tmp_path):
+    log = tmp_path / "torchrun.log"
+    proc, pids = _torchrun_training(tmp_path, log)
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    seconds = time.monotonic() - t0
+    text = log.read_text()
+    assert code != 0, text[-3000:]
+    assert seconds < _JOB_END_S, (seconds, text[-3000:])
