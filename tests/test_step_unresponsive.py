@@ -1,11 +1,11 @@
 """A rank that stops responding, or dies, in the middle of a training step (issue 40 item 6).
 
-Real faults, 3 ranks over gloo: at the third step rank 1 sends itself SIGSTOP (or SIGKILL)
+Real faults, 3 ranks over gloo: at the fourth step rank 1 (or 0) sends itself SIGSTOP (or SIGKILL)
 while the others go on into the step's collectives. gloo alone says "Timed out waiting
 3000ms for send operation to complete" or "Connection reset by peer", naming no rank; every
 other rank must raise an error naming rank 1 and what the ranks were doing, within the
 job's timeout (``FLATZERO_TIMEOUT``, shortened to a few seconds) plus slack, and at once
-when rank 1 died. Rank 0 SIGKILLs a stopped rank 1 once it has its error. Under real
+when rank 1 died. Rank 0 (1) SIGKILLs a stopped rank 1 (0) once it has its error. Under real
 ``torchrun``, a job one of whose ranks is killed mid-training ends, non-zero, promptly.
 """
 
@@ -81,10 +81,18 @@ def _trainer(stage: int, door: str, world_size: int) -> Step:
     return step
 
 
-def _train_while_rank1_gets(
-    rank: int, ws: int, root: str, sig: int, stage: int, door: str, point: str, elsewhere: bool
+def _train_while_one_gets(
+    rank: int,
+    ws: int,
+    root: str,
+    sig: int,
+    stage: int,
+    door: str,
+    point: str,
+    elsewhere: bool,
+    victim: int,
 ) -> None:
-    """Every rank trains; at the third step rank 1 sends itself ``sig`` at ``point``
+    """Every rank trains; at the fourth step rank ``victim`` sends itself ``sig`` at ``point``
     ("backward": before its backward pass; "step": after its reductions, before its step).
     The others raise their error with the seconds it took in front."""
     store = dist.distributed_c10d._get_default_store()
@@ -93,16 +101,17 @@ def _train_while_rank1_gets(
     keys = store.num_keys()
     step(None)
     assert store.num_keys() == keys, "a step wrote to the store"  # nothing on the happy path
-    pid_file = os.path.join(root, "rank1.pid")
+    step(None)  # no rank stops before every rank is done with the store (rank 0 hosts it)
+    pid_file = os.path.join(root, "victim.pid")
     fault = None
-    if rank == 1:
+    if rank == victim:
         with open(pid_file, "w") as f:
             f.write(str(os.getpid()))
         if elsewhere:  # as if rank 1 ran on another machine: its record says so
             from flatzero.roll_call import _process_key
 
-            record = json.loads(store.get(_process_key(1)))
-            store.set(_process_key(1), json.dumps({**record, "machine": "?", "host": "node7"}))
+            record = json.loads(store.get(_process_key(victim)))
+            store.set(_process_key(victim), json.dumps({**record, "machine": "?", "host": "node7"}))
         fault = lambda: os.kill(os.getpid(), sig)  # noqa: E731
         if point == "backward":
             fault()
@@ -112,20 +121,20 @@ def _train_while_rank1_gets(
         step(None)  # an overlapped gather (DeepSpeed door) is waited for in this forward
     except Exception as error:
         seconds = time.monotonic() - t0
-        if rank == 0:  # a stopped rank 1 is killed now, not after run_ranks' grace time
-            with open(pid_file) as f, contextlib.suppress(ProcessLookupError):
+        if rank == min({0, 1} - {victim}):  # a stopped victim is killed now, not after
+            with open(pid_file) as f, contextlib.suppress(ProcessLookupError):  # run_ranks' grace
                 os.kill(int(f.read()), signal.SIGKILL)
             time.sleep(1.5)  # the store lives in rank 0: rank 2 may still read it
         raise RuntimeError(f"AFTER {seconds:.2f} S: {error}") from error
 
 
 def _errors(
-    root: str, sig: int, stage: int, door: str, point: str, elsewhere: bool = False
+    root: str, sig: int, stage: int, door: str, point: str, elsewhere: bool = False, victim=1
 ) -> dict[int, tuple[float, str]]:
     """Each surviving rank's (seconds to its error, its message)."""
     with pytest.raises(RuntimeError) as raised:
         run_ranks(
-            _train_while_rank1_gets,
+            _train_while_one_gets,
             3,
             root,
             sig,
@@ -133,6 +142,7 @@ def _errors(
             door,
             point,
             elsewhere,
+            victim,
             env={"FLATZERO_TIMEOUT": str(_TIMEOUT_S)},
             timeout_s=60,
         )
@@ -153,7 +163,7 @@ def test_a_rank_stopped_in_a_step_is_named_on_every_other_rank_within_the_timeou
         assert "rank 1 did not respond within 3 s: its process (pid " in text, text
         assert "is stopped (SIGSTOP" in text, text
         assert "while waiting for the gradient reductions" in text, text
-        assert "after 2 optimizer steps" in text and "ranks 0, 2" in text, text
+        assert "after 3 optimizer steps" in text and "ranks 0, 2" in text, text
         assert "FLATZERO_TIMEOUT" in text, text
         assert _TIMEOUT_S * 0.9 <= seconds < _TIMEOUT_S + 5, (seconds, text)
 
@@ -169,6 +179,16 @@ def test_a_rank_stopped_on_another_machine_is_named_after_the_roll_call(tmp_path
         assert "rank 1 did not respond within 3 s (stopped, hung or dead on node7?)" in text, text
         assert "while all-reducing the gradient norm at the step" in text, text
         assert _TIMEOUT_S * 1.8 <= seconds < 2 * _TIMEOUT_S + 5, (seconds, text)
+
+
+def test_a_stopped_store_host_bounds_the_roll_call(tmp_path):
+    # run_ranks' store lives in rank 0 (torchrun's in its agent): with rank 0 stopped, even
+    # a connection to the store blocks; the roll call is given up 2 s after its timeout.
+    errors = _errors(str(tmp_path), signal.SIGSTOP, 2, "torch", "backward", victim=0)
+    assert sorted(errors) == [1, 2], errors
+    for seconds, text in errors.values():
+        assert "the c10d store did not answer" in text and "rank 0" in text, text
+        assert _TIMEOUT_S * 0.9 <= seconds < 2 * _TIMEOUT_S + 2 + 5, (seconds, text)
 
 
 def test_a_rank_killed_in_a_step_is_named_at_once(tmp_path):

@@ -22,7 +22,9 @@ out after ``roll_call_timeout`` (at most 5 s, never more than the job's timeout)
 rank never waits longer than that for the others once its collective failed; a rank whose
 process is stopped or dead on this machine is not waited for at all. Where the store
 itself does not answer (its host is the stopped process: rank 0 without torchrun's agent)
-the error says so. A group fails once: a later failure on it (a wait for a reduction
+even the clone's connection blocks, whatever its timeout; so the roll call runs in a
+thread of its own, given up ``_STORE_GRACE_S`` after its timeout, and the error says the
+store did not answer. A group fails once: a later failure on it (a wait for a reduction
 still in flight) repeats the first verdict without asking again.
 
 NCCL: by default (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) a timed-out NCCL collective is
@@ -36,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -64,6 +67,10 @@ _ROLL_CALL_MOST = timedelta(seconds=5)
 
 _POLL_S = 0.02
 """Seconds between two looks at the store for posts not there yet."""
+
+_STORE_GRACE_S = 2.0
+"""Seconds beyond the roll call's timeout after which a roll call whose store did not
+answer is given up ([Note: the roll call is bounded])."""
 
 _ERROR_CHARS = 300
 """The most characters of a rank's collective error in its post."""
@@ -192,19 +199,41 @@ def raise_naming_ranks(
     entry = _progress.get(id(group))
     steps = entry[1].steps if entry is not None and entry[0] is group else 0
     post = {"steps": steps, "doing": doing, "error": _first_line(error)}
-    try:
-        verdict = _roll_call(group, name, post)
-    except RuntimeError as store_error:  # the store did not answer (DistStoreError)
-        verdict = StepCollectiveFailed(
-            f"flatzero: {doing} failed on rank {dist.get_rank()} after "
-            f"{plural(steps, 'optimizer step')} and the other ranks could not be asked why: "
-            f"the c10d store did not answer ({_first_line(store_error)}). The collective's "
-            f"error: {post['error']}",
-            [],
-            doing,
-        )
+    verdict = _bounded_roll_call(group, name, post)
     _verdicts[name] = verdict
     raise verdict from error
+
+
+def _bounded_roll_call(
+    group: dist.ProcessGroup | None, name: str, post: dict[str, Any]
+) -> StepCollectiveFailed:
+    """``_roll_call`` in a thread of its own, given up ``_STORE_GRACE_S`` after its timeout:
+    a store whose host is stopped blocks even the clone's connection, whatever its timeout."""
+    found: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            found.append(_roll_call(group, name, post))
+        except Exception as store_error:  # the store did not answer (DistStoreError)
+            found.append(store_error)
+
+    thread = threading.Thread(target=call, name="flatzero roll call", daemon=True)
+    thread.start()
+    most = roll_call_timeout().total_seconds() + _STORE_GRACE_S
+    thread.join(most)
+    if found and isinstance(found[0], StepCollectiveFailed):
+        return found[0]
+    why = _first_line(found[0]) if found else f"no answer within {most:g} s"
+    doing = str(post["doing"])
+    return StepCollectiveFailed(
+        f"flatzero: a collective of the training step failed on rank {dist.get_rank()} while "
+        f"{doing}, after {plural(int(post['steps']), 'optimizer step')}, and the other ranks "
+        f"could not be asked why: the c10d store did not answer ({why}; where a rank's "
+        "process hosts the store, as rank 0 does without torchrun's agent, that rank may be "
+        f"the one stopped). The collective's error: {post['error']}",
+        [],
+        doing,
+    )
 
 
 @dataclass(frozen=True)
