@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import world_size_of
+from ..roll_call import raise_naming_ranks
 
 __all__ = ["global_sq_norm", "global_sq_norm_with"]
 
@@ -39,11 +40,12 @@ def global_sq_norm_with(
     """
     norms = torch._foreach_norm(shards)
     sq = torch.stack(norms).to(torch.float64).square().sum()
-    if rider is None:
-        if world_size_of(group) > 1:
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
-        return sq, None
-    packed = torch.cat([sq.reshape(1), rider.reshape(-1).to(sq.device)])
+    packed = sq if rider is None else torch.cat([sq.reshape(1), rider.reshape(-1).to(sq.device)])
     if world_size_of(group) > 1:
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        try:
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        except RuntimeError as error:  # [Note: nothing on the happy path] (roll_call.py)
+            raise_naming_ranks(error, group, "all-reducing the gradient norm at the step")
+    if rider is None:
+        return packed, None
     return packed[0], packed[1:].view(rider.shape)

@@ -26,6 +26,7 @@ from ..cores import init_threads
 from ..flatten.buffers import FlatParams
 from ..hostmem import StagingBuffer, empty_host, page_locked
 from ..own_groups import collective_group
+from ..roll_call import GATHERING, raise_naming_ranks
 from .config import OffloadConfig
 from .inner import build_inner_optimizer, scale_grads, step_with_grad_scale, with_fused_default
 
@@ -322,7 +323,10 @@ class HostOffload:
         """``upload`` the masters into this rank's bucket slices; all-gather every bucket."""
         with init_threads(self.threads):
             self.upload(masters, self._master_slices)
-        all_gather_buckets_from_own_slices(self._buckets, self._own_slices, self._pg)
+        try:
+            all_gather_buckets_from_own_slices(self._buckets, self._own_slices, self._pg)
+        except RuntimeError as error:  # [Note: nothing on the happy path] (roll_call.py)
+            raise_naming_ranks(error, self._pg, GATHERING)
 
     def _host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An empty host tensor, page-locked while ``self.pinned`` (registered in place,

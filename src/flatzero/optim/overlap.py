@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_leaves
 from ..comm import all_gather_into
 from ..devices import collective_device
 from ..flatten.buffers import FlatParams
+from ..roll_call import GATHERING, raise_naming_ranks
 from .config import ZeroConfig
 
 __all__ = ["ParamGather", "param_gather_for"]
@@ -236,8 +237,11 @@ class ParamGather:
         unsafe = torch.tensor([int(self._unsafe is not None)], dtype=torch.int64, device=device)
         if dist.is_initialized() and dist.get_world_size(self._pg) > 1:
             src = 0 if self._pg is None else dist.get_global_rank(self._pg, 0)
-            dist.broadcast(order, src=src, group=self._pg)
-            dist.all_reduce(unsafe, op=dist.ReduceOp.MAX, group=self._pg)
+            try:
+                dist.broadcast(order, src=src, group=self._pg)
+                dist.all_reduce(unsafe, op=dist.ReduceOp.MAX, group=self._pg)
+            except RuntimeError as error:  # [Note: nothing on the happy path] (roll_call.py)
+                raise_naming_ranks(error, self._pg, "agreeing on the gathers' order at the step")
         self.order = [int(b) for b in order.tolist()]
         if int(unsafe.item()):
             self.enabled = False
@@ -253,7 +257,10 @@ class ParamGather:
         self.wait_all()
         for b in self.order:
             self._own[b].copy_(self._sources[b])
-            work = all_gather_into(self._buckets[b], self._own[b], self._pg, async_op=True)
+            try:
+                work = all_gather_into(self._buckets[b], self._own[b], self._pg, async_op=True)
+            except RuntimeError as error:  # [Note: nothing on the happy path] (roll_call.py)
+                raise_naming_ranks(error, self._pg, GATHERING)
             if work is not None:
                 self._works[b] = work
         if not self.enabled:
@@ -273,7 +280,10 @@ class ParamGather:
         """Wait for bucket ``b``'s gather, if it is still outstanding."""
         work = self._works.pop(b, None)
         if work is not None:
-            work.wait()
+            try:
+                work.wait()
+            except RuntimeError as error:  # [Note: nothing on the happy path] (roll_call.py)
+                raise_naming_ranks(error, self._pg, GATHERING)
         if not self._works:
             self._end_mode()
 

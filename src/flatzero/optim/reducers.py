@@ -31,6 +31,7 @@ from torch.utils.hooks import RemovableHandle
 from ..comm import rank_of, world_size_of
 from ..flatten.buffers import FlatParams
 from ..own_groups import collective_group
+from ..roll_call import raise_naming_ranks
 from .buckets import (
     BucketState,
     InFlight,
@@ -276,7 +277,10 @@ class GradReducer:
         chunk's owner, which lands it in its gradient shard (added when ``add``)."""
         if self.check is not None:
             self.check.local(chunk, staged, add)
-        work = dist.reduce(staged, group_dst=chunk.owner, group=self.pg, async_op=True)
+        try:
+            work = dist.reduce(staged, group_dst=chunk.owner, group=self.pg, async_op=True)
+        except RuntimeError as error:  # [Note: nothing on the happy path] (roll_call.py)
+            raise_naming_ranks(error, self.pg, self._doing())
         if chunk.owner != self.rank:
             self.pool.inflight.append(InFlight(work, slot))
             return
@@ -287,7 +291,10 @@ class GradReducer:
     def _finish(self, item: InFlight) -> None:
         """Complete a reduction: wait for it, land its result, free its slot."""
         if item.work is not None:
-            item.work.wait()
+            try:
+                item.work.wait()
+            except RuntimeError as error:  # [Note: nothing on the happy path] (roll_call.py)
+                raise_naming_ranks(error, self.pg, self._doing())
         if item.dst is not None:
             if item.add:
                 item.dst.add_(item.src)
@@ -297,6 +304,10 @@ class GradReducer:
             self.pool.release(item.slot)
         if item.bucket >= 0:
             self._landed_chunk(item.bucket)
+
+    def _doing(self) -> str:
+        """What this reducer's failed collective was part of (``raise_naming_ranks``)."""
+        return "waiting for the gradient reductions (step, zero_grad or reduce_gradients)"
 
     def _landed_chunk(self, bucket: int) -> None:
         """Note that one chunk of ``bucket``'s gradient shard landed (see

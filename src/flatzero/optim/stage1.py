@@ -11,6 +11,7 @@ from ..comm import on_host_gloo, reduce_scatter_into
 from ..flatten.alloc import allocate_agreed
 from ..flatten.buffers import FlatParams
 from ..own_groups import control_group
+from ..roll_call import raise_naming_ranks
 from .buckets import BucketState, InFlight, empty_buffer
 from .config import ZeroConfig
 from .reducers import GradReducer
@@ -170,7 +171,10 @@ class Stage1Reducer(GradReducer):
                 if self.check is not None:
                     for chunk in self._chunks_by_bucket[index]:
                         self.check.local(chunk, src[chunk.start : chunk.end], add=False)
-                work = reduce_scatter_into(shard, src, self.pg, async_op=True)
+                try:
+                    work = reduce_scatter_into(shard, src, self.pg, async_op=True)
+                except RuntimeError as error:  # [Note: nothing on the happy path]
+                    raise_naming_ranks(error, self.pg, self._doing())
                 self.pool.inflight.append(InFlight(work))
                 continue
             for chunk in self._chunks_by_bucket[index]:

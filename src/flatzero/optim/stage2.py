@@ -17,6 +17,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from ..devices import collective_device
 from ..flatten.buffers import FlatParams
+from ..roll_call import raise_naming_ranks
 from .buckets import BackwardPass, ReduceChunk
 from .config import ZeroConfig
 from .reducers import AGAIN, LATE, UNFINISHED, GradReducer, WindowState
@@ -429,7 +430,10 @@ class Stage2Reducer(GradReducer):
         for pid, count in state.deliveries.items():
             counts[pid] = count
         flags = torch.tensor(late + counts, dtype=torch.int32).to(device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
+        try:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
+        except RuntimeError as error:  # [Note: nothing on the happy path] (roll_call.py)
+            raise_naming_ranks(error, self.pg, "agreeing on late gradients after backward")
         agreed = flags.tolist()
         buckets = agreed[: len(self.buckets)]
         # Every rank learns the most deliveries any rank saw (``_learn_repeats``): a rank
@@ -495,13 +499,21 @@ class Stage2Reducer(GradReducer):
         else:
             order = torch.empty(n, dtype=torch.int64, device=device)
         src = 0 if self.pg is None else dist.get_global_rank(self.pg, 0)
-        dist.broadcast(order, src=src, group=self.pg)
+        try:
+            dist.broadcast(order, src=src, group=self.pg)
+        except RuntimeError as error:  # [Note: nothing on the happy path] (roll_call.py)
+            raise_naming_ranks(error, self.pg, "agreeing on the reductions' order at the step")
         self._adopt(order.tolist())
         logger.debug("stage 2 bucket launch order: %s", self.order)
 
     @property
     def backward_seen(self) -> bool:
         return self.window.landed
+
+    def _doing(self) -> str:
+        if self.window.running:
+            return "reducing gradients during backward"
+        return super()._doing()
 
     @property
     def skip_unused(self) -> bool:

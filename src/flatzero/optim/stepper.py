@@ -18,6 +18,7 @@ from ..comm import all_gather_buckets_from_own_slices
 from ..cores import core_share
 from ..flatten.buffers import FlatParams
 from ..own_groups import collective_group, control_group
+from ..roll_call import GATHERING, raise_naming_ranks
 from .config import OffloadConfig
 from .inner import scale_grads, step_with_grad_scale
 from .offload import HOST, HostOffload, OffloadHostBytes
@@ -102,9 +103,12 @@ class DeviceStepper:
         step_with_grad_scale(inner, scale_grads(inner, self.step_grads, coef))
 
     def write_back(self, masters: Sequence[torch.Tensor]) -> None:
-        all_gather_buckets_from_own_slices(
-            self._buckets, self._bucket_shards, self._pg, sources=self._master_slices
-        )
+        try:
+            all_gather_buckets_from_own_slices(
+                self._buckets, self._bucket_shards, self._pg, sources=self._master_slices
+            )
+        except RuntimeError as error:  # [Note: nothing on the happy path] (roll_call.py)
+            raise_naming_ranks(error, self._pg, GATHERING)
 
     def host_bytes(
         self, inner: torch.optim.Optimizer, masters: Sequence[torch.Tensor]

@@ -26,6 +26,7 @@ from ..control import every_rank_or_none
 from ..gcpause import paused_gc
 from ..own_groups import collective_group, control_group
 from ..report import report_is_owned
+from ..roll_call import progress_of
 from ..words import plural
 from . import torch_clip
 from .agreement import meaning, setup_fields
@@ -148,6 +149,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._pg = collective_group(flat.process_group)  # reductions, gathers, the norm
         self._world_size = world_size_of(self._pg)
         self._rank = rank_of(self._pg)
+        self._progress = progress_of(self._pg)  # steps taken, for a failed collective's roll call
         self._grads = allocate_grad_shards(flat)
         self._stepper: ShardStepper = make_stepper(flat, self._grads, offload)
         """Where the inner optimizer steps: beside the buckets, or on the host (offload)."""
@@ -246,8 +248,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def offload_optimizer(self) -> OffloadConfig | None:
-        """The optimizer offload settings, or None when the optimizer steps beside the
-        buckets."""
+        """The optimizer offload settings (None: the optimizer steps beside the buckets)."""
         return self.config.offload_optimizer
 
     def offload_host_bytes(self) -> OffloadHostBytes | None:
@@ -269,8 +270,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def last_grad_norm_tensor(self) -> torch.Tensor | None:
-        """``last_grad_norm`` as the 0-d float64 tensor the step computed, on the gradients'
-        device (no host sync)."""
+        """``last_grad_norm`` as the step's 0-d float64 tensor, on its device (no sync)."""
         return self._last_norm
 
     @property
@@ -399,6 +399,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             norm = self._last_norm = self._norm()
             if self._scaler is not None and not bool(norm.isfinite()):
                 self._stepper.abandon()  # the next backward pass rewrites what it reads
+                self._progress.steps += 1
                 self._scaler.update(found_inf=True)
                 self.last_step_skipped = True
                 self._end_window()
@@ -409,6 +410,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         reducer.settle_check()  # before the update; no-op when the norm carried it
         self.flat.before_state_changes()  # a pending snapshot's copies
         self._stepper.step(self.inner, coef)
+        self._progress.steps += 1
         if self._scaler is not None:
             self._scaler.update(found_inf=False)
         if self._gather is not None:
@@ -428,10 +430,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         Stage 2 params never hold ``.grad``, nor do stage 1 params whose gradients
         accumulate in another dtype (``ZeroConfig.grad_accum_dtype``). Otherwise in stage 1
-        the ``.grad`` of every param stays a view of the flat gradient buffer, which is
-        zeroed in place whatever ``set_to_none`` says (freeing it would free nothing: the
-        buffer stays).
-        """
+        the ``.grad`` of every param stays a view of the flat gradient buffer, zeroed in
+        place whatever ``set_to_none`` says (freeing it would free nothing)."""
         self.wait_for_params()
         self._end_window()
 
