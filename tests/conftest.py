@@ -11,7 +11,11 @@ The suite launches rank processes a few hundred times (``flatzero.launch.run_ran
 they fork from one server that imported torch and flatzero once
 (``preload_rank_processes``), instead of each starting an interpreter and importing torch
 (~3 CPU-seconds a rank, most of the suite's time on 2 cores). What a rank sees is the same
-as under ``spawn``; ``tests/test_launch.py`` runs both.
+as under ``spawn``; ``tests/test_launch.py`` runs both. The server also imports what a
+rank imports anyway at its first optimizer: ``torch._dynamo`` (torch imports it at the
+first ``torch.optim.Optimizer`` of a process: ``add_param_group`` is wrapped in
+``torch._disable_dynamo``; ~1 CPU-second) and the flatzero packages a ``ZeroOptimizer``
+loads (optim, checkpoint, the door's engine), which every rank paid again.
 """
 
 from __future__ import annotations
@@ -32,7 +36,18 @@ import torch.distributed as dist  # noqa: E402
 
 from flatzero.launch import preload_rank_processes  # noqa: E402
 
-preload_rank_processes(("torch", "flatzero", "pytest"))
+RANK_PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "flatzero",
+    "flatzero.optim",
+    "flatzero.checkpoint",
+    "flatzero.deepspeed.engine",
+    "pytest",
+)
+"""What the rank server imports before it forks a rank (see the module docstring)."""
+
+preload_rank_processes(RANK_PRELOAD)
 
 
 @pytest.fixture(autouse=True)

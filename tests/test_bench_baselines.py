@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import tempfile
+import io
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from flatzero.deepspeed.layout import padded_numel as deepspeed_padded_numel
 from flatzero.deepspeed.layout import partition_range as deepspeed_partition_range
+from flatzero.launch import run_ranks
 from flatzero.measure.baselines import BaselineResult, flatten_legacy_cpu, flatten_torch_cat
 from flatzero.measure.limits import (
     device_copy_seconds,
@@ -171,58 +168,40 @@ def test_deepspeed_config_validation() -> None:
         deepspeed_config(stage=1, dtype="fp32", bucket_numel=999)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ds_worker(rank: int, world_size: int) -> bytes:
+    """A real ``deepspeed.initialize`` timed on this rank (a fork of the suite's rank
+    server: no interpreter start or torch import per rank)."""
+    from flatzero_bench.common.deepspeed_init import time_deepspeed_initialize
 
-
-def _ds_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        DS_ACCELERATOR="cpu",
+    torch.manual_seed(1234)  # same model on every rank
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8), nn.Linear(8, 3)).to(torch.bfloat16)
+    originals = [p.detach().clone() for p in model.parameters()]
+    result = time_deepspeed_initialize(
+        model, stage=2, dtype="bf16", bucket_numel=1000, keep_partitions=True
     )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        from flatzero_bench.common.deepspeed_init import time_deepspeed_initialize
-
-        torch.manual_seed(1234)  # same model on every rank
-        model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8), nn.Linear(8, 3)).to(
-            torch.bfloat16
-        )
-        originals = [p.detach().clone() for p in model.parameters()]
-        result = time_deepspeed_initialize(
-            model, stage=2, dtype="bf16", bucket_numel=1000, keep_partitions=True
-        )
-        # A second trial on a fresh model in the same process must work too.
-        small = nn.Sequential(nn.Linear(4, 4)).to(torch.bfloat16)
-        again = time_deepspeed_initialize(small, stage=1, dtype="bf16", bucket_numel=1000)
-        torch.save(
-            {
-                "result": {
-                    "wall_s": result.wall_s,
-                    "cpu_s": result.cpu_s,
-                    "peak_rss_bytes": result.peak_rss_bytes,
-                    "flat_numel": result.flat_numel,
-                    "partition_matches_flat": result.partition_matches_flat,
-                    "world_size": result.world_size,
-                    "rank": result.rank,
-                },
-                "again_ok": again.partition_matches_flat,
-                "fp32": result.fp32_partitions[0].clone(),
-                "originals": originals,
-                "params_after": [p.detach().clone() for p in model.parameters()],
+    # A second trial on a fresh model in the same process must work too.
+    small = nn.Sequential(nn.Linear(4, 4)).to(torch.bfloat16)
+    again = time_deepspeed_initialize(small, stage=1, dtype="bf16", bucket_numel=1000)
+    buffer = io.BytesIO()  # tensors through the result queue: serialized
+    torch.save(
+        {
+            "result": {
+                "wall_s": result.wall_s,
+                "cpu_s": result.cpu_s,
+                "peak_rss_bytes": result.peak_rss_bytes,
+                "flat_numel": result.flat_numel,
+                "partition_matches_flat": result.partition_matches_flat,
+                "world_size": result.world_size,
+                "rank": result.rank,
             },
-            os.path.join(out_dir, f"rank{rank}.pt"),
-        )
-    finally:
-        dist.destroy_process_group()
+            "again_ok": again.partition_matches_flat,
+            "fp32": result.fp32_partitions[0].clone(),
+            "originals": originals,
+            "params_after": [p.detach().clone() for p in model.parameters()],
+        },
+        buffer,
+    )
+    return buffer.getvalue()
 
 
 def test_deepspeed_initialize_two_ranks() -> None:
@@ -230,9 +209,8 @@ def test_deepspeed_initialize_two_ranks() -> None:
     if not ok:
         pytest.skip(why)
     world_size = 2
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_ds_worker, args=(world_size, _free_port(), out_dir), nprocs=world_size)
-        outs = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
+    blobs = run_ranks(_ds_worker, world_size, env={"DS_ACCELERATOR": "cpu"})
+    outs = [torch.load(io.BytesIO(blob), weights_only=False) for blob in blobs]
     expected = _expected_flat(outs[0]["originals"], world_size).float()
     part = expected.numel() // world_size
     for rank, out in enumerate(outs):

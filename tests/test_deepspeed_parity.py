@@ -4,12 +4,17 @@ side by side with the real one (CPU, gloo; skipped without DeepSpeed).
 - Floating buffers keep their dtype (a rotary ``inv_freq`` stays fp32 under bf16), as
   DeepSpeed's engine keeps them unless ``data_types.buffer_dtype`` is set: the first loss
   of a Llama-style model is bit for bit DeepSpeed's.
+Every check runs in one rank process (``_every_check``, one launch for the module: each
+launch costs DeepSpeed's import and warm-up again); each test asserts on its check's
+outcome, and a check that raised fails its own test with the rank's traceback.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -29,6 +34,48 @@ def _llama() -> torch.nn.Module:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
     return LlamaForCausalLM(config)
+
+
+def _every_check(rank: int, world_size: int, root: str, fused_adam: bool) -> dict[str, Any]:
+    """Every check of the module, one after another in this rank process (each leaves no
+    engine behind: it destroys or releases what it made); by name, its outcome or the
+    traceback it raised."""
+    checks: dict[str, Callable[[], Any]] = {
+        "buffers None": lambda: _buffers_rank(rank, world_size, None),
+        "buffers bf16": lambda: _buffers_rank(rank, world_size, "bf16"),
+        "scaler": lambda: _scaler_rank(rank, world_size),
+        "scheduler": lambda: _scheduler_rank(rank, world_size, root),
+        "engine methods": lambda: _engine_methods_rank(rank, world_size),
+        "both optimizers": lambda: _both_optimizers_rank(rank, world_size),
+    }
+    if fused_adam:
+        checks["fused adam"] = lambda: _fused_adam_rank(rank, world_size)
+    out: dict[str, Any] = {}
+    for name, check in checks.items():
+        try:
+            out[name] = ("ok", check())
+        except Exception:  # reported by the check's own test
+            out[name] = ("raised", traceback.format_exc())
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, Any]:
+    """Every check's outcome, from one launch of one rank."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed")
+    from test_deepspeed_export import adam_kernels
+
+    root = str(tmp_path_factory.mktemp("deepspeed_parity"))
+    fused = adam_kernels() is None
+    return run_ranks(_every_check, 1, root, fused, timeout_s=300, env={"DS_ACCELERATOR": "cpu"})[0]
+
+
+def outcome(outcomes: dict[str, Any], name: str) -> Any:
+    """What check ``name`` returned; fails with its traceback if it raised."""
+    status, value = outcomes[name]
+    assert status == "ok", f"check {name!r} raised in the rank:\n{value}"
+    return value
 
 
 def _buffers_rank(rank: int, world_size: int, buffer_dtype: str | None) -> dict[str, Any]:
@@ -64,10 +111,8 @@ def _buffers_rank(rank: int, world_size: int, buffer_dtype: str | None) -> dict[
 
 
 @pytest.mark.parametrize("buffer_dtype", [None, "bf16"])
-def test_buffers_keep_their_dtype_as_in_deepspeed(buffer_dtype):
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    pytest.importorskip("deepspeed")
-    out = run_ranks(_buffers_rank, 1, buffer_dtype, env={"DS_ACCELERATOR": "cpu"})[0]
+def test_buffers_keep_their_dtype_as_in_deepspeed(buffer_dtype, outcomes):
+    out = outcome(outcomes, f"buffers {buffer_dtype}")
     (ds_buffers, ds_loss), (fz_buffers, fz_loss) = out["deepspeed"], out["flatzero"]
     assert ds_buffers and fz_buffers == ds_buffers
     expected = "torch.float32" if buffer_dtype is None else "torch.bfloat16"
@@ -116,10 +161,8 @@ def _scaler_rank(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-def test_fp16_loss_scale_moves_as_deepspeeds_step_for_step():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    pytest.importorskip("deepspeed")
-    out = run_ranks(_scaler_rank, 1, env={"DS_ACCELERATOR": "cpu"})[0]
+def test_fp16_loss_scale_moves_as_deepspeeds_step_for_step(outcomes):
+    out = outcome(outcomes, "scaler")
     for case, trace in out.items():
         for step, (ours, theirs) in enumerate(trace):
             assert ours == theirs, (case, step, OVERFLOWS[: step + 1], trace[: step + 1])
@@ -184,10 +227,8 @@ def _scheduler_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return out
 
 
-def test_a_deepspeed_checkpoint_with_its_scheduler_resumes_on_flatzero(tmp_path):
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    pytest.importorskip("deepspeed")
-    out = run_ranks(_scheduler_rank, 1, str(tmp_path), env={"DS_ACCELERATOR": "cpu"})[0]
+def test_a_deepspeed_checkpoint_with_its_scheduler_resumes_on_flatzero(outcomes):
+    out = outcome(outcomes, "scheduler")
     for schedule, (theirs, ours) in out.items():
         assert [lr for lr, _ in ours] == [lr for lr, _ in theirs], schedule  # exactly
         assert [loss for _, loss in ours] == pytest.approx(
@@ -221,10 +262,8 @@ def _engine_methods_rank(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-def test_engine_methods_deepspeed_makes_no_ops_at_stage_1_and_2_are_no_ops():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    pytest.importorskip("deepspeed")
-    out = run_ranks(_engine_methods_rank, 1, env={"DS_ACCELERATOR": "cpu"})[0]
+def test_engine_methods_deepspeed_makes_no_ops_at_stage_1_and_2_are_no_ops(outcomes):
+    out = outcome(outcomes, "engine methods")
     assert out["is DeepSpeedEngine"] and out["empty_partition_cache"] is None
     assert out["first destroyed"]  # as DeepSpeed, a second engine over a live one's model
     assert out["changed"] and math.isfinite(out["second trains"])
@@ -264,10 +303,8 @@ def _both_optimizers_rank(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-def test_a_client_optimizer_beside_a_config_optimizer_is_used_as_in_deepspeed():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    pytest.importorskip("deepspeed")
-    out = run_ranks(_both_optimizers_rank, 1, env={"DS_ACCELERATOR": "cpu"})[0]
+def test_a_client_optimizer_beside_a_config_optimizer_is_used_as_in_deepspeed(outcomes):
+    out = outcome(outcomes, "both optimizers")
     assert out["flatzero"][0] == out["deepspeed"][0] == "SGD"
     assert out["flatzero"][1] == out["deepspeed"][1]  # WarmupLR's first lr on both
     assert out["warned"]
@@ -312,15 +349,13 @@ def _fused_adam_rank(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-def test_deepspeeds_fused_adam_as_client_optimizer_runs_on_flatzero():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    pytest.importorskip("deepspeed")
+def test_deepspeeds_fused_adam_as_client_optimizer_runs_on_flatzero(outcomes):
     from test_deepspeed_export import adam_kernels
 
     why = adam_kernels()
     if why is not None:
         pytest.skip(f"DeepSpeed's FusedAdam op cannot be built here: {why}")
-    out = run_ranks(_fused_adam_rank, 1, timeout_s=300, env={"DS_ACCELERATOR": "cpu"})[0]
+    out = outcome(outcomes, "fused adam")
     for mode in (True, False):
         (ds_engine, ds_weights), (fz_engine, fz_weights) = (
             out[f"deepspeed {mode}"],

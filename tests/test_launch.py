@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import RANK_PRELOAD
 from flatzero import launch
 from flatzero.cores import usable_cores
 from flatzero.launch import run_ranks
@@ -38,7 +39,7 @@ def _fails_on_rank_1(rank: int, world_size: int) -> int:
 def start_method(request, monkeypatch) -> str:
     """Both ways ``run_ranks`` starts a rank; the fork server is the suite's."""
     if request.param == "forkserver":
-        launch.preload_rank_processes(("torch", "flatzero", "pytest"))
+        launch.preload_rank_processes(RANK_PRELOAD)
     monkeypatch.setattr(launch, "_start_method", request.param)
     return request.param
 

@@ -85,11 +85,23 @@ def _parity_rank(rank: int, world_size: int, stage: int) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_plain_backward_trains_as_deepspeeds(stage):
+def _parity_ranks(rank: int, world_size: int, stages: list[int]) -> dict[int, Any]:
+    """``_parity_rank`` at each of ``stages``, one after another in this rank process."""
+    return {stage: _parity_rank(rank, world_size, stage) for stage in stages}
+
+
+@pytest.fixture(scope="module")
+def parity() -> list[dict[int, Any]]:
+    """Each rank's runs at stages 1 and 2, from one launch (a launch pays DeepSpeed's import
+    and warm-up again)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     pytest.importorskip("deepspeed")
-    for out in run_ranks(_parity_rank, 2, stage, env={"DS_ACCELERATOR": "cpu"}):
+    return run_ranks(_parity_ranks, 2, [1, 2], env={"DS_ACCELERATOR": "cpu"})
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_plain_backward_trains_as_deepspeeds(stage, parity):
+    for out in (per_rank[stage] for per_rank in parity):
         ds_losses, ds_params = out["deepspeed"]
         fz_losses, fz_params = out["flatzero"]
         eb_losses, eb_params = out["flatzero engine.backward"]
