@@ -251,7 +251,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "engine",
             ),
         ),
-        ("patch", ("patch",)),
+        ("patch", ("zero_to_fp32", "patch")),
     ),
     "testing": (
         ("state", ("emulated.pinning", "emulated.state")),
