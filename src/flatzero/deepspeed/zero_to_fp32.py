@@ -13,7 +13,8 @@ is consolidated by ``flatzero.checkpoint.export.consolidated_state_dict`` (the t
 params in fp32 from the masters, frozen params and buffers as saved, tied names too, the
 model's names); any other directory goes to DeepSpeed's function unchanged. Wrapping the
 inner function, looked up at call time, covers the public functions even where a script
-imported them before the patch.
+imported them before the patch. The wrapper stays after ``DeepSpeedPatch.undo()`` (as the
+``safe_get_full_*`` ones do): DeepSpeed's checkpoints read as before.
 """
 
 from __future__ import annotations
