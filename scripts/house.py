@@ -203,6 +203,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "state",
                 "reader",
                 "writer",
+                "zero_to_fp32",
                 "__init__",
             ),
         ),
@@ -251,7 +252,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "engine",
             ),
         ),
-        ("patch", ("zero_to_fp32", "patch")),
+        ("patch", ("patch",)),
     ),
     "testing": (
         ("state", ("emulated.pinning", "emulated.state")),

@@ -2,11 +2,14 @@
 ``engine.save_checkpoint`` wrote through ``patch_deepspeed()`` (flatzero's format): each returns
 flatzero's fp32 masters bit for bit under the model's names, with the same names and dtypes as
 DeepSpeed 0.19.8's own consolidation of the same training; a checkpoint DeepSpeed wrote still
-goes to DeepSpeed's reader (CPU, gloo, 2 ranks; skipped without DeepSpeed)."""
+goes to DeepSpeed's reader; the ``zero_to_fp32.py`` the door writes beside its checkpoints
+consolidates them as DeepSpeed's does its own (CPU, gloo, 2 ranks; skipped without DeepSpeed)."""
 
 from __future__ import annotations
 
 import os
+import runpy
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +82,29 @@ def _consolidations(where: Path, tag: str) -> dict[str, Any]:
     }
 
 
+def _run_script(where: Path) -> dict[str, torch.Tensor]:
+    """``python zero_to_fp32.py . out`` in ``where`` (in this process: the script's file run as
+    ``__main__``); what it wrote."""
+    argv = sys.argv
+    sys.argv = ["zero_to_fp32.py", str(where), str(where / "out"), "--max_shard_size", "1GB"]
+    try:
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(str(where / "zero_to_fp32.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+    assert done.value.code == 0
+    return torch.load(where / "out" / "pytorch_model.bin", weights_only=True)
+
+
+def _leave(where: Path) -> None:
+    """``flatzero export-deepspeed`` leaves the door's script behind (DeepSpeed writes its own)."""
+    from flatzero.deepspeed.convert.outgoing import to_deepspeed
+
+    (where / "trainer_state.json").write_text("{}")
+    result = to_deepspeed(where, where.parent / "left", world_size=1)
+    assert result.copied == ("out", "trainer_state.json"), result.copied
+
+
 def _rank(rank: int, world_size: int, root: str) -> None:
     import deepspeed
 
@@ -96,6 +122,9 @@ def _rank(rank: int, world_size: int, root: str) -> None:
             if rank == 0:
                 tag = (where / "latest").read_text().strip()
                 out[name] = _consolidations(where, tag)
+            if rank == 0 and name == "flatzero":  # the door's zero_to_fp32.py, as HF runs it
+                out[name]["script"] = _run_script(where)
+                _leave(where)
             torch.distributed.barrier()
             engine.destroy() if name == "flatzero" else release_engine(engine)
     if rank == 0:  # the tensors stay in this process (tied ones are one tensor)
@@ -112,7 +141,8 @@ def _check(out: dict[str, Any], root: Path) -> None:
                 assert state[name].dtype == torch.float32, (route, kind, name)
                 assert torch.equal(state[name].float(), value), (route, kind, name)
     fz, ds = out["flatzero"], out["deepspeed"]
-    for kind in ("latest", "tag", "lazy", "file"):  # as DeepSpeed returns them
+    ds["script"] = ds["file"]  # what DeepSpeed's own script writes
+    for kind in ("latest", "tag", "lazy", "file", "script"):  # as DeepSpeed returns them
         assert {n: t.dtype for n, t in fz[kind].items()} == {
             n: t.dtype for n, t in ds[kind].items()
         }, kind

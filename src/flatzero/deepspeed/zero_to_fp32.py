@@ -15,13 +15,20 @@ model's names); any other directory goes to DeepSpeed's function unchanged. Wrap
 inner function, looked up at call time, covers the public functions even where a script
 imported them before the patch. The wrapper stays after ``DeepSpeedPatch.undo()`` (as the
 ``safe_get_full_*`` ones do): DeepSpeed's checkpoints read as before.
+
+As DeepSpeed's engine copies its ``zero_to_fp32.py`` beside every checkpoint, the door's
+``save_checkpoint`` writes ``SCRIPT`` there (``write_script``): it takes DeepSpeed's
+arguments (``python zero_to_fp32.py . OUTPUT_DIR``, as Hugging Face's docs run it) and runs
+``main``: DeepSpeed's own conversion, with ``install()`` applied.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +36,14 @@ from typing import Any
 from ..checkpoint.export import consolidated_state_dict
 from ..checkpoint.format import META
 
-__all__ = ["install", "is_flatzero_checkpoint"]
+__all__ = [
+    "SCRIPT",
+    "install",
+    "is_flatzero_checkpoint",
+    "is_flatzero_script",
+    "main",
+    "write_script",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -75,3 +89,73 @@ def install() -> bool:
     if not getattr(original, _MARK, False):
         setattr(module, _INNER, _wrap(original))
     return True
+
+
+SCRIPT_NAME = "zero_to_fp32.py"
+"""The script's name beside the checkpoints (DeepSpeed's)."""
+
+SCRIPT = """#!/usr/bin/env python
+# Written by flatzero's engine.save_checkpoint in place of DeepSpeed's zero_to_fp32.py: the
+# checkpoints here are flatzero's. DeepSpeed's arguments: python zero_to_fp32.py CHECKPOINT_DIR
+# OUTPUT_DIR [--max_shard_size 5GB] [--safe_serialization] [-t TAG] [--exclude_frozen_parameters].
+# Needs flatzero and DeepSpeed installed; without DeepSpeed: flatzero export CHECKPOINT_DIR OUT.
+import sys
+
+from flatzero.deepspeed.zero_to_fp32 import main
+
+if __name__ == "__main__":
+    sys.exit(main())
+"""
+"""The ``zero_to_fp32.py`` the door writes beside its checkpoints."""
+
+
+def is_flatzero_script(path: Path) -> bool:
+    """Whether ``path`` is the ``zero_to_fp32.py`` the door wrote (not DeepSpeed's)."""
+    try:
+        return path.name == SCRIPT_NAME and path.read_text(encoding="utf-8") == SCRIPT
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def write_script(save_dir: str | Path) -> None:
+    """Write ``SCRIPT`` as ``save_dir/zero_to_fp32.py`` (executable; through a temporary
+    name, so a reader never sees half of it). An error is logged, not raised: the
+    checkpoint itself is saved."""
+    path = Path(save_dir) / SCRIPT_NAME
+    tmp = path.with_name(f".tmp-{SCRIPT_NAME}-{os.getpid()}")
+    try:
+        tmp.write_text(SCRIPT, encoding="utf-8")
+        tmp.chmod(0o755)
+        os.replace(tmp, path)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        logger.warning("flatzero: could not write %s: %s", path, error)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``zero_to_fp32.py``'s command line, DeepSpeed's arguments: DeepSpeed's
+    ``convert_zero_checkpoint_to_fp32_state_dict`` with ``install()`` applied."""
+    parser = argparse.ArgumentParser(description="consolidate a ZeRO checkpoint into fp32")
+    parser.add_argument("checkpoint_dir", help="the checkpoint folder, e.g. path/checkpoint-12")
+    parser.add_argument("output_dir", help="where the fp32 state_dict files go")
+    parser.add_argument("--max_shard_size", default="5GB", help="e.g. 5GB")
+    parser.add_argument("--safe_serialization", action="store_true", help="write safetensors")
+    parser.add_argument("-t", "--tag", default=None, help="checkpoint tag, e.g. global_step1")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true")
+    parser.add_argument("-d", "--debug", action="store_true", help="ignored (DeepSpeed's)")
+    args = parser.parse_args(argv)
+    if not install():
+        parser.error(
+            "DeepSpeed's deepspeed.utils.zero_to_fp32 cannot be imported (pip install "
+            "deepspeed); or run: flatzero export CHECKPOINT_DIR OUT --dtype fp32"
+        )
+    module = importlib.import_module("deepspeed.utils.zero_to_fp32")
+    module.convert_zero_checkpoint_to_fp32_state_dict(
+        args.checkpoint_dir,
+        args.output_dir,
+        max_shard_size=args.max_shard_size,
+        safe_serialization=args.safe_serialization,
+        tag=args.tag,
+        exclude_frozen_parameters=args.exclude_frozen_parameters,
+    )
+    return 0
