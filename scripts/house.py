@@ -204,6 +204,7 @@ INNER_FLOORS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "state",
                 "reader",
                 "writer",
+                "zero_to_fp32",
                 "__init__",
             ),
         ),

@@ -385,7 +385,7 @@ def test_a_save_refused_on_one_rank_is_refused_on_every_rank(table, name, text) 
     assert rank1.startswith(text), rank1
     assert rank0.startswith(text.split(":")[0] + ": save_checkpoint failed on rank 1: "), rank0
     assert text.split(": ", 1)[1] in rank0, rank0
-    assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["latest", "t"]
+    assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["latest", "t", "zero_to_fp32.py"]
 
 
 def test_stage0_load_from_a_directory_per_rank(table) -> None:

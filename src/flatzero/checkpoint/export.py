@@ -21,9 +21,9 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "INDEX_NAME",
     "ExportResult",
+    "consolidated_state_dict",
     "export_checkpoint",
     "export_main",
 ]
@@ -224,23 +225,64 @@ def _write_file(
 ) -> None:
     """Write ``group``'s tensors, one at a time, into ``out/file_name`` (via a temporary
     name); ``progress`` advances by each one's bytes."""
-    rest = None
-    if reader.meta.model_rest is not None:
-        rest = open_safetensors(reader.path / reader.meta.model_rest)
+    rest = _open_rest(reader)
     tmp = out / f".tmp-{file_name}"
     tmp.unlink(missing_ok=True)
     entries = [TensorEntry(i.name, i.dtype, i.shape) for i in group]
     metadata = {"format": "pt", "source": f"flatzero checkpoint {reader.tag}"}
     with SafetensorsWriter(tmp, entries, metadata, checksums=False) as writer:
         for item in group:
-            if item.source == "param":
-                tensor = reader.read_param(item.key, MASTER)
-            else:
-                assert rest is not None
-                tensor = rest.get_tensor(item.key)
-            writer.write(item.name, tensor.to(item.dtype).contiguous())
+            writer.write(item.name, _read_item(reader, rest, item))
             progress.update(item.nbytes)
     os.replace(tmp, out / file_name)
+
+
+def _open_rest(reader: CheckpointReader) -> Any:
+    """``model_rest.safetensors`` opened, or None when the checkpoint has none."""
+    if reader.meta.model_rest is None:
+        return None
+    return open_safetensors(reader.path / reader.meta.model_rest)
+
+
+def _read_item(reader: CheckpointReader, rest: Any, item: _Item) -> torch.Tensor:
+    """``item``'s consolidated tensor in its output dtype (a param from the fp32 masters)."""
+    if item.source == "param":
+        tensor = reader.read_param(item.key, MASTER)
+    else:
+        assert rest is not None
+        tensor = rest.get_tensor(item.key)
+    return tensor.to(item.dtype).contiguous()
+
+
+def consolidated_state_dict(
+    checkpoint: str | os.PathLike[str], *, tag: str | None = None, include_rest: bool = True
+) -> dict[str, torch.Tensor]:
+    """A checkpoint's consolidated weights in memory, as DeepSpeed's ``zero_to_fp32``
+    returns them: every trained param in fp32 from the masters, the frozen params and
+    buffers saved with the checkpoint in their saved dtype, tied params under both names
+    (one tensor), keyed by the model's names, on the host.
+
+    Args:
+        checkpoint: a checkpoint directory (``latest`` is followed) or a checkpoint.
+        tag: which checkpoint; ``None`` follows ``latest``.
+        include_rest: also return the frozen params and buffers (``model_rest``).
+
+    Raises:
+        CheckpointDamaged: no such checkpoint, or a damaged one.
+    """
+    config = ExportConfig(dtype="saved", include_tied=True, include_rest=include_rest)
+    out: dict[str, torch.Tensor] = {}
+    with CheckpointReader(checkpoint, tag) as reader:
+        rest = _open_rest(reader)
+        by_key: dict[tuple[str, str], torch.Tensor] = {}
+        for item in _items(reader, config):
+            if item.source == "param":
+                item = replace(item, dtype=torch.float32)
+            key = (item.source, item.key)
+            if key not in by_key:
+                by_key[key] = _read_item(reader, rest, item)
+            out[item.name] = by_key[key]
+    return out
 
 
 # ---------------------------------------------------------------------------------- CLI

@@ -16,6 +16,10 @@ Hugging Face Trainer and Accelerate never call ``flatzero.initialize``: Accelera
 - A user error (bad value, misspelled key, inconsistent batch sizes) is raised as it is,
   whoever would have run the config.
 
+It also makes ``deepspeed.utils.safe_get_full_*`` answer for flatzero's params
+(``engine.safe_full``) and ``deepspeed.utils.zero_to_fp32`` consolidate flatzero's
+checkpoints (``zero_to_fp32``).
+
 Every call logs one line on rank 0 (this module's logger) saying which engine runs and
 why: INFO for flatzero, WARNING when DeepSpeed takes it. ``python -m flatzero.run``
 applies the patch and runs a script unchanged.
@@ -273,9 +277,11 @@ def patch_deepspeed() -> DeepSpeedPatch:
             "call flatzero.initialize(model=..., config=...) directly",
             name=error.name,
         ) from error
+    from . import zero_to_fp32
     from .engine.safe_full import install
 
     install()  # deepspeed.utils.safe_get_full_* answer for flatzero's params
+    zero_to_fp32.install()  # deepspeed.utils.zero_to_fp32 reads flatzero's checkpoints
     current = deepspeed.initialize
     if getattr(current, _ROUTER_MARK, False):
         return DeepSpeedPatch(deepspeed, None, current)

@@ -39,6 +39,7 @@ from ..layout import MODEL_STATES, optim_file_name
 from ..state import deepspeed_scheduler
 from ..target import deepspeed_target
 from ..writer import plan_deepspeed, write_model_states, write_optim_states
+from ..zero_to_fp32 import is_flatzero_script
 from .incoming import ENGINE_STATE_KEY
 
 __all__ = [
@@ -98,7 +99,8 @@ def _client_state(extra: Mapping[str, Any]) -> dict[str, Any]:
 
 def _beside(checkpoint: Path, reader: CheckpointReader, out: Path) -> list[Path]:
     """What sits beside the flatzero checkpoint in a Trainer/Accelerate directory: every
-    entry but ``latest``, flatzero checkpoints, unfinished saves and ``out`` itself."""
+    entry but ``latest``, flatzero checkpoints, unfinished saves, the door's
+    ``zero_to_fp32.py`` (DeepSpeed writes its own at its next save) and ``out`` itself."""
     if reader.path.parent.resolve() != checkpoint.resolve():
         return []
     return sorted(
@@ -107,6 +109,7 @@ def _beside(checkpoint: Path, reader: CheckpointReader, out: Path) -> list[Path]
         if entry.name != LATEST
         and not entry.name.startswith(TMP_PREFIX)
         and not (entry / META).is_file()
+        and not is_flatzero_script(entry)
         and entry.resolve() not in (out.resolve(), *out.resolve().parents)
     )
 

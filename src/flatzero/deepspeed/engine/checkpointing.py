@@ -16,6 +16,7 @@ from torch import nn
 from ...comm import check_same_everywhere
 from ...control import every_rank_or_none
 from ...own_groups import control_group
+from ..zero_to_fp32 import write_script
 from .client import link_client_optimizer
 from .rank_agreement import (
     agree_on_checkpoint_to_load,
@@ -159,6 +160,8 @@ class EngineCheckpoints:
             )
         else:
             save_checkpoint(save_dir, self.optimizer, tag, **kwargs)
+        if self.global_rank == 0:  # as DeepSpeed copies its own beside the checkpoints
+            write_script(save_dir)
         return True
 
     def _save_on_rank0(self, save: Callable[[], Any], nbytes: int, elsewhere: str) -> None:
