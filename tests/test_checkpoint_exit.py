@@ -77,7 +77,10 @@ def test_a_failed_last_asynchronous_save_exits_non_zero_with_the_reason(
         assert "exiting with status 1" in err, (rank, err[-3000:])
     assert "rank 0: " in out[1][1], out[1][1][-3000:]  # rank 1's own part succeeded
     assert "failed on another rank" in out[1][1], out[1][1][-3000:]
-    assert sorted(p.name for p in small_disk.iterdir()) == ["ballast"]
+    # nothing of the failed save stays; the door's zero_to_fp32.py (written by rank 0 as
+    # save_checkpoint returns, as DeepSpeed copies its own) is no part of it
+    left = {p.name for p in small_disk.iterdir()} - {"zero_to_fp32.py"}
+    assert left == {"ballast"}, left
 
 
 def test_a_last_asynchronous_save_is_complete_after_exit(tmp_path: Path):
