@@ -27,6 +27,13 @@ thread of its own, given up ``_STORE_GRACE_S`` after its timeout, and the error 
 store did not answer. A group fails once: a later failure on it (a wait for a reduction
 still in flight) repeats the first verdict without asking again.
 
+[Note: a rank's own device error is not a roll call] An out-of-memory error or an
+accelerator error raised inside a collective is this rank's own, not a peer's silence:
+waiting for the others (who wait in the collective for this rank) would only name healthy
+ranks as "did not respond" and turn the error into another type, which a caller catching
+``torch.OutOfMemoryError`` (an automatic batch-size search) would no longer catch. Such an
+error is posted, so that the others' roll call shows it, and re-raised unchanged at once.
+
 NCCL: by default (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) a timed-out NCCL collective is
 aborted by torch's watchdog, which ends the process; ``work.wait()`` raises only with
 ``TORCH_NCCL_BLOCKING_WAIT=1``, and then the same roll call runs (the store is TCP, never
@@ -40,11 +47,13 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
 import torch.distributed as dist
 
 from .process_group import job_timeout
@@ -74,6 +83,9 @@ answer is given up ([Note: the roll call is bounded])."""
 
 _ERROR_CHARS = 300
 """The most characters of a rank's collective error in its post."""
+
+_OWN_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, torch.AcceleratorError)
+"""Errors of this rank's own device ([Note: a rank's own device error is not a roll call])."""
 
 
 def roll_call_timeout() -> timedelta:
@@ -199,6 +211,9 @@ def raise_naming_ranks(
     entry = _progress.get(id(group))
     steps = entry[1].steps if entry is not None and entry[0] is group else 0
     post = {"steps": steps, "doing": doing, "error": _first_line(error)}
+    if isinstance(error, _OWN_ERRORS):
+        _bounded(lambda: _post(group, name, post))
+        raise error
     verdict = _bounded_roll_call(group, name, post)
     _verdicts[name] = verdict
     raise verdict from error
@@ -209,18 +224,8 @@ def _bounded_roll_call(
 ) -> StepCollectiveFailed:
     """``_roll_call`` in a thread of its own, given up ``_STORE_GRACE_S`` after its timeout:
     a store whose host is stopped blocks even the clone's connection, whatever its timeout."""
-    found: list[BaseException] = []
-
-    def call() -> None:
-        try:
-            found.append(_roll_call(group, name, post))
-        except Exception as store_error:  # the store did not answer (DistStoreError)
-            found.append(store_error)
-
-    thread = threading.Thread(target=call, name="flatzero roll call", daemon=True)
-    thread.start()
+    found = _bounded(lambda: _roll_call(group, name, post))
     most = roll_call_timeout().total_seconds() + _STORE_GRACE_S
-    thread.join(most)
     if found and isinstance(found[0], StepCollectiveFailed):
         return found[0]
     why = _first_line(found[0]) if found else f"no answer within {most:g} s"
@@ -234,6 +239,36 @@ def _bounded_roll_call(
         [],
         doing,
     )
+
+
+def _bounded(call: Callable[[], Any]) -> list[Any]:
+    """``call()``'s result (or the store's error) in a list, from a thread of its own given
+    up ``_STORE_GRACE_S`` after the roll call's timeout (empty then)."""
+    found: list[Any] = []
+
+    def run() -> None:
+        try:
+            found.append(call())
+        except Exception as store_error:  # the store did not answer (DistStoreError)
+            found.append(store_error)
+
+    thread = threading.Thread(target=run, name="flatzero roll call", daemon=True)
+    thread.start()
+    thread.join(roll_call_timeout().total_seconds() + _STORE_GRACE_S)
+    return found
+
+
+def _roll_store() -> dist.Store:
+    """A clone of the store whose every operation times out after the roll call's."""
+    store = _store().clone()
+    store.set_timeout(roll_call_timeout())
+    return store
+
+
+def _post(group: dist.ProcessGroup | None, name: str, post: dict[str, Any]) -> None:
+    """Post this rank's answer to the roll call on ``group`` without waiting for others'."""
+    me = dist.get_rank(group)
+    _roll_store().set(f"{_prefix()}{name}/{me}", json.dumps(post))
 
 
 @dataclass(frozen=True)
@@ -253,8 +288,7 @@ def _roll_call(
 ) -> StepCollectiveFailed:
     """Post ``post``, collect the others' posts, and make this rank's verdict."""
     wait = roll_call_timeout()
-    store = _store().clone()
-    store.set_timeout(wait)
+    store = _roll_store()
     size = dist.get_world_size(group)
     me = dist.get_rank(group)
     peers = [dist.get_global_rank(group, r) if group is not None else r for r in range(size)]

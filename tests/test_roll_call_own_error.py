@@ -1,0 +1,64 @@
+"""A rank's own device error inside a step's collective is not a peer's silence (review2).
+
+Rank 0 runs out of memory launching a gradient reduction (the error injected where the
+collective is called; 2 gloo ranks). It must raise its ``torch.OutOfMemoryError`` itself,
+at once, not a ``StepCollectiveFailed`` naming healthy rank 1 as "did not respond" after
+waiting out the roll call; rank 1 still learns rank 0's error from the roll call.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatzero import FlattenConfig
+from flatzero.launch import run_ranks
+
+
+def _oom_on_rank_0(rank: int, ws: int) -> None:
+    from flatzero.optim import ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    opt = ZeroOptimizer(
+        list(model.parameters()),
+        torch.optim.AdamW,
+        stage=2,
+        flatten_config=FlattenConfig(bucket_numel=200, progress=False),
+        lr=1e-2,
+    )
+    model(torch.randn(6, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    if rank == 0:
+
+        def oom(*args: object, **kwargs: object) -> None:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        dist.reduce = oom
+    t0 = time.monotonic()
+    try:
+        model(torch.randn(6, 8)).sum().backward()
+        opt.step()
+    except Exception as error:
+        seconds = time.monotonic() - t0
+        if rank == 0:
+            time.sleep(3.0)  # the store lives in rank 0: rank 1 times out (1 s), reads it
+        raise RuntimeError(f"AFTER {seconds:.2f} S {type(error).__name__}: {error}") from error
+
+
+def test_an_out_of_memory_error_in_a_collective_is_raised_unchanged_at_once(tmp_path):
+    with pytest.raises(RuntimeError) as raised:
+        run_ranks(_oom_on_rank_0, 2, env={"FLATZERO_TIMEOUT": "1"}, timeout_s=30)
+    found = dict(
+        re.findall(r"rank (\d) failed:.*?RuntimeError: AFTER ([^\n]*)", str(raised.value), re.S)
+    )
+    seconds, text = found["0"].split(" S ", 1)
+    assert text.startswith("OutOfMemoryError: CUDA out of memory"), text
+    assert float(seconds) < 1.0, found["0"]  # not the roll call's wait
+    assert "StepCollectiveFailed" in found["1"] and "rank 0: CUDA out of memory" in found["1"]
