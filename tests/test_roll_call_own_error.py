@@ -9,6 +9,8 @@ waiting out the roll call; rank 1 still learns rank 0's error from the roll call
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -62,3 +64,23 @@ def test_an_out_of_memory_error_in_a_collective_is_raised_unchanged_at_once(tmp_
     assert text.startswith("OutOfMemoryError: CUDA out of memory"), text
     assert float(seconds) < 1.0, found["0"]  # not the roll call's wait
     assert "StepCollectiveFailed" in found["1"] and "rank 0: CUDA out of memory" in found["1"]
+
+
+def test_a_proc_of_another_pid_namespace_is_no_machine_to_look_at():
+    # unshare --pid without --mount-proc: os.getpid() is 1, /proc/1 is the host's init; the
+    # roll call must not judge a peer's pid by it (it would call a dead rank "running").
+    probe = "from flatzero.roll_call import _machine; print(repr(_machine()))"
+    own = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert own.stdout.strip() not in ("", "''"), own.stderr
+    try:
+        inside = subprocess.run(
+            ["unshare", "--pid", "--fork", sys.executable, "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except FileNotFoundError:
+        pytest.skip("no unshare")
+    if inside.returncode != 0 and "Operation not permitted" in inside.stderr:
+        pytest.skip("unshare --pid not permitted here")
+    assert inside.stdout.strip() == "''", inside.stderr

@@ -138,11 +138,14 @@ def _process_key(rank: int) -> str:
 
 def _machine() -> str:
     """This machine's boot and pid namespace (pids mean the same only where both match);
-    empty where unknown."""
+    empty where unknown, or where ``/proc`` is another pid namespace's (``unshare --pid``
+    without ``--mount-proc``: ``/proc/<pid>`` would be some other process)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        if int(Path("/proc/self/stat").read_text().split()[0]) != os.getpid():
+            return ""
         return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
+    except (OSError, ValueError):
         return ""
 
 
