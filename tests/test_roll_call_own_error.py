@@ -84,3 +84,40 @@ def test_a_proc_of_another_pid_namespace_is_no_machine_to_look_at():
     if inside.returncode != 0 and "Operation not permitted" in inside.stderr:
         pytest.skip("unshare --pid not permitted here")
     assert inside.stdout.strip() == "''", inside.stderr
+
+
+def _fail_twice(rank: int, ws: int, root: str) -> str:
+    """Two trainings in one process, the process group made anew between them (an
+    in-process restart): in the first rank 1 is late, in the second rank 0. What rank 1's
+    second error says."""
+    from flatzero.optim import ZeroOptimizer
+
+    def train(late: int) -> str:
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+        opt = ZeroOptimizer(
+            list(model.parameters()),
+            torch.optim.SGD,
+            stage=1,
+            flatten_config=FlattenConfig(bucket_numel=200, progress=False),
+            lr=1e-2,
+        )
+        if rank == late:
+            time.sleep(2.5)  # past the 1 s timeout and the others' roll call
+        try:
+            model(torch.randn(6, 8)).sum().backward()
+            opt.step()
+        except RuntimeError as error:
+            return str(error)
+        return ""
+
+    train(late=1)
+    time.sleep(3.0)  # both ranks done with the first failure
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{root}/again", rank=rank, world_size=ws)
+    return train(late=0)
+
+
+def test_a_process_group_made_anew_gets_its_own_roll_call(tmp_path):
+    second = run_ranks(_fail_twice, 2, str(tmp_path), env={"FLATZERO_TIMEOUT": "1"}, timeout_s=30)
+    assert "failed before" not in second[1], second[1]
+    assert "rank 0 did not respond" in second[1], second[1]

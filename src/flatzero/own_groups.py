@@ -58,8 +58,10 @@ def _separate_control_needed(group: dist.ProcessGroup | None) -> bool:
 
 
 def _alive(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is still registered (not destroyed with the job's groups).
+    ``get_rank`` checks that; ``get_world_size`` answers for a destroyed group too."""
     try:
-        dist.get_world_size(group)
+        dist.get_rank(group)
     except (ValueError, RuntimeError):
         return False
     return True

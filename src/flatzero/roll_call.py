@@ -117,8 +117,10 @@ class Progress:
 _progress: dict[int, tuple[Any, Progress]] = {}
 """``id(group)`` -> (the group, held so that its id stays its own; its progress)."""
 
-_verdicts: dict[str, StepCollectiveFailed] = {}
-"""The first verdict on each group that failed, by the group's name."""
+_verdicts: dict[int, tuple[Any, StepCollectiveFailed]] = {}
+"""``id(group)`` -> (the group that failed, held as in ``_progress``; its first verdict). By
+the group itself, not its name: a group made anew after ``destroy_process_group`` gets
+the old one's name."""
 
 
 def _store() -> dist.Store:
@@ -203,7 +205,9 @@ def raise_naming_ranks(
     if isinstance(error, StepCollectiveFailed):
         raise error
     name = _group_name(group)
-    earlier = _verdicts.get(name)
+    failed = group if group is not None else dist.group.WORLD
+    held = _verdicts.get(id(failed))
+    earlier = held[1] if held is not None and held[0] is failed else None
     if earlier is not None:
         raise StepCollectiveFailed(
             f"flatzero: {doing} failed on rank {dist.get_rank()}: this group of flatzero's "
@@ -218,7 +222,7 @@ def raise_naming_ranks(
         _bounded(lambda: _post(group, name, post))
         raise error
     verdict = _bounded_roll_call(group, name, post)
-    _verdicts[name] = verdict
+    _verdicts[id(failed)] = (failed, verdict)
     raise verdict from error
 
 
