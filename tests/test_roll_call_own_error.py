@@ -101,8 +101,8 @@ def _fail_twice(rank: int, ws: int, root: str) -> str:
             flatten_config=FlattenConfig(bucket_numel=200, progress=False),
             lr=1e-2,
         )
-        if rank == late:
-            time.sleep(2.5)  # past the 1 s timeout and the others' roll call
+        if rank == late:  # past the 1 s timeout (and, the second time, the others' roll call)
+            time.sleep(1.2 if late == 1 else 2.5)
         try:
             model(torch.randn(6, 8)).sum().backward()
             opt.step()
@@ -111,7 +111,7 @@ def _fail_twice(rank: int, ws: int, root: str) -> str:
         return ""
 
     train(late=1)
-    time.sleep(3.0)  # both ranks done with the first failure
+    time.sleep(2.0)  # both ranks done with the first failure
     dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"file://{root}/again", rank=rank, world_size=ws)
     return train(late=0)
