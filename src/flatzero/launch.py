@@ -46,8 +46,10 @@ def preload_rank_processes(modules: Sequence[str] = ("torch", "flatzero")) -> No
     fork of it, so a launch costs no interpreter start or torch import (per rank; measured:
     docs/benchmarks.md). What a rank sees is unchanged: the caller's environment at the
     launch (``run_ranks`` sends it), its own process group, nothing initialized by the
-    server beyond the imports. Call it before the first launch (later calls change
-    nothing once the server runs).
+    server beyond the imports. Settings a preloaded module reads once at its import keep
+    the server's values (``torch._dynamo`` preloaded: ``TORCH_COMPILE_DISABLE``,
+    ``TORCHINDUCTOR_*``); pass those in the server's own environment. Call it before the
+    first launch (later calls change nothing once the server runs).
     """
     global _start_method
     mp.get_context("forkserver").set_forkserver_preload(list(modules))
