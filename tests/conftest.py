@@ -28,7 +28,9 @@ GPU_ENV = "FLATZERO_TEST_GPU"
 if os.environ.get(GPU_ENV) != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+import subprocess  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -84,3 +86,20 @@ def _no_process_group_left() -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 4 MiB tmpfs at ``tmp_path / "disk"`` (unmounted after the test); skipped where
+    this process may not mount one (not root)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (a tmpfs mount)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -22,7 +22,6 @@ import contextlib
 import errno
 import faulthandler
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -43,22 +42,6 @@ PROMPT_S = 20.0
 """The most seconds ``wait_for_save`` may take to raise a failed save's error (the write
 timeout it must not wait out is 30 minutes)."""
 NOBODY = 65534
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path):
-    """A 4 MiB tmpfs at ``tmp_path / "disk"`` (unmounted after the test)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root (a tmpfs mount, a second uid)")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def fill(disk: Path) -> None:

@@ -27,7 +27,6 @@ from pathlib import Path
 
 from flatzero.checkpoint import CheckpointReader, read_latest
 from flatzero.ports import free_port
-from test_checkpoint_async_faults import small_disk  # noqa: F401  (a fixture)
 
 SCRIPT = Path(__file__).parent / "preemption_scripts" / "last_save.py"
 TIMEOUT_S = 90
@@ -66,7 +65,7 @@ def finish(procs: list[subprocess.Popen], logs: Path) -> list[tuple[int, str]]:
 
 
 def test_a_failed_last_asynchronous_save_exits_non_zero_with_the_reason(
-    small_disk: Path,  # noqa: F811
+    small_disk: Path,
     tmp_path: Path,
 ):
     out = finish(launch(small_disk, tmp_path, "--fault", "full-late", "--slow", "0.05"), tmp_path)

@@ -10,8 +10,6 @@ import contextlib
 import json
 import logging
 import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -74,22 +72,6 @@ def test_a_latest_that_cannot_be_rewritten_says_the_new_tag_is_published(tmp_pat
     (tmp_path / "latest").rmdir()
     save_checkpoint(tmp_path, opt, "next")  # fixed as the message says: saves on
     assert read_latest(tmp_path) == "next"
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path):
-    """A 4 MiB tmpfs at ``tmp_path / "disk"`` (unmounted after the test)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root (a tmpfs mount)")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_a_synchronous_save_into_a_full_disk_names_its_file(small_disk):
