@@ -12,10 +12,12 @@ the discrepancy is one rank's contribution, that rank.
 of a small-batch CPU step, against the 1 % the check may cost. Each chunk is seen as rows
 of ``BLOCK`` elements (a chunk is a multiple of it) and only every ``STRIDE``-th row is
 projected, starting at an offset that moves by one each window: every element is covered
-once in any ``STRIDE`` consecutive windows. A fault that touches a whole chunk or every
-block of it (a dropped, duplicated, scaled, delayed or skipped delivery, a garbled copy)
-is caught in the window it happens; a fault confined to one block, in that window with
-probability ``1 / STRIDE`` and, if it persists, within ``STRIDE`` windows.
+once in any ``STRIDE`` consecutive windows. A chunk of at most ``STRIDE`` rows is projected
+whole (a sampled row of it could be all padding or zeros, hiding a whole-chunk fault).
+A fault that touches a whole chunk or every block of it (a dropped, duplicated, scaled,
+delayed or skipped delivery, a garbled copy) is caught in the window it happens; a fault
+confined to one block, in that window with probability ``1 / STRIDE`` and, if it
+persists, within ``STRIDE`` windows.
 
 [Note: the random vector] One ±1 vector of fp32 elements is drawn once (seed ``SEED``,
 the same on every rank), as long as the largest sample plus ``SPAN``: a chunk's vector is
@@ -53,6 +55,13 @@ SPAN = 1021
 """Offsets a chunk's vector can start at (a prime, so chunk indices spread over it)."""
 TOL_FACTOR = 8.0
 """How many rounding bounds apart the two sums may be (see the tolerance note)."""
+
+
+def _sampled_numel(numel: int) -> int:
+    """Elements of a chunk of ``numel`` projected in a window (see the sample note)."""
+    if numel <= BLOCK * STRIDE:
+        return numel
+    return -(-numel // (BLOCK * STRIDE)) * BLOCK
 
 
 class GradientMismatch(RuntimeError):
@@ -116,11 +125,12 @@ class GradCheck:
         """This window's sample of chunk ``index``'s elements ``t`` (a copy, fp32) and the
         vector it is projected on."""
         rows = t.view(-1, BLOCK)
-        step = min(STRIDE, rows.shape[0])
+        step = STRIDE if rows.shape[0] > STRIDE else 1  # a small chunk: every row
         sample = rows[(self.window + index) % step :: step].float().reshape(-1)  # one copy
         if self._vector is None:
             gen = torch.Generator().manual_seed(SEED)
-            most = (self.chunk_numel // BLOCK // STRIDE + 1) * BLOCK
+            sampled = (self.chunk_numel // BLOCK // STRIDE + 1) * BLOCK
+            most = max(sampled, min(self.chunk_numel, BLOCK * STRIDE))
             signs = torch.randint(0, 2, (most + SPAN,), generator=gen)
             self._vector = (signs * 2 - 1).to(device=t.device, dtype=torch.float32)
         offset = (self.window * 7919 + index * 104729) % SPAN
@@ -203,7 +213,7 @@ class GradCheck:
         """How far apart each chunk's two sums may be (see the tolerance note): ``norms``
         is the sum of each chunk's staged samples' L2 norms over ranks and passes."""
         numel = torch.tensor(
-            [min(c.numel, -(-c.numel // (BLOCK * STRIDE)) * BLOCK) for c in self.chunks],
+            [_sampled_numel(c.numel) for c in self.chunks],
             dtype=torch.float64,
         )
         rounding = self.world_size * _unit(self.reduce_dtype) + _unit(torch.float32) * (
